@@ -1,0 +1,206 @@
+#include "dayzero/kv_manager.h"
+
+#include <algorithm>
+
+namespace dz {
+
+namespace {
+
+std::vector<std::unique_ptr<GroupAllocator>> make_allocators(const SchedulerConfig& cfg, const MemoryLayout& m,
+                                                             FreeList& pages) {
+  std::vector<std::unique_ptr<GroupAllocator>> out;
+  for (std::size_t g = 0; g < cfg.groups.size(); ++g) {
+    if (cfg.groups[g].kind == GroupKind::State) out.emplace_back(nullptr);
+    else out.push_back(std::make_unique<GroupAllocator>(pages, m.blocks_per_page[g], m.num_pages));
+  }
+  return out;
+}
+
+std::vector<GroupInfo> group_infos(const SchedulerConfig& cfg,
+                                   const std::vector<std::unique_ptr<GroupAllocator>>& allocs) {
+  std::vector<GroupInfo> out;
+  for (std::size_t g = 0; g < cfg.groups.size(); ++g)
+    out.push_back({cfg.groups[g].kind, allocs[g].get(), cfg.groups[g].window});
+  return out;
+}
+
+std::int32_t ceil_div(std::int32_t a, std::int32_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+KvManager::KvManager(const SchedulerConfig& cfg, const MemoryLayout& layout)
+    : block_size_(cfg.block_size),
+      groups_(cfg.groups),
+      layout_(layout),
+      pages_(layout.num_pages),
+      slots_(layout.num_slots > 0 ? cfg.max_batch_size : 0),
+      snapshots_(layout.num_slots > 0 ? cfg.snapshot_slots : 0, cfg.max_batch_size),
+      host_(layout.num_host_pages),
+      allocs_(make_allocators(cfg, layout, pages_)),
+      cache_(group_infos(cfg, allocs_), cfg.block_size, layout.num_host_pages > 0 ? &host_ : nullptr, &snapshots_,
+             cfg.prefix_cache) {}
+
+void KvManager::new_step() {
+  ops_.clear();
+  cache_.new_step();
+}
+
+std::vector<BlockTable>& KvManager::tables_of(KvBlocks& kv) { return kv.tables_; }
+
+std::optional<KvBlocks> KvManager::fresh() {
+  Lease slot;
+  if (has_state()) {
+    if (slots_.empty()) return std::nullopt;
+    slot = Lease(&slots_, slots_.take());
+  }
+  std::vector<BlockTable> tables;
+  tables.reserve(groups_.size());
+  for (auto& a : allocs_) tables.emplace_back(a.get());
+  return KvBlocks(std::move(tables), std::move(slot));
+}
+
+BlockId KvManager::alloc(std::size_t g) {
+  BlockId b = allocs_[g]->alloc();
+  while (b == kNoBlock && cache_.evict_one(ops_)) b = allocs_[g]->alloc();
+  return b;
+}
+
+bool KvManager::grow(KvBlocks& kv, std::int32_t tokens) {
+  const std::int32_t want = ceil_div(tokens, block_size_);
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    if (!allocs_[g]) continue;
+    BlockTable& t = kv.tables_[g];
+    while (t.size() < want) {
+      const BlockId b = alloc(g);
+      if (b == kNoBlock) return false;
+      t.push(b);
+    }
+  }
+  return true;
+}
+
+void KvManager::slide(KvBlocks& kv, std::int32_t first_query) {
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    if (groups_[g].kind != GroupKind::SlidingWindow) continue;
+    // A query at position q reads keys (q - window, q]: blocks wholly before that go.
+    kv.tables_[g].drop_before(std::max(0, first_query - groups_[g].window) / block_size_);
+  }
+}
+
+void KvManager::rollback(KvBlocks& kv, std::int32_t tokens) {
+  const std::int32_t keep = ceil_div(tokens, block_size_);
+  for (std::size_t g = 0; g < groups_.size(); ++g)
+    if (allocs_[g]) kv.tables_[g].truncate(keep);
+}
+
+void KvManager::extend_keys(ReqInfo& info) const {
+  const auto full = static_cast<std::size_t>(info.len() / block_size_);
+  const auto bs = static_cast<std::size_t>(block_size_);
+  while (info.keys.size() < full) {
+    const std::size_t i = info.keys.size();
+    const BlockKey parent = i == 0 ? BlockKey{} : info.keys[i - 1];
+    info.keys.push_back(chain_key(parent, std::span<const TokenId>(info.tokens).subspan(i * bs, bs)));
+  }
+}
+
+PrefixCache::Match KvManager::match(ReqInfo& info, bool device_only) {
+  if (!cache_.enabled()) return {};
+  extend_keys(info);
+  auto m = cache_.match(info.tokens, info.keys, device_only);
+  cache_.lookup_tokens += info.len();
+  cache_.hit_tokens += m.hit_tokens;
+  return m;
+}
+
+void KvManager::commit(const KvBlocks& kv, ReqInfo& info, std::int32_t tokens, Lease snapshot) {
+  if (!cache_.enabled()) return;
+  tokens = std::min(tokens, info.len());
+  const std::int32_t full = tokens / block_size_;
+  if (info.committed >= full) return;
+  extend_keys(info);
+  std::vector<BlockId> blocks(groups_.size(), kNoBlock);
+  for (std::int32_t i = info.committed; i < full; ++i) {
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      const auto& t = kv.table(g);
+      blocks[g] = allocs_[g] && i < t.size() ? t.ids()[static_cast<std::size_t>(i)] : kNoBlock;
+    }
+    cache_.insert(info.keys[static_cast<std::size_t>(i)], blocks, i == full - 1 ? std::move(snapshot) : Lease{});
+  }
+  info.committed = full;
+}
+
+std::optional<HostCopy> KvManager::copy_to_host(const KvBlocks& kv, std::int32_t tokens) {
+  const std::int32_t nblocks = ceil_div(tokens, block_size_);
+  std::int32_t need = has_state() ? layout_.pages_per_state : 0;
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    if (!allocs_[g]) continue;
+    const auto ids = kv.table(g).ids();
+    for (std::int32_t i = 0; i < nblocks && i < static_cast<std::int32_t>(ids.size()); ++i)
+      need += ids[static_cast<std::size_t>(i)] != kNoBlock ? 1 : 0;
+  }
+  while (host_.size() < need && cache_.drop_host_one()) {
+  }
+  if (host_.size() < need) return std::nullopt;
+  HostCopy h;
+  h.tokens = tokens;
+  h.blocks.resize(groups_.size());
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    if (!allocs_[g]) continue;
+    const auto ids = kv.table(g).ids();
+    for (std::int32_t i = 0; i < nblocks && i < static_cast<std::int32_t>(ids.size()); ++i) {
+      const BlockId b = ids[static_cast<std::size_t>(i)];
+      if (b == kNoBlock) {
+        h.blocks[g].emplace_back();
+        continue;
+      }
+      h.blocks[g].emplace_back(&host_, host_.take());
+      ops_.to_host_group.push_back(static_cast<std::int32_t>(g));
+      ops_.to_host_src.push_back(b);
+      ops_.to_host_dst.push_back(h.blocks[g].back().id());
+    }
+  }
+  if (has_state()) {
+    ops_.state_to_host_slot.push_back(kv.state_slot());
+    for (std::int32_t i = 0; i < layout_.pages_per_state; ++i) {
+      h.state.emplace_back(&host_, host_.take());
+      ops_.state_to_host_pages.push_back(h.state.back().id());
+    }
+  }
+  return h;
+}
+
+bool KvManager::copy_to_device(KvBlocks& kv, const HostCopy& host) {
+  if (!grow(kv, host.tokens)) return false;
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    if (!allocs_[g]) continue;
+    auto& t = kv.tables_[g];
+    for (std::size_t i = 0; i < host.blocks[g].size(); ++i) {
+      if (host.blocks[g][i]) {
+        ops_.to_device_group.push_back(static_cast<std::int32_t>(g));
+        ops_.to_device_src.push_back(host.blocks[g][i].id());
+        ops_.to_device_dst.push_back(t.ids()[i]);
+      }
+    }
+  }
+  slide(kv, host.tokens);  // blocks the window had dropped are not restored
+  if (has_state()) {
+    ops_.state_to_device_slot.push_back(kv.state_slot());
+    for (const auto& p : host.state) ops_.state_to_device_pages.push_back(p.id());
+  }
+  return true;
+}
+
+std::int32_t KvManager::free_blocks(std::size_t g) const {
+  if (!allocs_[g]) return free_slots();
+  return pages_.size() * layout_.blocks_per_page[g] + allocs_[g]->free_in_partial_pages();
+}
+
+std::int32_t KvManager::total_blocks(std::size_t g) const {
+  return allocs_[g] ? allocs_[g]->capacity() : slots_.capacity();
+}
+
+bool KvOwner::grow(KvManager& m, std::int32_t tokens) { return m.grow(kv_, tokens); }
+void KvOwner::slide(KvManager& m, std::int32_t first_query) { m.slide(kv_, first_query); }
+void KvOwner::rollback(KvManager& m, std::int32_t tokens) { m.rollback(kv_, tokens); }
+
+}  // namespace dz

@@ -1,0 +1,507 @@
+#include "dayzero/scheduler.h"
+
+#include <algorithm>
+#include <concepts>
+
+#include "dayzero/transitions.h"
+
+namespace dz {
+
+namespace {
+
+template <class S>
+constexpr bool kHoldsKv = std::derived_from<S, KvOwner>;
+
+// The KV of whatever stop holds some, or nullptr.
+const KvBlocks* kv_of(const Stop& s) {
+  return std::visit(
+      [](const auto& x) -> const KvBlocks* {
+        if constexpr (kHoldsKv<std::decay_t<decltype(x)>>) return &x.kv();
+        else return nullptr;
+      },
+      s);
+}
+
+std::int32_t kv_len_of(const Stop& s) {
+  return std::visit(
+      [](const auto& x) -> std::int32_t {
+        if constexpr (requires { x.kv_len; }) return x.kv_len;
+        else return 0;
+      },
+      s);
+}
+
+}  // namespace
+
+Scheduler::Scheduler(SchedulerConfig cfg)
+    : cfg_(std::move(cfg)), layout_(MemoryLayout::plan(cfg_)), kv_(cfg_, layout_) {}
+
+std::int32_t Scheduler::slot_of(ReqId id) const {
+  auto it = by_id_.find(id);
+  if (it == by_id_.end()) throw SchedulerError("request " + std::to_string(id) + " is not live");
+  return it->second;
+}
+
+// ---------------------------------------------------------------- requests
+
+void Scheduler::submit(ReqId id, std::span<const TokenId> prompt, const SubmitArgs& args) {
+  const std::string who = "request " + std::to_string(id) + ": ";
+  if (by_id_.contains(id)) throw SchedulerError(who + "id is already live");
+  if (prompt.empty()) throw SchedulerError(who + "empty prompt");
+  if (args.max_new_tokens < 1) throw SchedulerError(who + "max_new_tokens must be >= 1");
+  for (TokenId t : prompt)
+    if (t < 0) throw SchedulerError(who + "negative token id " + std::to_string(t));
+  std::int32_t slot;
+  if (!free_slots_.empty()) {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+  } else {
+    slot = static_cast<std::int32_t>(slots_.size());
+    slots_.emplace_back();
+  }
+  ReqInfo info;
+  info.id = id;
+  info.tokens.assign(prompt.begin(), prompt.end());
+  info.prompt_len = static_cast<std::int32_t>(prompt.size());
+  info.max_new_tokens = args.max_new_tokens;
+  info.stop_ids = args.stop_ids;
+  info.ignore_eos = args.ignore_eos;
+  info.remote = args.remote;
+  slots_[static_cast<std::size_t>(slot)].stop.emplace(Bootstrapping{std::move(info)});
+  by_id_.emplace(id, slot);
+  if (!args.remote) bootstrap_done(id);
+}
+
+void Scheduler::bootstrap_done(ReqId id) {
+  const std::int32_t slot = slot_of(id);
+  apply(id, stop(slot), BootstrapDone{});
+  info_of(stop(slot)).arrival = next_arrival_++;
+  waiting_.push_back({slot, slots_[static_cast<std::size_t>(slot)].gen});
+}
+
+void Scheduler::remote_fill_done(ReqId id, TokenId first) {
+  if (first < 0) throw SchedulerError("request " + std::to_string(id) + ": negative token id");
+  apply(id, stop(slot_of(id)), RemoteFillDone{first});
+}
+
+void Scheduler::abort(ReqId id) {
+  const std::int32_t slot = slot_of(id);
+  apply(id, stop(slot), Abort{});
+  if (std::holds_alternative<Finishing>(stop(slot))) {
+    finish_request(slot);
+  } else {
+    pending_.finished_ids.push_back(id);
+    pending_.finished_reasons.push_back(static_cast<std::int32_t>(FinishReason::Abort));
+    remove(slot);
+  }
+}
+
+void Scheduler::finish(ReqId id) {
+  const std::int32_t slot = slot_of(id);
+  apply(id, stop(slot), Finish{FinishReason::Stop});
+  finish_request(slot);
+}
+
+void Scheduler::finish_request(std::int32_t slot) {
+  auto& f = std::get<Finishing>(stop(slot));
+  kv_.commit(f.kv(), f.info, f.kv_len);  // the conversation's next turn reuses it
+  const ReqId id = f.info.id;
+  apply(id, stop(slot), Release{});
+  pending_.finished_ids.push_back(id);
+  pending_.finished_reasons.push_back(static_cast<std::int32_t>(std::get<Finished>(stop(slot)).reason));
+  remove(slot);
+}
+
+void Scheduler::remove(std::int32_t slot) {
+  Slot& s = slots_[static_cast<std::size_t>(slot)];
+  by_id_.erase(info_of(*s.stop).id);
+  s.stop.reset();
+  ++s.gen;
+  free_slots_.push_back(slot);
+  if (auto it = std::find(running_.begin(), running_.end(), slot); it != running_.end()) running_.erase(it);
+  std::erase_if(retracted_, [&](const RowRef& r) { return r.slot == slot; });
+}
+
+// ---------------------------------------------------------------- planning
+
+std::shared_ptr<const Plan> Scheduler::step() {
+  auto p = std::make_shared<Plan>();
+  p->step = step_++;
+  kv_.new_step();
+  std::swap(p->finished_ids, pending_.finished_ids);
+  std::swap(p->finished_reasons, pending_.finished_reasons);
+  std::swap(p->retracted_ids, pending_.retracted_ids);
+  std::swap(p->remote_fill_ids, pending_.remote_fill_ids);
+  p->query_start.push_back(0);
+
+  // Copies logged by earlier plans run before this one: those waits are over.
+  for (std::int32_t slot : running_) {
+    Stop& s = stop(slot);
+    const ReqId id = info_of(s).id;
+    if (std::holds_alternative<Prefetching>(s)) apply(id, s, PrefetchDone{});
+    else if (std::holds_alternative<Restoring>(s)) apply(id, s, RestoreDone{});
+  }
+
+  Budget b{cfg_.max_tokens_per_step, cfg_.max_batch_size};
+  schedule_decodes(*p, b);
+  schedule_prefills(*p, b);
+  admit(*p, b);
+
+  // Blocks whose KV this and earlier plans compute become visible to later admissions.
+  for (std::int32_t slot : commit_rows_) {
+    const Slot& s = slots_[static_cast<std::size_t>(slot)];
+    if (!s.stop) continue;
+    if (const KvBlocks* kv = kv_of(*s.stop)) kv_.commit(*kv, info_of(stop(slot)), kv_len_of(*s.stop));
+  }
+  commit_rows_.clear();
+  for (auto& [slot, end, lease] : snapshots_) {
+    const Slot& s = slots_[static_cast<std::size_t>(slot)];
+    if (const KvBlocks* kv = s.stop ? kv_of(*s.stop) : nullptr) kv_.commit(*kv, info_of(stop(slot)), end, std::move(lease));
+  }
+  snapshots_.clear();
+
+  build_tables(*p);
+  p->copies = std::move(kv_.ops());
+  if (p->rows() > 0) {
+    InFlight rec;
+    rec.ids = p->req_ids;
+    rec.sample = p->sample;
+    rec.rows.reserve(p->req_slots.size());
+    for (std::int32_t slot : p->req_slots) rec.rows.push_back({slot, slots_[static_cast<std::size_t>(slot)].gen});
+    inflight_.push_back(std::move(rec));
+  }
+  return p;
+}
+
+void Scheduler::add_row(Plan& p, std::int32_t slot, const ReqInfo& info, const KvBlocks& kv, std::int32_t start,
+                        std::int32_t n, bool prefill, bool sample) {
+  p.req_ids.push_back(info.id);
+  p.req_slots.push_back(slot);
+  p.num_tokens.push_back(n);
+  p.kv_lens.push_back(start + n);
+  p.is_prefill.push_back(prefill ? 1 : 0);
+  p.sample.push_back(sample ? 1 : 0);
+  p.state_slots.push_back(kv.state_slot());
+  const std::int32_t known = info.len();
+  for (std::int32_t pos = start; pos < start + n; ++pos) {
+    p.input_ids.push_back(pos < known ? info.tokens[static_cast<std::size_t>(pos)] : kDeviceToken);
+    p.positions.push_back(pos);
+  }
+  p.query_start.push_back(p.tokens());
+}
+
+void Scheduler::schedule_decodes(Plan& p, Budget& b) {
+  const std::int32_t need = 1 + cfg_.spec_tokens;
+  const std::int32_t max_inflight = cfg_.overlap ? 2 : 1;
+  for (std::size_t i = 0; i < running_.size(); ++i) {
+    const std::int32_t slot = running_[i];
+    if (std::holds_alternative<Ready>(stop(slot))) {
+      apply(info_of(stop(slot)).id, stop(slot), StartDecode{});
+      if (after_token(slot, 1)) {  // the remote first token may already finish it
+        --i;
+        continue;
+      }
+    }
+    auto* d = std::get_if<Decoding>(&stop(slot));
+    if (!d || d->inflight >= max_inflight) continue;
+    if (b.rows == 0 || b.tokens < need) break;
+    const std::int32_t start = d->kv_len;
+    bool grown = d->grow(kv_, start + need);
+    while (!grown && make_room(slot)) grown = d->grow(kv_, start + need);
+    if (!grown) continue;
+    d->slide(kv_, start);
+    add_row(p, slot, d->info, d->kv(), start, need, false, true);
+    d->kv_len = start + need;
+    ++d->inflight;
+    --b.rows;
+    b.tokens -= need;
+    commit_rows_.push_back(slot);
+  }
+}
+
+void Scheduler::schedule_prefills(Plan& p, Budget& b) {
+  for (std::size_t i = 0; i < running_.size() && b.rows > 0 && b.tokens > 0; ++i)
+    if (std::holds_alternative<Prefilling>(stop(running_[i])) && !chunk(p, b, running_[i])) break;
+}
+
+bool Scheduler::chunk(Plan& p, Budget& b, std::int32_t slot) {
+  auto& f = std::get<Prefilling>(stop(slot));
+  if (b.rows == 0 || b.tokens == 0) return false;
+  const std::int32_t bs = kv_.block_size(), len = f.info.len(), start = f.kv_len;
+  std::int32_t end = start + std::min({len - start, cfg_.chunk_size, b.tokens});
+  if (kv_.has_state()) {
+    // Chunks end on block boundaries where possible: the state there is snapshotted
+    // for prefix hits, up to the last boundary a later hit can use.
+    const std::int32_t last_boundary = ((len - 1) / bs) * bs;
+    if (start < last_boundary) end = std::min(end, last_boundary);
+    if (end < len && end % bs != 0 && end - end % bs > start) end -= end % bs;
+  }
+  bool grown = f.grow(kv_, end);
+  while (!grown && make_room(slot)) grown = f.grow(kv_, end);
+  if (!grown) return false;
+  f.slide(kv_, start);
+  const bool last = end == len;
+  add_row(p, slot, f.info, f.kv(), start, end - start, true, last);
+  f.kv_len = end;
+  ++f.inflight;
+  --b.rows;
+  b.tokens -= end - start;
+  commit_rows_.push_back(slot);
+  if (kv_.has_state() && end % bs == 0) {
+    if (Lease lease = kv_.snapshot_slot()) {
+      kv_.ops().snapshot_src.push_back(f.kv().state_slot());
+      kv_.ops().snapshot_dst.push_back(lease.id());
+      snapshots_.push_back({slot, end, std::move(lease)});
+    }
+  }
+  if (last) apply(f.info.id, stop(slot), LastChunk{});
+  return true;
+}
+
+// ---------------------------------------------------------------- admission
+
+void Scheduler::admit(Plan& p, Budget& b) {
+  const auto full = [&] { return static_cast<std::int32_t>(running_.size()) >= cfg_.max_batch_size; };
+  while (!retracted_.empty() && !full()) {
+    const std::int32_t slot = retracted_.front().slot;
+    auto& r = std::get<Retracted>(stop(slot));
+    auto kv = kv_.fresh();
+    if (!kv) return;
+    if (!r.host.empty()) {
+      if (!kv_.copy_to_device(*kv, r.host)) return;
+      apply(r.info.id, stop(slot), Restore{std::move(*kv)});
+    } else {
+      auto m = kv_.match(r.info, /*device_only=*/true);
+      if (!kv_.acquire(m, *kv)) m = {};
+      apply(r.info.id, stop(slot), Recompute{std::move(*kv), m.hit_tokens});
+    }
+    retracted_.erase(retracted_.begin());
+    const auto arrival = info_of(stop(slot)).arrival;
+    running_.insert(std::upper_bound(running_.begin(), running_.end(), arrival,
+                                     [&](std::uint64_t a, std::int32_t s) { return a < info_of(stop(s)).arrival; }),
+                    slot);
+    if (std::holds_alternative<Prefilling>(stop(slot)) && !chunk(p, b, slot)) {
+      retract(slot);  // no room for its first chunk: back to the head of the queue
+      return;
+    }
+  }
+  while (!waiting_.empty() && !full() && b.rows > 0 && b.tokens > 0) {
+    const RowRef r = waiting_.front();
+    const Slot& s = slots_[static_cast<std::size_t>(r.slot)];
+    if (s.gen != r.gen || !s.stop || !std::holds_alternative<Submitted>(*s.stop)) {
+      waiting_.pop_front();  // aborted while waiting
+      continue;
+    }
+    const Admission a = admit_one(p, b, r.slot);
+    if (a == Admission::Blocked) return;
+    waiting_.pop_front();
+    if (a == Admission::AdmittedStop) return;
+  }
+}
+
+Scheduler::Admission Scheduler::admit_one(Plan& p, Budget& b, std::int32_t slot) {
+  auto& sub = std::get<Submitted>(stop(slot));
+  const ReqId id = sub.info.id;
+  auto kv = kv_.fresh();
+  if (!kv) return Admission::Blocked;
+  if (sub.info.remote) {
+    if (!kv_.grow(*kv, sub.info.prompt_len)) return Admission::Blocked;
+    apply(id, stop(slot), AdmitRemote{std::move(*kv)});
+    running_.push_back(slot);
+    pending_.remote_fill_ids.push_back(id);
+    return Admission::Admitted;
+  }
+  auto m = kv_.match(sub.info);
+  if (!kv_.acquire(m, *kv)) m = {};
+  running_.push_back(slot);
+  if (m.host_blocks > 0) {
+    apply(id, stop(slot), AdmitFromHost{std::move(*kv), m.hit_tokens});
+    return Admission::Admitted;
+  }
+  apply(id, stop(slot), Admit{std::move(*kv), m.hit_tokens});
+  if (!chunk(p, b, slot)) {
+    retract(slot);  // no room for its first chunk: it heads the retracted queue
+    return Admission::AdmittedStop;
+  }
+  return Admission::Admitted;
+}
+
+// ---------------------------------------------------------------- pressure
+
+bool Scheduler::make_room(std::int32_t for_slot) {
+  const std::uint64_t arrival = info_of(stop(for_slot)).arrival;
+  for (auto j = static_cast<std::ptrdiff_t>(running_.size()) - 1; j >= 0; --j) {
+    const std::int32_t v = running_[static_cast<std::size_t>(j)];
+    const Stop& s = stop(v);
+    if (info_of(s).arrival <= arrival) return false;
+    const auto* d = std::get_if<Decoding>(&s);
+    const auto* f = std::get_if<Prefilling>(&s);
+    if ((d && d->inflight == 0) || (f && f->inflight == 0)) {
+      retract(v);
+      return true;
+    }
+  }
+  return false;
+}
+
+void Scheduler::retract(std::int32_t slot) {
+  Stop& s = stop(slot);
+  ReqInfo& info = info_of(s);
+  const ReqId id = info.id;
+  if (auto* d = std::get_if<Decoding>(&s)) {
+    kv_.commit(d->kv(), info, d->kv_len);
+    auto host = kv_.copy_to_host(d->kv(), d->kv_len);
+    apply(id, s, Retract{host ? std::move(*host) : HostCopy{}});
+  } else {
+    auto& f = std::get<Prefilling>(s);  // recomputed later; its full blocks stay cached
+    kv_.commit(f.kv(), info, f.kv_len);
+    apply(id, s, Retract{});
+  }
+  running_.erase(std::find(running_.begin(), running_.end(), slot));
+  const RowRef ref{slot, slots_[static_cast<std::size_t>(slot)].gen};
+  const auto arrival = info_of(stop(slot)).arrival;
+  retracted_.insert(std::upper_bound(retracted_.begin(), retracted_.end(), arrival,
+                                     [&](std::uint64_t a, const RowRef& r) { return a < info_of(stop(r.slot)).arrival; }),
+                    ref);
+  pending_.retracted_ids.push_back(id);
+}
+
+// ---------------------------------------------------------------- results
+
+void Scheduler::feed(std::span<const ReqId> ids, std::span<const std::int32_t> counts, std::span<const TokenId> tokens) {
+  if (inflight_.empty()) throw SchedulerError("feed: no plan is waiting for results");
+  const InFlight& rec = inflight_.front();
+  const std::string where = "feed (oldest plan in flight): ";
+  if (ids.size() != rec.ids.size() || counts.size() != ids.size())
+    throw SchedulerError(where + "the plan has " + std::to_string(rec.ids.size()) + " rows, got " +
+                         std::to_string(ids.size()) + " ids and " + std::to_string(counts.size()) + " counts");
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const std::string row = where + "row " + std::to_string(i) + " ";
+    if (ids[i] != rec.ids[i])
+      throw SchedulerError(row + "is request " + std::to_string(rec.ids[i]) + ", got " + std::to_string(ids[i]));
+    if (!rec.sample[i] && counts[i] != 0) throw SchedulerError(row + "is a prefill chunk that samples nothing");
+    if (rec.sample[i] && (counts[i] < 1 || counts[i] > 1 + cfg_.spec_tokens))
+      throw SchedulerError(row + "needs 1.." + std::to_string(1 + cfg_.spec_tokens) + " tokens, got " +
+                           std::to_string(counts[i]));
+    total += static_cast<std::size_t>(counts[i]);
+  }
+  if (total != tokens.size())
+    throw SchedulerError(where + "counts add up to " + std::to_string(total) + " but " +
+                         std::to_string(tokens.size()) + " tokens were given");
+  for (TokenId t : tokens)
+    if (t < 0) throw SchedulerError(where + "negative token id " + std::to_string(t));
+
+  // Validated: from here on nothing throws.
+  std::size_t off = 0;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const auto got = tokens.subspan(off, static_cast<std::size_t>(counts[i]));
+    off += got.size();
+    const RowRef r = rec.rows[i];
+    Slot& sl = slots_[static_cast<std::size_t>(r.slot)];
+    if (sl.gen != r.gen || !sl.stop) continue;  // finished or aborted meanwhile
+    Stop& s = *sl.stop;
+    if (auto* f = std::get_if<Prefilling>(&s)) {
+      --f->inflight;
+    } else if (auto* a = std::get_if<PrefillAwaitingResult>(&s)) {
+      if (!rec.sample[i]) {
+        --a->inflight;
+      } else {
+        apply(ids[i], s, FirstToken{got[0]});
+        after_token(r.slot, 1);
+      }
+    } else if (auto* d = std::get_if<Decoding>(&s)) {
+      --d->inflight;
+      d->info.tokens.insert(d->info.tokens.end(), got.begin(), got.end());
+      if (cfg_.spec_tokens > 0) {  // drafts past the accepted ones are rolled back
+        d->kv_len = d->info.len() - 1;
+        d->rollback(kv_, d->kv_len);
+      }
+      after_token(r.slot, static_cast<std::int32_t>(got.size()));
+    }
+  }
+  inflight_.pop_front();
+}
+
+bool Scheduler::after_token(std::int32_t slot, std::int32_t fresh) {
+  auto& d = std::get<Decoding>(stop(slot));
+  ReqInfo& info = d.info;
+  FinishReason why = FinishReason::None;
+  std::int32_t keep = info.len();
+  if (!info.ignore_eos) {
+    for (std::int32_t k = info.len() - fresh; k < info.len(); ++k) {
+      if (std::find(info.stop_ids.begin(), info.stop_ids.end(), info.tokens[static_cast<std::size_t>(k)]) !=
+          info.stop_ids.end()) {
+        why = FinishReason::Stop;
+        keep = k + 1;
+        break;
+      }
+    }
+  }
+  if (info.prompt_len + info.max_new_tokens <= keep) {
+    why = FinishReason::Length;
+    keep = info.prompt_len + info.max_new_tokens;
+  }
+  if (why == FinishReason::None) return false;
+  info.tokens.resize(static_cast<std::size_t>(keep));
+  apply(info.id, stop(slot), Finish{why});
+  finish_request(slot);
+  return true;
+}
+
+// ---------------------------------------------------------------- tables
+
+void Scheduler::build_tables(Plan& p) {
+  const std::size_t ng = kv_.num_groups();
+  p.block_tables.assign(ng, {});
+  p.block_table_width.assign(ng, 0);
+  std::vector<const KvBlocks*> kvs;
+  kvs.reserve(p.req_slots.size());
+  for (std::int32_t slot : p.req_slots) kvs.push_back(kv_of(stop(slot)));
+  for (std::size_t g = 0; g < ng; ++g) {
+    if (kv_.group(g).kind == GroupKind::State) continue;
+    std::int32_t width = 0;
+    for (const KvBlocks* kv : kvs) width = std::max(width, kv->table(g).size());
+    auto& out = p.block_tables[g];
+    out.assign(kvs.size() * static_cast<std::size_t>(width), kNoBlock);
+    for (std::size_t r = 0; r < kvs.size(); ++r) {
+      const auto ids = kvs[r]->table(g).ids();
+      std::copy(ids.begin(), ids.end(), out.begin() + static_cast<std::ptrdiff_t>(r * static_cast<std::size_t>(width)));
+    }
+    p.block_table_width[g] = width;
+  }
+}
+
+// ---------------------------------------------------------------- introspection
+
+std::int32_t Scheduler::waiting() const {
+  std::int32_t n = static_cast<std::int32_t>(retracted_.size());
+  for (const auto& r : waiting_) {
+    const Slot& s = slots_[static_cast<std::size_t>(r.slot)];
+    n += s.gen == r.gen && s.stop && std::holds_alternative<Submitted>(*s.stop) ? 1 : 0;
+  }
+  return n;
+}
+
+StopCounts Scheduler::stop_counts() const {
+  StopCounts c;
+  for (const auto& s : slots_)
+    if (s.stop) ++c.counts[s.stop->index()];
+  return c;
+}
+
+std::string Scheduler::stop_of(ReqId id) const { return name_of(*slots_[static_cast<std::size_t>(slot_of(id))].stop); }
+
+std::vector<BlockId> Scheduler::block_table(ReqId id, std::size_t group) const {
+  if (group >= kv_.num_groups()) throw SchedulerError("no cache group " + std::to_string(group));
+  const KvBlocks* kv = kv_of(*slots_[static_cast<std::size_t>(slot_of(id))].stop);
+  if (!kv) return {};
+  const auto ids = kv->table(group).ids();
+  return {ids.begin(), ids.end()};
+}
+
+std::vector<TokenId> Scheduler::tokens_of(ReqId id) const {
+  return info_of(*slots_[static_cast<std::size_t>(slot_of(id))].stop).tokens;
+}
+
+}  // namespace dz

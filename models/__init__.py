@@ -1,0 +1,1 @@
+"""dayzero.models: one folder per model family (spec, generated code, model card)."""

@@ -1,0 +1,1 @@
+"""dayzero.sdk: spec, codegen, loader, execution plane, server and CLI."""

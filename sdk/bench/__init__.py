@@ -1,0 +1,1 @@
+"""`dayzero bench`: measurements that print a table and a final summary line."""
