@@ -116,17 +116,19 @@ void KvManager::commit(const KvBlocks& kv, ReqInfo& info, std::int32_t tokens, L
   if (!cache_.enabled()) return;
   tokens = std::min(tokens, info.len());
   const std::int32_t full = tokens / block_size_;
-  if (info.committed >= full) return;
+  // A snapshot for an already committed block still attaches to its entry.
+  const std::int32_t first = snapshot ? std::min(info.committed, full - 1) : info.committed;
+  if (first >= full || full <= 0) return;
   extend_keys(info);
   std::vector<BlockId> blocks(groups_.size(), kNoBlock);
-  for (std::int32_t i = info.committed; i < full; ++i) {
+  for (std::int32_t i = first; i < full; ++i) {
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       const auto& t = kv.table(g);
       blocks[g] = allocs_[g] && i < t.size() ? t.ids()[static_cast<std::size_t>(i)] : kNoBlock;
     }
     cache_.insert(info.keys[static_cast<std::size_t>(i)], blocks, i == full - 1 ? std::move(snapshot) : Lease{});
   }
-  info.committed = full;
+  info.committed = std::max(info.committed, full);
 }
 
 std::optional<HostCopy> KvManager::copy_to_host(const KvBlocks& kv, std::int32_t tokens) {

@@ -257,6 +257,13 @@ bool PrefixCache::drop_host_one() {
   return true;
 }
 
+std::int32_t PrefixCache::flush() {
+  std::int32_t n = 0;
+  for (; lru_.tail >= 0; ++n) drop(lru_.tail);
+  for (; host_lru_.tail >= 0; ++n) drop(host_lru_.tail);
+  return n;
+}
+
 void PrefixCache::drop(std::int32_t idx) {
   Entry& e = entries_[idx];
   unlink(idx);

@@ -148,17 +148,17 @@ std::shared_ptr<const Plan> Scheduler::step() {
   admit(*p, b);
 
   // Blocks whose KV this and earlier plans compute become visible to later admissions.
+  for (auto& [slot, end, lease] : snapshots_) {
+    const Slot& s = slots_[static_cast<std::size_t>(slot)];
+    if (const KvBlocks* kv = s.stop ? kv_of(*s.stop) : nullptr) kv_.commit(*kv, info_of(stop(slot)), end, std::move(lease));
+  }
+  snapshots_.clear();
   for (std::int32_t slot : commit_rows_) {
     const Slot& s = slots_[static_cast<std::size_t>(slot)];
     if (!s.stop) continue;
     if (const KvBlocks* kv = kv_of(*s.stop)) kv_.commit(*kv, info_of(stop(slot)), kv_len_of(*s.stop));
   }
   commit_rows_.clear();
-  for (auto& [slot, end, lease] : snapshots_) {
-    const Slot& s = slots_[static_cast<std::size_t>(slot)];
-    if (const KvBlocks* kv = s.stop ? kv_of(*s.stop) : nullptr) kv_.commit(*kv, info_of(stop(slot)), end, std::move(lease));
-  }
-  snapshots_.clear();
 
   build_tables(*p);
   p->copies = std::move(kv_.ops());

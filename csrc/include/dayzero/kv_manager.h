@@ -45,6 +45,7 @@ class KvManager {
   void commit(const KvBlocks& kv, ReqInfo& info, std::int32_t tokens, Lease snapshot = {});
   Lease snapshot_slot() { return cache_.take_snapshot_slot(); }
   PrefixCache& cache() { return cache_; }
+  std::int32_t flush_cache() { return cache_.flush(); }
   const PrefixCache& cache() const { return cache_; }
 
   // Retraction to host memory and back.

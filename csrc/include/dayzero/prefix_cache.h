@@ -84,6 +84,8 @@ class PrefixCache final : public PinListener {
   bool evict_one(CopyOps& ops);
   // Frees host pages: drops the least recently used host entry.
   bool drop_host_one();
+  // Drops every entry no request uses (device and host); returns how many.
+  std::int32_t flush();
   Lease take_snapshot_slot();  // may drop the oldest snapshot; empty if none allowed
   void set_enabled(bool on) { enabled_ = on; }
   bool enabled() const { return enabled_; }

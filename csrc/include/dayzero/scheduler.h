@@ -48,6 +48,8 @@ class Scheduler {
   void remote_fill_done(ReqId id, TokenId first);   // remote: KV written, first token known
   void abort(ReqId id);
   void finish(ReqId id);  // stop condition found by the caller (e.g. a stop string)
+  // Drops every prefix-cache entry no request uses (e.g. after a weight update).
+  std::int32_t flush_prefix_cache() { return kv_.flush_cache(); }
 
   // One step. The plan stays valid while the caller holds it.
   std::shared_ptr<const Plan> step();
@@ -65,7 +67,7 @@ class Scheduler {
   std::int32_t plans_in_flight() const { return static_cast<std::int32_t>(inflight_.size()); }
   StopCounts stop_counts() const;
   std::string stop_of(ReqId id) const;
-  std::vector<BlockId> block_table(ReqId id, std::size_t group) const;
+  std::vector<BlockId> block_table(ReqId id, std::size_t group = 0) const;
   std::vector<TokenId> tokens_of(ReqId id) const;
   std::int32_t capacity() const { return static_cast<std::int32_t>(slots_.size()); }
   // Throws SchedulerError describing the first broken invariant.

@@ -1,0 +1,20 @@
+// Claim (b): stops that own no KV have no accessor for block tables.
+#include "dayzero/transitions.h"
+
+using namespace dz;
+
+std::size_t attempt() {
+#ifdef DZ_MUST_FAIL
+#if DZ_STOP == 1
+  Submitted s{ReqInfo{}};
+#elif DZ_STOP == 2
+  Retracted s{ReqInfo{}, HostCopy{}};
+#else
+  Finished s{ReqInfo{}, FinishReason::Stop};
+#endif
+  return s.kv().tables().size();
+#else
+  Decoding s(ReqInfo{}, KvBlocks{}, 0, 0);
+  return s.kv().tables().size();
+#endif
+}
