@@ -79,25 +79,44 @@ PYBIND11_MODULE(_scheduler, m) {
       .def_readwrite("groups", &SchedulerConfig::groups);
 
   py::class_<CopyOps>(m, "CopyOps")
-      .DZ_VIEW(CopyOps, to_host_group).DZ_VIEW(CopyOps, to_host_src).DZ_VIEW(CopyOps, to_host_dst)
-      .DZ_VIEW(CopyOps, to_device_group).DZ_VIEW(CopyOps, to_device_src).DZ_VIEW(CopyOps, to_device_dst)
-      .DZ_VIEW(CopyOps, state_to_host_slot).DZ_VIEW(CopyOps, state_to_host_pages)
-      .DZ_VIEW(CopyOps, state_to_device_slot).DZ_VIEW(CopyOps, state_to_device_pages)
-      .DZ_VIEW(CopyOps, restore_src).DZ_VIEW(CopyOps, restore_dst)
-      .DZ_VIEW(CopyOps, snapshot_src).DZ_VIEW(CopyOps, snapshot_dst);
+      .DZ_VIEW(CopyOps, to_host_group)
+      .DZ_VIEW(CopyOps, to_host_src)
+      .DZ_VIEW(CopyOps, to_host_dst)
+      .DZ_VIEW(CopyOps, to_device_group)
+      .DZ_VIEW(CopyOps, to_device_src)
+      .DZ_VIEW(CopyOps, to_device_dst)
+      .DZ_VIEW(CopyOps, state_to_host_slot)
+      .DZ_VIEW(CopyOps, state_to_host_pages)
+      .DZ_VIEW(CopyOps, state_to_device_slot)
+      .DZ_VIEW(CopyOps, state_to_device_pages)
+      .DZ_VIEW(CopyOps, restore_src)
+      .DZ_VIEW(CopyOps, restore_dst)
+      .DZ_VIEW(CopyOps, snapshot_src)
+      .DZ_VIEW(CopyOps, snapshot_dst);
 
   py::class_<Plan, std::shared_ptr<Plan>>(m, "Plan")
       .def_readonly("step", &Plan::step)
       .def_property_readonly("rows", &Plan::rows)
       .def_property_readonly("num_input_tokens", &Plan::tokens)
-      .DZ_VIEW(Plan, req_ids).DZ_VIEW(Plan, req_slots).DZ_VIEW(Plan, num_tokens).DZ_VIEW(Plan, query_start)
-      .DZ_VIEW(Plan, kv_lens).DZ_VIEW(Plan, is_prefill).DZ_VIEW(Plan, sample).DZ_VIEW(Plan, state_slots)
-      .DZ_VIEW(Plan, input_ids).DZ_VIEW(Plan, positions)
-      .DZ_VIEW(Plan, finished_ids).DZ_VIEW(Plan, finished_reasons).DZ_VIEW(Plan, retracted_ids)
+      .DZ_VIEW(Plan, req_ids)
+      .DZ_VIEW(Plan, req_slots)
+      .DZ_VIEW(Plan, num_tokens)
+      .DZ_VIEW(Plan, query_start)
+      .DZ_VIEW(Plan, kv_lens)
+      .DZ_VIEW(Plan, is_prefill)
+      .DZ_VIEW(Plan, sample)
+      .DZ_VIEW(Plan, state_slots)
+      .DZ_VIEW(Plan, input_ids)
+      .DZ_VIEW(Plan, positions)
+      .DZ_VIEW(Plan, finished_ids)
+      .DZ_VIEW(Plan, finished_reasons)
+      .DZ_VIEW(Plan, retracted_ids)
       .DZ_VIEW(Plan, remote_fill_ids)
-      .def_property_readonly("copies", [](py::object self) {
-        return py::cast(&self.cast<const Plan&>().copies, py::return_value_policy::reference_internal, self);
-      })
+      .def_property_readonly("copies",
+                             [](py::object self) {
+                               return py::cast(&self.cast<const Plan&>().copies,
+                                               py::return_value_policy::reference_internal, self);
+                             })
       .def_property_readonly("block_tables", [](py::object self) {
         const Plan& p = self.cast<const Plan&>();
         py::list out;
@@ -119,8 +138,8 @@ PYBIND11_MODULE(_scheduler, m) {
              std::vector<TokenId> stop_ids, bool ignore_eos, bool remote) {
             s.submit(id, span_of(prompt), SubmitArgs{max_new_tokens, std::move(stop_ids), ignore_eos, remote});
           },
-          py::arg("id"), py::arg("prompt"), py::arg("max_new_tokens") = 16, py::arg("stop_ids") = std::vector<TokenId>{},
-          py::arg("ignore_eos") = false, py::arg("remote") = false)
+          py::arg("id"), py::arg("prompt"), py::arg("max_new_tokens") = 16,
+          py::arg("stop_ids") = std::vector<TokenId>{}, py::arg("ignore_eos") = false, py::arg("remote") = false)
       .def("bootstrap_done", &Scheduler::bootstrap_done, py::arg("id"))
       .def("remote_fill_done", &Scheduler::remote_fill_done, py::arg("id"), py::arg("first_token"))
       .def("abort", &Scheduler::abort, py::arg("id"))
@@ -142,27 +161,33 @@ PYBIND11_MODULE(_scheduler, m) {
       .def_property_readonly("num_running", &Scheduler::running)
       .def_property_readonly("num_live", &Scheduler::live)
       .def_property_readonly("plans_in_flight", &Scheduler::plans_in_flight)
-      .def("stop_counts", [](const Scheduler& s) {
-        py::dict d;
-        const StopCounts c = s.stop_counts();
-        for (std::size_t i = 0; i < std::size(kStopNames); ++i) d[kStopNames[i]] = c.counts[i];
-        return d;
-      })
-      .def("free_blocks", [](const Scheduler& s, std::size_t g) { return s.memory().free_blocks(g); }, py::arg("group") = 0)
-      .def("total_blocks", [](const Scheduler& s, std::size_t g) { return s.memory().total_blocks(g); }, py::arg("group") = 0)
+      .def("stop_counts",
+           [](const Scheduler& s) {
+             py::dict d;
+             const StopCounts c = s.stop_counts();
+             for (std::size_t i = 0; i < std::size(kStopNames); ++i) d[kStopNames[i]] = c.counts[i];
+             return d;
+           })
+      .def(
+          "free_blocks", [](const Scheduler& s, std::size_t g) { return s.memory().free_blocks(g); },
+          py::arg("group") = 0)
+      .def(
+          "total_blocks", [](const Scheduler& s, std::size_t g) { return s.memory().total_blocks(g); },
+          py::arg("group") = 0)
       .def_property_readonly("free_host_pages", [](const Scheduler& s) { return s.memory().free_host_pages(); })
-      .def("prefix_stats", [](const Scheduler& s) {
-        const auto& c = s.memory().cache();
-        py::dict d;
-        d["entries"] = c.size();
-        d["device_entries"] = c.device_entries();
-        d["evictable"] = c.evictable();
-        d["host_entries"] = c.host_entries();
-        d["snapshots"] = c.snapshots_held();
-        d["lookup_tokens"] = c.lookup_tokens;
-        d["hit_tokens"] = c.hit_tokens;
-        return d;
-      })
+      .def("prefix_stats",
+           [](const Scheduler& s) {
+             const auto& c = s.memory().cache();
+             py::dict d;
+             d["entries"] = c.size();
+             d["device_entries"] = c.device_entries();
+             d["evictable"] = c.evictable();
+             d["host_entries"] = c.host_entries();
+             d["snapshots"] = c.snapshots_held();
+             d["lookup_tokens"] = c.lookup_tokens;
+             d["hit_tokens"] = c.hit_tokens;
+             return d;
+           })
       .def_property_readonly("layout", [](const Scheduler& s) {
         const MemoryLayout& l = s.layout();
         py::dict d;

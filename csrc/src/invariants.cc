@@ -24,8 +24,10 @@ void Scheduler::check_invariants() const {
     if (!s.stop) continue;
     const KvBlocks* kv = std::visit(
         [](const auto& x) -> const KvBlocks* {
-          if constexpr (std::derived_from<std::decay_t<decltype(x)>, KvOwner>) return &x.kv();
-          else return nullptr;
+          if constexpr (std::derived_from<std::decay_t<decltype(x)>, KvOwner>)
+            return &x.kv();
+          else
+            return nullptr;
         },
         *s.stop);
     if (!kv) continue;
@@ -49,20 +51,22 @@ void Scheduler::check_invariants() const {
                std::to_string(a->refcount(b)) + ", referenced " + std::to_string(want) + " times");
       // 2. No block is both free and referenced.
       if ((want > 0) != a->allocated(b))
-        broken("group " + kv_.group(g).name + " block " + std::to_string(b) + (want > 0 ? " is referenced but free" : " is allocated but unreferenced"));
+        broken("group " + kv_.group(g).name + " block " + std::to_string(b) +
+               (want > 0 ? " is referenced but free" : " is allocated but unreferenced"));
     }
   }
   // 3. Pages: owned by exactly one group or free.
   if (pages_owned + kv_.free_pages() != kv_.total_pages())
-    broken(std::to_string(pages_owned) + " pages owned + " + std::to_string(kv_.free_pages()) + " free != " +
-           std::to_string(kv_.total_pages()));
+    broken(std::to_string(pages_owned) + " pages owned + " + std::to_string(kv_.free_pages()) +
+           " free != " + std::to_string(kv_.total_pages()));
   if (kv_.has_state() && kv_.free_slots() + static_cast<std::int32_t>(state_slots.size()) != cfg_.max_batch_size)
     broken("state slots: " + std::to_string(kv_.free_slots()) + " free + " + std::to_string(state_slots.size()) +
            " held != " + std::to_string(cfg_.max_batch_size));
   // 4. Queues agree with stops.
   if (holders != static_cast<std::int32_t>(running_.size()))
     broken(std::to_string(holders) + " requests hold KV but " + std::to_string(running_.size()) + " are running");
-  if (static_cast<std::int32_t>(running_.size()) > cfg_.max_batch_size) broken("more running requests than max_batch_size");
+  if (static_cast<std::int32_t>(running_.size()) > cfg_.max_batch_size)
+    broken("more running requests than max_batch_size");
   for (std::size_t i = 1; i < running_.size(); ++i)
     if (info_of(*slots_[static_cast<std::size_t>(running_[i - 1])].stop).arrival >=
         info_of(*slots_[static_cast<std::size_t>(running_[i])].stop).arrival)
@@ -79,7 +83,9 @@ void Scheduler::check_invariants() const {
     if (auto* r = std::get_if<Retracted>(&*s.stop)) h = &r->host;
     if (auto* r = std::get_if<Restoring>(&*s.stop)) h = &r->host;
     if (!h) continue;
-    for (const auto& g : h->blocks) host_held += static_cast<std::int32_t>(std::count_if(g.begin(), g.end(), [](const Lease& l) { return static_cast<bool>(l); }));
+    for (const auto& g : h->blocks)
+      host_held += static_cast<std::int32_t>(
+          std::count_if(g.begin(), g.end(), [](const Lease& l) { return static_cast<bool>(l); }));
     host_held += static_cast<std::int32_t>(h->state.size());
   }
   if (host_held + kv_.free_host_pages() != layout_.num_host_pages)

@@ -10,8 +10,10 @@ std::vector<std::unique_ptr<GroupAllocator>> make_allocators(const SchedulerConf
                                                              FreeList& pages) {
   std::vector<std::unique_ptr<GroupAllocator>> out;
   for (std::size_t g = 0; g < cfg.groups.size(); ++g) {
-    if (cfg.groups[g].kind == GroupKind::State) out.emplace_back(nullptr);
-    else out.push_back(std::make_unique<GroupAllocator>(pages, m.blocks_per_page[g], m.num_pages));
+    if (cfg.groups[g].kind == GroupKind::State)
+      out.emplace_back(nullptr);
+    else
+      out.push_back(std::make_unique<GroupAllocator>(pages, m.blocks_per_page[g], m.num_pages));
   }
   return out;
 }

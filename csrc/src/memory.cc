@@ -9,9 +9,7 @@ namespace dz {
 
 namespace {
 
-[[noreturn]] void bad_config(const std::string& what) {
-  throw SchedulerError("scheduler config: " + what);
-}
+[[noreturn]] void bad_config(const std::string& what) { throw SchedulerError("scheduler config: " + what); }
 
 void validate(const SchedulerConfig& cfg) {
   if (cfg.block_size <= 0) bad_config("block_size must be > 0");
@@ -71,9 +69,8 @@ MemoryLayout MemoryLayout::plan(const SchedulerConfig& cfg) {
   const std::int64_t pages = (cfg.device_bytes - state_region) / m.page_bytes;
   if (pages < 2)
     bad_config("device_bytes " + std::to_string(cfg.device_bytes) + " leaves " +
-               std::to_string(std::max<std::int64_t>(pages, 0)) + " pages of " +
-               std::to_string(m.page_bytes) + " bytes after " + std::to_string(state_region) +
-               " bytes of state slots; need at least 2");
+               std::to_string(std::max<std::int64_t>(pages, 0)) + " pages of " + std::to_string(m.page_bytes) +
+               " bytes after " + std::to_string(state_region) + " bytes of state slots; need at least 2");
   if (pages > (1LL << 24)) bad_config("more than 2^24 pages; use a larger block_size");
   m.num_pages = static_cast<std::int32_t>(pages);
   m.num_host_pages = static_cast<std::int32_t>(std::min<std::int64_t>(cfg.host_bytes / m.page_bytes, 1LL << 24));

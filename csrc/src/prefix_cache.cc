@@ -51,7 +51,10 @@ std::int32_t GroupInfo::window_blocks_needed(std::int32_t hit_tokens, std::int32
 
 PrefixCache::PrefixCache(std::vector<GroupInfo> groups, std::int32_t block_size, FreeList* host_pages,
                          FreeList* snapshots, bool enabled)
-    : groups_(std::move(groups)), block_size_(block_size), host_pages_(host_pages), snapshots_(snapshots),
+    : groups_(std::move(groups)),
+      block_size_(block_size),
+      host_pages_(host_pages),
+      snapshots_(snapshots),
       enabled_(enabled) {
   for (auto& g : groups_)
     if (g.alloc) g.alloc->listen(this);
@@ -61,7 +64,8 @@ PrefixCache::Match PrefixCache::match(std::span<const TokenId> tokens, const std
                                       bool device_only) const {
   Match m;
   if (!enabled_ || tokens.empty()) return m;
-  const std::size_t most = std::min<std::size_t>((tokens.size() - 1) / static_cast<std::size_t>(block_size_), keys.size());
+  const std::size_t most =
+      std::min<std::size_t>((tokens.size() - 1) / static_cast<std::size_t>(block_size_), keys.size());
   std::vector<std::int32_t> chain;
   for (std::size_t i = 0; i < most; ++i) {
     auto it = index_.find(keys[i]);
@@ -117,8 +121,10 @@ bool PrefixCache::acquire(const Match& m, std::vector<BlockTable>& tables, SlotI
       if (!e.host[g] || !wanted(g, i)) continue;
       BlockId b = groups_[g].alloc->alloc();
       while (b == kNoBlock && evict_one(ops)) b = groups_[g].alloc->alloc();
-      if (b == kNoBlock) ok = false;
-      else fresh.push_back(b);
+      if (b == kNoBlock)
+        ok = false;
+      else
+        fresh.push_back(b);
     }
   }
   if (!ok) {  // give back everything taken above
@@ -306,10 +312,14 @@ void PrefixCache::unlink(std::int32_t idx) {
   Entry& e = entries_[idx];
   if (e.in == Entry::In::None) return;
   List& l = list(e.in);
-  if (e.prev >= 0) entries_[e.prev].next = e.next;
-  else l.head = e.next;
-  if (e.next >= 0) entries_[e.next].prev = e.prev;
-  else l.tail = e.prev;
+  if (e.prev >= 0)
+    entries_[e.prev].next = e.next;
+  else
+    l.head = e.next;
+  if (e.next >= 0)
+    entries_[e.next].prev = e.prev;
+  else
+    l.tail = e.prev;
   (e.in == Entry::In::DeviceLru ? lru_size_ : host_size_)--;
   e.in = Entry::In::None;
   e.prev = e.next = -1;

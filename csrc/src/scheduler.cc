@@ -16,8 +16,10 @@ constexpr bool kHoldsKv = std::derived_from<S, KvOwner>;
 const KvBlocks* kv_of(const Stop& s) {
   return std::visit(
       [](const auto& x) -> const KvBlocks* {
-        if constexpr (kHoldsKv<std::decay_t<decltype(x)>>) return &x.kv();
-        else return nullptr;
+        if constexpr (kHoldsKv<std::decay_t<decltype(x)>>)
+          return &x.kv();
+        else
+          return nullptr;
       },
       s);
 }
@@ -25,8 +27,10 @@ const KvBlocks* kv_of(const Stop& s) {
 std::int32_t kv_len_of(const Stop& s) {
   return std::visit(
       [](const auto& x) -> std::int32_t {
-        if constexpr (requires { x.kv_len; }) return x.kv_len;
-        else return 0;
+        if constexpr (requires { x.kv_len; })
+          return x.kv_len;
+        else
+          return 0;
       },
       s);
 }
@@ -138,8 +142,10 @@ std::shared_ptr<const Plan> Scheduler::step() {
   for (std::int32_t slot : running_) {
     Stop& s = stop(slot);
     const ReqId id = info_of(s).id;
-    if (std::holds_alternative<Prefetching>(s)) apply(id, s, PrefetchDone{});
-    else if (std::holds_alternative<Restoring>(s)) apply(id, s, RestoreDone{});
+    if (std::holds_alternative<Prefetching>(s))
+      apply(id, s, PrefetchDone{});
+    else if (std::holds_alternative<Restoring>(s))
+      apply(id, s, RestoreDone{});
   }
 
   Budget b{cfg_.max_tokens_per_step, cfg_.max_batch_size};
@@ -150,7 +156,8 @@ std::shared_ptr<const Plan> Scheduler::step() {
   // Blocks whose KV this and earlier plans compute become visible to later admissions.
   for (auto& [slot, end, lease] : snapshots_) {
     const Slot& s = slots_[static_cast<std::size_t>(slot)];
-    if (const KvBlocks* kv = s.stop ? kv_of(*s.stop) : nullptr) kv_.commit(*kv, info_of(stop(slot)), end, std::move(lease));
+    if (const KvBlocks* kv = s.stop ? kv_of(*s.stop) : nullptr)
+      kv_.commit(*kv, info_of(stop(slot)), end, std::move(lease));
   }
   snapshots_.clear();
   for (std::int32_t slot : commit_rows_) {
@@ -360,15 +367,17 @@ void Scheduler::retract(std::int32_t slot) {
   running_.erase(std::find(running_.begin(), running_.end(), slot));
   const RowRef ref{slot, slots_[static_cast<std::size_t>(slot)].gen};
   const auto arrival = info_of(stop(slot)).arrival;
-  retracted_.insert(std::upper_bound(retracted_.begin(), retracted_.end(), arrival,
-                                     [&](std::uint64_t a, const RowRef& r) { return a < info_of(stop(r.slot)).arrival; }),
-                    ref);
+  retracted_.insert(
+      std::upper_bound(retracted_.begin(), retracted_.end(), arrival,
+                       [&](std::uint64_t a, const RowRef& r) { return a < info_of(stop(r.slot)).arrival; }),
+      ref);
   pending_.retracted_ids.push_back(id);
 }
 
 // ---------------------------------------------------------------- results
 
-void Scheduler::feed(std::span<const ReqId> ids, std::span<const std::int32_t> counts, std::span<const TokenId> tokens) {
+void Scheduler::feed(std::span<const ReqId> ids, std::span<const std::int32_t> counts,
+                     std::span<const TokenId> tokens) {
   if (inflight_.empty()) throw SchedulerError("feed: no plan is waiting for results");
   const InFlight& rec = inflight_.front();
   const std::string where = "feed (oldest plan in flight): ";
@@ -387,8 +396,8 @@ void Scheduler::feed(std::span<const ReqId> ids, std::span<const std::int32_t> c
     total += static_cast<std::size_t>(counts[i]);
   }
   if (total != tokens.size())
-    throw SchedulerError(where + "counts add up to " + std::to_string(total) + " but " +
-                         std::to_string(tokens.size()) + " tokens were given");
+    throw SchedulerError(where + "counts add up to " + std::to_string(total) + " but " + std::to_string(tokens.size()) +
+                         " tokens were given");
   for (TokenId t : tokens)
     if (t < 0) throw SchedulerError(where + "negative token id " + std::to_string(t));
 

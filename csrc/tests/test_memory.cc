@@ -15,7 +15,7 @@ TEST(Layout, PacksNarrowGroupsIntoSharedPages) {
   EXPECT_EQ(m.page_bytes, 1152 * 4);
   EXPECT_EQ(m.num_pages, 100);
   EXPECT_EQ(m.blocks_per_page[0], 1);
-  EXPECT_EQ(m.blocks_per_page[1], 8);      // 8 rows of 144 >= 132 bytes
+  EXPECT_EQ(m.blocks_per_page[1], 8);  // 8 rows of 144 >= 132 bytes
   EXPECT_EQ(m.padded_row_bytes[1], 144);
 }
 

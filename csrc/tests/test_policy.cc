@@ -95,7 +95,7 @@ TEST(Speculative, ReservesDraftSlotsAndRollsBackRejectedOnes) {
   ASSERT_EQ(p->num_tokens[0], 4);  // last token + 3 drafts
   EXPECT_EQ(p->input_ids, (std::vector<TokenId>{40, kDeviceToken, kDeviceToken, kDeviceToken}));
   EXPECT_EQ(p->kv_lens[0], 11);
-  EXPECT_EQ(s.block_table(1).size(), 3u);  // 11 tokens
+  EXPECT_EQ(s.block_table(1).size(), 3u);                                      // 11 tokens
   s.feed(p->req_ids, std::vector<std::int32_t>{1}, std::vector<TokenId>{41});  // no draft accepted
   EXPECT_EQ(s.block_table(1).size(), 2u);  // KV for 8 tokens: the third block is rolled back
   p = s.step();
@@ -180,7 +180,7 @@ TEST(HostPrefix, DemotedPrefixComesBackThroughPrefetching) {
   Scheduler s(cfg);
   s.submit(1, seq(9), {.max_new_tokens = 1});
   answer(s, *s.step());
-  ASSERT_EQ(s.live(), 0);  // blocks 0..1 cached on the device
+  ASSERT_EQ(s.live(), 0);                            // blocks 0..1 cached on the device
   s.submit(2, seq(24, 500), {.max_new_tokens = 1});  // needs every page: the cached prefix goes to host
   auto p = s.step();
   EXPECT_EQ(p->copies.to_host_src.size(), 2u);

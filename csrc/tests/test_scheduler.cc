@@ -121,9 +121,9 @@ TEST(Scheduler, BadFeedIsRejectedAndChangesNothing) {
   auto p = s.step();
   const std::vector<std::int32_t> one = {1};
   const std::vector<TokenId> tok = {5};
-  EXPECT_THROW(s.feed(std::vector<ReqId>{2}, one, tok), SchedulerError);                    // wrong request
-  EXPECT_THROW(s.feed(p->req_ids, std::vector<std::int32_t>{2}, tok), SchedulerError);      // too many tokens
-  EXPECT_THROW(s.feed(p->req_ids, one, std::vector<TokenId>{-3}), SchedulerError);          // bad token
+  EXPECT_THROW(s.feed(std::vector<ReqId>{2}, one, tok), SchedulerError);                // wrong request
+  EXPECT_THROW(s.feed(p->req_ids, std::vector<std::int32_t>{2}, tok), SchedulerError);  // too many tokens
+  EXPECT_THROW(s.feed(p->req_ids, one, std::vector<TokenId>{-3}), SchedulerError);      // bad token
   EXPECT_EQ(s.stop_of(1), "PrefillAwaitingResult");
   s.feed(p->req_ids, one, tok);
   EXPECT_EQ(s.tokens_of(1).back(), 5);
@@ -146,8 +146,8 @@ TEST(Scheduler, AbortFromEveryStopFreesEverything) {
   cfg.chunk_size = 4;
   Scheduler s(cfg);
   const std::int32_t total = s.memory().free_pages();
-  s.submit(1, seq(12), {.max_new_tokens = 8});  // will be Prefilling (chunked)
-  s.submit(2, seq(3), {.max_new_tokens = 8});   // will be Decoding
+  s.submit(1, seq(12), {.max_new_tokens = 8});                 // will be Prefilling (chunked)
+  s.submit(2, seq(3), {.max_new_tokens = 8});                  // will be Decoding
   s.submit(3, seq(3), {.max_new_tokens = 8, .remote = true});  // Bootstrapping
   auto p = s.step();
   answer(s, *p);

@@ -34,7 +34,7 @@ class BlockTable {
   std::int32_t size() const { return static_cast<std::int32_t>(ids_.size()); }
 
   void push(BlockId counted) { ids_.push_back(counted); }  // takes over one reference
-  void share(BlockId b) {                                   // adds a reference
+  void share(BlockId b) {                                  // adds a reference
     if (b != kNoBlock) alloc_->incref(b);
     ids_.push_back(b);
   }

@@ -39,7 +39,9 @@ class KvManager {
   // Prefix cache.
   void extend_keys(ReqInfo& info) const;
   PrefixCache::Match match(ReqInfo& info, bool device_only = false);
-  bool acquire(const PrefixCache::Match& m, KvBlocks& kv) { return cache_.acquire(m, tables_of(kv), kv.state_slot(), ops_); }
+  bool acquire(const PrefixCache::Match& m, KvBlocks& kv) {
+    return cache_.acquire(m, tables_of(kv), kv.state_slot(), ops_);
+  }
   // Registers the full blocks among the first `tokens` tokens; `snapshot`, if
   // given, holds the state after block `tokens / block_size - 1`.
   void commit(const KvBlocks& kv, ReqInfo& info, std::int32_t tokens, Lease snapshot = {});

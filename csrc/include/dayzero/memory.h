@@ -20,9 +20,9 @@ struct MemoryLayout {
   std::int64_t state_slot_bytes = 0;  // all State groups of one request
   std::int32_t num_slots = 0;         // running requests + snapshots
   std::int32_t num_host_pages = 0;
-  std::int32_t pages_per_state = 0;   // host pages one state copy needs
-  std::vector<std::int32_t> blocks_per_page;  // per group; 0 for State groups
-  std::vector<std::int64_t> padded_row_bytes; // per group; 0 for State groups
+  std::int32_t pages_per_state = 0;            // host pages one state copy needs
+  std::vector<std::int32_t> blocks_per_page;   // per group; 0 for State groups
+  std::vector<std::int64_t> padded_row_bytes;  // per group; 0 for State groups
 
   static MemoryLayout plan(const SchedulerConfig& cfg);
 };
@@ -78,11 +78,11 @@ class GroupAllocator {
   FreeList& pages_;
   std::int32_t per_page_;
   std::vector<std::int32_t> refs_;
-  std::vector<std::int32_t> owner_;       // prefix-cache entry holding the block, or -1
-  std::vector<std::uint64_t> page_free_;  // per page: bit i set = block i of the page free
-  std::vector<PageId> partial_;           // pages of this group with some blocks free
-  std::vector<std::int32_t> partial_pos_; // page -> index in partial_, or -1
-  std::vector<std::uint8_t> owned_;       // per page: this group holds it
+  std::vector<std::int32_t> owner_;        // prefix-cache entry holding the block, or -1
+  std::vector<std::uint64_t> page_free_;   // per page: bit i set = block i of the page free
+  std::vector<PageId> partial_;            // pages of this group with some blocks free
+  std::vector<std::int32_t> partial_pos_;  // page -> index in partial_, or -1
+  std::vector<std::uint8_t> owned_;        // per page: this group holds it
   std::int32_t pages_owned_ = 0;
   std::int32_t used_ = 0;
   std::int32_t partial_free_ = 0;

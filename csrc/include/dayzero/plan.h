@@ -20,7 +20,7 @@ struct Plan {
   std::int64_t step = 0;
   // rows
   std::vector<ReqId> req_ids;
-  std::vector<std::int32_t> req_slots;   // stable per-request index in [0, capacity)
+  std::vector<std::int32_t> req_slots;  // stable per-request index in [0, capacity)
   std::vector<std::int32_t> num_tokens;
   std::vector<std::int32_t> query_start;  // size rows + 1
   std::vector<std::int32_t> kv_lens;      // KV length once this step has run

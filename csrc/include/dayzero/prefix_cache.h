@@ -29,7 +29,9 @@ struct BlockKey {
 };
 
 struct BlockKeyHash {
-  std::size_t operator()(const BlockKey& k) const { return static_cast<std::size_t>(k.lo ^ (k.hi * 0x9E3779B97F4A7C15ULL)); }
+  std::size_t operator()(const BlockKey& k) const {
+    return static_cast<std::size_t>(k.lo ^ (k.hi * 0x9E3779B97F4A7C15ULL));
+  }
 };
 
 BlockKey chain_key(const BlockKey& parent, std::span<const TokenId> block);
@@ -37,9 +39,9 @@ BlockKey chain_key(const BlockKey& parent, std::span<const TokenId> block);
 // Device<->host and slot copies the executor must perform this step.
 // Order: to_host, to_device, slot_restore, forward, slot_snapshot.
 struct CopyOps {
-  std::vector<std::int32_t> to_host_group, to_host_src, to_host_dst;      // device block -> host page
-  std::vector<std::int32_t> to_device_group, to_device_src, to_device_dst; // host page -> device block
-  std::vector<std::int32_t> state_to_host_slot, state_to_host_pages;      // slot -> pages_per_state pages
+  std::vector<std::int32_t> to_host_group, to_host_src, to_host_dst;        // device block -> host page
+  std::vector<std::int32_t> to_device_group, to_device_src, to_device_dst;  // host page -> device block
+  std::vector<std::int32_t> state_to_host_slot, state_to_host_pages;        // slot -> pages_per_state pages
   std::vector<std::int32_t> state_to_device_slot, state_to_device_pages;
   std::vector<std::int32_t> restore_src, restore_dst;    // snapshot slot -> request slot, before forward
   std::vector<std::int32_t> snapshot_src, snapshot_dst;  // request slot -> snapshot slot, after forward

@@ -44,8 +44,8 @@ class Scheduler {
 
   // Requests. Each raises SchedulerError (and changes nothing) on a bad call.
   void submit(ReqId id, std::span<const TokenId> prompt, const SubmitArgs& args);
-  void bootstrap_done(ReqId id);                    // remote: handshake done, may be admitted
-  void remote_fill_done(ReqId id, TokenId first);   // remote: KV written, first token known
+  void bootstrap_done(ReqId id);                   // remote: handshake done, may be admitted
+  void remote_fill_done(ReqId id, TokenId first);  // remote: KV written, first token known
   void abort(ReqId id);
   void finish(ReqId id);  // stop condition found by the caller (e.g. a stop string)
   // Drops every prefix-cache entry no request uses (e.g. after a weight update).
@@ -94,8 +94,8 @@ class Scheduler {
 
   std::int32_t slot_of(ReqId id) const;
   Stop& stop(std::int32_t slot) { return *slots_[static_cast<std::size_t>(slot)].stop; }
-  void add_row(Plan& p, std::int32_t slot, const ReqInfo& info, const KvBlocks& kv, std::int32_t start,
-               std::int32_t n, bool prefill, bool sample);
+  void add_row(Plan& p, std::int32_t slot, const ReqInfo& info, const KvBlocks& kv, std::int32_t start, std::int32_t n,
+               bool prefill, bool sample);
   void schedule_decodes(Plan& p, Budget& b);
   void schedule_prefills(Plan& p, Budget& b);
   void admit(Plan& p, Budget& b);
@@ -104,7 +104,7 @@ class Scheduler {
   bool chunk(Plan& p, Budget& b, std::int32_t slot);
   bool make_room(std::int32_t for_slot);  // retracts one victim later than for_slot
   void retract(std::int32_t slot);
-  void finish_request(std::int32_t slot);  // Finishing -> Finished, reported and freed
+  void finish_request(std::int32_t slot);                   // Finishing -> Finished, reported and freed
   bool after_token(std::int32_t slot, std::int32_t fresh);  // Decoding: finishes it if a stop condition holds
   void remove(std::int32_t slot);
   void build_tables(Plan& p);

@@ -22,15 +22,15 @@ class KvManager;
 // Identity and token history; travels with the request through every stop.
 struct ReqInfo {
   ReqId id = 0;
-  std::uint64_t arrival = 0;      // admission order; a retracted request keeps its place
-  std::vector<TokenId> tokens;    // prompt, then generated tokens
+  std::uint64_t arrival = 0;    // admission order; a retracted request keeps its place
+  std::vector<TokenId> tokens;  // prompt, then generated tokens
   std::int32_t prompt_len = 0;
   std::int32_t max_new_tokens = 0;
   std::vector<TokenId> stop_ids;  // finish when one is generated (unless ignore_eos)
   bool ignore_eos = false;
-  bool remote = false;            // KV filled by a remote prefill node
-  std::vector<BlockKey> keys;     // chained keys of full blocks, extended lazily
-  std::int32_t committed = 0;     // blocks registered in the prefix cache
+  bool remote = false;         // KV filled by a remote prefill node
+  std::vector<BlockKey> keys;  // chained keys of full blocks, extended lazily
+  std::int32_t committed = 0;  // blocks registered in the prefix cache
 
   std::int32_t generated() const { return static_cast<std::int32_t>(tokens.size()) - prompt_len; }
   std::int32_t len() const { return static_cast<std::int32_t>(tokens.size()); }
@@ -65,23 +65,26 @@ struct Submitted {
 // Prefix blocks are coming back from host memory (copies in this step's plan).
 struct Prefetching : KvOwner {
   static constexpr const char* kName = "Prefetching";
-  Prefetching(ReqInfo i, KvBlocks kv, std::int32_t cached) : KvOwner(std::move(kv)), info(std::move(i)), kv_len(cached) {}
+  Prefetching(ReqInfo i, KvBlocks kv, std::int32_t cached)
+      : KvOwner(std::move(kv)), info(std::move(i)), kv_len(cached) {}
   ReqInfo info;
   std::int32_t kv_len;
 };
 
 struct Prefilling : KvOwner {
   static constexpr const char* kName = "Prefilling";
-  Prefilling(ReqInfo i, KvBlocks kv, std::int32_t cached) : KvOwner(std::move(kv)), info(std::move(i)), kv_len(cached) {}
+  Prefilling(ReqInfo i, KvBlocks kv, std::int32_t cached)
+      : KvOwner(std::move(kv)), info(std::move(i)), kv_len(cached) {}
   ReqInfo info;
-  std::int32_t kv_len;      // tokens whose KV is computed or dispatched
+  std::int32_t kv_len;        // tokens whose KV is computed or dispatched
   std::int32_t inflight = 0;  // chunks whose (empty) results are outstanding
 };
 
 // The last chunk is dispatched; its token is not back yet.
 struct PrefillAwaitingResult : KvOwner {
   static constexpr const char* kName = "PrefillAwaitingResult";
-  PrefillAwaitingResult(ReqInfo i, KvBlocks kv, std::int32_t n, std::int32_t in) : KvOwner(std::move(kv)), info(std::move(i)), kv_len(n), inflight(in) {}
+  PrefillAwaitingResult(ReqInfo i, KvBlocks kv, std::int32_t n, std::int32_t in)
+      : KvOwner(std::move(kv)), info(std::move(i)), kv_len(n), inflight(in) {}
   ReqInfo info;
   std::int32_t kv_len;
   std::int32_t inflight;  // chunks dispatched, results outstanding (the last one samples)
@@ -89,10 +92,11 @@ struct PrefillAwaitingResult : KvOwner {
 
 struct Decoding : KvOwner {
   static constexpr const char* kName = "Decoding";
-  Decoding(ReqInfo i, KvBlocks kv, std::int32_t n, std::int32_t in) : KvOwner(std::move(kv)), info(std::move(i)), kv_len(n), inflight(in) {}
+  Decoding(ReqInfo i, KvBlocks kv, std::int32_t n, std::int32_t in)
+      : KvOwner(std::move(kv)), info(std::move(i)), kv_len(n), inflight(in) {}
   ReqInfo info;
   std::int32_t kv_len;
-  std::int32_t inflight;   // decode steps dispatched, results outstanding
+  std::int32_t inflight;  // decode steps dispatched, results outstanding
 };
 
 // Device KV given up: a host copy of it, or nothing (recompute on return).
@@ -105,7 +109,8 @@ struct Retracted {
 // Host copy being brought back (copies in this step's plan).
 struct Restoring : KvOwner {
   static constexpr const char* kName = "Restoring";
-  Restoring(ReqInfo i, KvBlocks kv, HostCopy h, std::int32_t n) : KvOwner(std::move(kv)), info(std::move(i)), host(std::move(h)), kv_len(n) {}
+  Restoring(ReqInfo i, KvBlocks kv, HostCopy h, std::int32_t n)
+      : KvOwner(std::move(kv)), info(std::move(i)), host(std::move(h)), kv_len(n) {}
   ReqInfo info;
   HostCopy host;  // read by this step's copies; released when the restore is done
   std::int32_t kv_len;
@@ -114,7 +119,8 @@ struct Restoring : KvOwner {
 // Blocks are being committed to the prefix cache, then released.
 struct Finishing : KvOwner {
   static constexpr const char* kName = "Finishing";
-  Finishing(ReqInfo i, KvBlocks kv, std::int32_t n, FinishReason r) : KvOwner(std::move(kv)), info(std::move(i)), kv_len(n), reason(r) {}
+  Finishing(ReqInfo i, KvBlocks kv, std::int32_t n, FinishReason r)
+      : KvOwner(std::move(kv)), info(std::move(i)), kv_len(n), reason(r) {}
   ReqInfo info;
   std::int32_t kv_len;
   FinishReason reason;

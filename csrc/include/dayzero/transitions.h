@@ -27,22 +27,66 @@
 
 namespace dz {
 
-struct BootstrapDone { static constexpr const char* kName = "BootstrapDone"; };
-struct Admit { static constexpr const char* kName = "Admit"; KvBlocks kv; std::int32_t cached = 0; };
-struct AdmitFromHost { static constexpr const char* kName = "AdmitFromHost"; KvBlocks kv; std::int32_t cached = 0; };
-struct AdmitRemote { static constexpr const char* kName = "AdmitRemote"; KvBlocks kv; };
-struct PrefetchDone { static constexpr const char* kName = "PrefetchDone"; };
-struct LastChunk { static constexpr const char* kName = "LastChunk"; };
-struct FirstToken { static constexpr const char* kName = "FirstToken"; TokenId token = 0; };
-struct Finish { static constexpr const char* kName = "Finish"; FinishReason reason = FinishReason::Stop; };
-struct Retract { static constexpr const char* kName = "Retract"; HostCopy host; };
-struct Restore { static constexpr const char* kName = "Restore"; KvBlocks kv; };
-struct Recompute { static constexpr const char* kName = "Recompute"; KvBlocks kv; std::int32_t cached = 0; };
-struct RestoreDone { static constexpr const char* kName = "RestoreDone"; };
-struct Release { static constexpr const char* kName = "Release"; };
-struct RemoteFillDone { static constexpr const char* kName = "RemoteFillDone"; TokenId token = 0; };
-struct StartDecode { static constexpr const char* kName = "StartDecode"; };
-struct Abort { static constexpr const char* kName = "Abort"; };
+struct BootstrapDone {
+  static constexpr const char* kName = "BootstrapDone";
+};
+struct Admit {
+  static constexpr const char* kName = "Admit";
+  KvBlocks kv;
+  std::int32_t cached = 0;
+};
+struct AdmitFromHost {
+  static constexpr const char* kName = "AdmitFromHost";
+  KvBlocks kv;
+  std::int32_t cached = 0;
+};
+struct AdmitRemote {
+  static constexpr const char* kName = "AdmitRemote";
+  KvBlocks kv;
+};
+struct PrefetchDone {
+  static constexpr const char* kName = "PrefetchDone";
+};
+struct LastChunk {
+  static constexpr const char* kName = "LastChunk";
+};
+struct FirstToken {
+  static constexpr const char* kName = "FirstToken";
+  TokenId token = 0;
+};
+struct Finish {
+  static constexpr const char* kName = "Finish";
+  FinishReason reason = FinishReason::Stop;
+};
+struct Retract {
+  static constexpr const char* kName = "Retract";
+  HostCopy host;
+};
+struct Restore {
+  static constexpr const char* kName = "Restore";
+  KvBlocks kv;
+};
+struct Recompute {
+  static constexpr const char* kName = "Recompute";
+  KvBlocks kv;
+  std::int32_t cached = 0;
+};
+struct RestoreDone {
+  static constexpr const char* kName = "RestoreDone";
+};
+struct Release {
+  static constexpr const char* kName = "Release";
+};
+struct RemoteFillDone {
+  static constexpr const char* kName = "RemoteFillDone";
+  TokenId token = 0;
+};
+struct StartDecode {
+  static constexpr const char* kName = "StartDecode";
+};
+struct Abort {
+  static constexpr const char* kName = "Abort";
+};
 
 // The only way KV leaves a KvOwner stop: these transitions, and no other code.
 class KvHandover {
@@ -108,18 +152,30 @@ inline Decoding on(Ready&& s, StartDecode) { return {std::move(s.info), KvHandov
 inline Finished on(Bootstrapping&& s, Abort) { return {std::move(s.info), FinishReason::Abort}; }
 inline Finished on(Submitted&& s, Abort) { return {std::move(s.info), FinishReason::Abort}; }
 inline Finished on(Retracted&& s, Abort) { return {std::move(s.info), FinishReason::Abort}; }
-inline Finishing on(Prefetching&& s, Abort) { return {std::move(s.info), KvHandover::take(s), s.kv_len, FinishReason::Abort}; }
-inline Finishing on(Prefilling&& s, Abort) { return {std::move(s.info), KvHandover::take(s), s.kv_len, FinishReason::Abort}; }
+inline Finishing on(Prefetching&& s, Abort) {
+  return {std::move(s.info), KvHandover::take(s), s.kv_len, FinishReason::Abort};
+}
+inline Finishing on(Prefilling&& s, Abort) {
+  return {std::move(s.info), KvHandover::take(s), s.kv_len, FinishReason::Abort};
+}
 inline Finishing on(PrefillAwaitingResult&& s, Abort) {
   return {std::move(s.info), KvHandover::take(s), s.kv_len, FinishReason::Abort};
 }
-inline Finishing on(Decoding&& s, Abort) { return {std::move(s.info), KvHandover::take(s), s.kv_len, FinishReason::Abort}; }
-inline Finishing on(Restoring&& s, Abort) { return {std::move(s.info), KvHandover::take(s), s.kv_len, FinishReason::Abort}; }
+inline Finishing on(Decoding&& s, Abort) {
+  return {std::move(s.info), KvHandover::take(s), s.kv_len, FinishReason::Abort};
+}
+inline Finishing on(Restoring&& s, Abort) {
+  return {std::move(s.info), KvHandover::take(s), s.kv_len, FinishReason::Abort};
+}
 inline Finishing on(RemoteFill&& s, Abort) { return {std::move(s.info), KvHandover::take(s), 0, FinishReason::Abort}; }
-inline Finishing on(Ready&& s, Abort) { return {std::move(s.info), KvHandover::take(s), s.kv_len, FinishReason::Abort}; }
+inline Finishing on(Ready&& s, Abort) {
+  return {std::move(s.info), KvHandover::take(s), s.kv_len, FinishReason::Abort};
+}
 
 template <class S, class E>
-concept LegalTransition = requires(S&& s, E&& e) { on(std::move(s), std::move(e)); };
+concept LegalTransition = requires(S&& s, E&& e) {
+  on(std::move(s), std::move(e));
+};
 
 // Applies a run-time event to whatever stop `stop` is in.
 template <class E>

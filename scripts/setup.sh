@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Sets up dayzero on a fresh Debian/Ubuntu machine: system packages (compiler,
+# CMake, Ninja, GoogleTest, clang-format), a virtual environment in .venv, the
+# project (its C++ extension is compiled by pip) and its test/bench extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
+if command -v apt-get >/dev/null; then
+  echo "== system packages"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
+    g++ cmake ninja-build libgtest-dev clang-format python3-venv python3-dev >/dev/null
+fi
+
+echo "== python environment (.venv)"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.13" ninja numpy
+echo "== dayzero (compiling the C++ extension)"
+.venv/bin/python -m pip install -q --no-build-isolation -e ".[test,bench]"
+echo "== ready: source .venv/bin/activate"

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Every test of dayzero: lint, the Python tests, the C++ unit and compile-fail
+# tests, then the C++ tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+JOBS=${JOBS:-2}
+
+echo "== lint"
+"$PY" -m ruff check sdk kernels models tests
+"$PY" -m ruff format --check sdk kernels models tests
+clang-format --dry-run --Werror csrc/include/dayzero/*.h csrc/src/*.cc csrc/bindings/*.cc csrc/tests/*.cc csrc/tests/*.h
+
+echo "== python tests"
+"$PY" -m pytest -q tests  # exits 5 (a failure here) if nothing was collected
+
+for mode in plain asan; do
+  echo "== C++ tests ($mode)"
+  dir=build/cpp-$mode
+  sanitize=$([ "$mode" = asan ] && echo ON || echo OFF)
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DDZ_BUILD_PYTHON=OFF -DDZ_BUILD_TESTS=ON \
+    -DDZ_SANITIZE="$sanitize" >/dev/null
+  cmake --build "$dir" -j "$JOBS"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest --test-dir "$dir" --output-on-failure -j "$JOBS" --no-tests=error
+done
+echo "== all tests passed"
