@@ -7,7 +7,6 @@ re-exports it and adds the helpers the engine and the tests share.
 from __future__ import annotations
 
 import numpy as np
-
 from dayzero._scheduler import (
     CacheGroup,
     CopyOps,

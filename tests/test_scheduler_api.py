@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from dayzero.sdk.scheduler import CacheGroup, GroupKind, Scheduler, SchedulerError, make_config
 
 
 def small(**kw) -> Scheduler:
     groups = kw.pop("groups", [CacheGroup("kv", GroupKind.Paged, bytes_per_token=8)])
-    return Scheduler(make_config(groups, device_bytes=kw.pop("device_bytes", 64 * 16 * 8), block_size=16, **kw))
+    return Scheduler(
+        make_config(groups, device_bytes=kw.pop("device_bytes", 64 * 16 * 8), block_size=16, **kw)
+    )
 
 
 def answer(s: Scheduler, plan, token: int = 5) -> None:
@@ -58,7 +59,9 @@ def test_errors_carry_the_cpp_message_and_change_nothing():
     p = s.step()
     with pytest.raises(SchedulerError, match="row 0 is request 1, got 2"):
         s.feed(np.array([2]), np.array([1], dtype=np.int32), np.array([4], dtype=np.int32))
-    with pytest.raises(SchedulerError, match="event RemoteFillDone is not legal in stop PrefillAwaitingResult"):
+    with pytest.raises(
+        SchedulerError, match="event RemoteFillDone is not legal in stop PrefillAwaitingResult"
+    ):
         s.remote_fill_done(1, 3)
     assert s.stop_of(1) == "PrefillAwaitingResult"
     answer(s, p)
@@ -99,7 +102,9 @@ def test_hybrid_groups_share_one_budget():
         CacheGroup("swa", GroupKind.SlidingWindow, bytes_per_token=512, window=64),
         CacheGroup("ssm", GroupKind.State, state_bytes=1 << 16),
     ]
-    s = Scheduler(make_config(groups, device_bytes=64 << 20, block_size=64, max_batch_size=8, snapshot_slots=8))
+    s = Scheduler(
+        make_config(groups, device_bytes=64 << 20, block_size=64, max_batch_size=8, snapshot_slots=8)
+    )
     lay = s.layout
     assert lay["blocks_per_page"] == [1, 8, 2, 0]
     assert lay["padded_row_bytes"][1] == 144

@@ -17,10 +17,8 @@ from collections import deque
 
 import numpy as np
 import pytest
-
-from dayzero.sdk.scheduler import CacheGroup, GroupKind, Scheduler, SchedulerError, make_config
-
 from conftest import SEEDS
+from dayzero.sdk.scheduler import CacheGroup, GroupKind, Scheduler, SchedulerError, make_config
 
 BLOCK = 8
 STOP = 3
@@ -70,7 +68,12 @@ class Harness:
         self.spec = kw.get("spec_tokens", 0)
         self.s = Scheduler(
             make_config(
-                kw.pop("groups"), block_size=BLOCK, max_batch_size=6, max_tokens_per_step=48, chunk_size=20, **kw
+                kw.pop("groups"),
+                block_size=BLOCK,
+                max_batch_size=6,
+                max_tokens_per_step=48,
+                chunk_size=20,
+                **kw,
             )
         )
         self.rng = random.Random(seed)
@@ -92,8 +95,13 @@ class Harness:
         tail = self.rng.randint(1, 30)
         prompt = [1 + (i % 50) for i in range(shared)] + [self.rng.randint(4, 500) for _ in range(tail)]
         remote = self.rng.random() < 0.1
-        self.s.submit(rid, np.array(prompt, dtype=np.int32), max_new_tokens=self.rng.randint(1, 24),
-                      stop_ids=[STOP], remote=remote)
+        self.s.submit(
+            rid,
+            np.array(prompt, dtype=np.int32),
+            max_new_tokens=self.rng.randint(1, 24),
+            stop_ids=[STOP],
+            remote=remote,
+        )
         if remote:
             self.remote_pending.add(rid)
         else:
@@ -118,8 +126,13 @@ class Harness:
         counts = p.sample.astype(np.int32)
         if self.spec:
             counts = np.where(counts > 0, np.array([self.rng.randint(1, 1 + self.spec) for _ in counts]), 0)
-        tokens = np.array([STOP if self.rng.random() < 0.04 else self.rng.randint(4, 500)
-                           for _ in range(int(counts.sum()))], dtype=np.int32)
+        tokens = np.array(
+            [
+                STOP if self.rng.random() < 0.04 else self.rng.randint(4, 500)
+                for _ in range(int(counts.sum()))
+            ],
+            dtype=np.int32,
+        )
         self.s.feed(p.req_ids, counts.astype(np.int32), tokens)
 
     def stop(self, rid: int) -> str | None:
@@ -167,7 +180,9 @@ class Harness:
             if self.stop(rid) in (None, "RemoteFill"):  # RemoteFill waits on the remote node, not on us
                 continue
             waited = self.step_no - seen
-            assert waited <= STARVATION_BOUND, f"request {rid} unscheduled for {waited} steps ({self.s.stop_of(rid)})"
+            assert waited <= STARVATION_BOUND, (
+                f"request {rid} unscheduled for {waited} steps ({self.s.stop_of(rid)})"
+            )
 
     def drain(self) -> None:
         for rid in list(self.remote_pending):

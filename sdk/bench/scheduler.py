@@ -21,7 +21,9 @@ MAX_NEW = 4000  # outlives warm-up + the timed steps
 
 def _prompts(n: int) -> list[np.ndarray]:
     prefix = np.arange(1, PREFIX + 1, dtype=np.int32)
-    return [np.concatenate([prefix, 100_000 + i * UNIQUE + np.arange(UNIQUE, dtype=np.int32)]) for i in range(n)]
+    return [
+        np.concatenate([prefix, 100_000 + i * UNIQUE + np.arange(UNIQUE, dtype=np.int32)]) for i in range(n)
+    ]
 
 
 def _pages(n: int) -> int:
@@ -90,7 +92,7 @@ class TokenSpeed:
         ev = ts.ExecutionEvent()
         rows = 0
         for op in plan.forward:
-            for rid, k in zip(op.request_ids, op.input_lengths):
+            for rid, k in zip(op.request_ids, op.input_lengths, strict=True):
                 e = ts.ForwardEvent.ExtendResult()
                 e.request_id = rid
                 d = self.done[rid]
@@ -134,7 +136,10 @@ def run(sizes: tuple[int, ...] = (32, 256, 1024), steps: int = 1000) -> list[flo
         have_ts = True
     except ImportError:
         have_ts = False
-        print("note: tokenspeed-scheduler is not installed (pip install tokenspeed-scheduler); its column is skipped")
+        print(
+            "note: tokenspeed-scheduler is not installed (pip install tokenspeed-scheduler);"
+            " its column is skipped"
+        )
     print(f"{'live':>6} {'dayzero us/step':>16} {'tokenspeed us/step':>19} {'ratio':>7}", flush=True)
     ratios: list[float | None] = []
     for n in sizes:
