@@ -9,8 +9,9 @@ SUDO=$([ "$(id -u)" = 0 ] && echo "" || echo sudo)
 if command -v apt-get >/dev/null; then
   echo "== system packages"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
-    g++ cmake ninja-build libgtest-dev clang-format python3-venv python3-dev >/dev/null
+  pkgs="g++ cmake ninja-build libgtest-dev clang-format"
+  python3 -m venv --help >/dev/null 2>&1 || pkgs="$pkgs python3-venv python3-dev"
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $pkgs >/dev/null
 fi
 
 echo "== python environment (.venv)"
