@@ -139,6 +139,7 @@ std::shared_ptr<const Plan> Scheduler::step() {
   p->query_start.push_back(0);
 
   // Copies logged by earlier plans run before this one: those waits are over.
+  std::vector<std::int32_t> ready;
   for (std::int32_t slot : running_) {
     Stop& s = stop(slot);
     const ReqId id = info_of(s).id;
@@ -146,6 +147,12 @@ std::shared_ptr<const Plan> Scheduler::step() {
       apply(id, s, PrefetchDone{});
     else if (std::holds_alternative<Restoring>(s))
       apply(id, s, RestoreDone{});
+    else if (std::holds_alternative<Ready>(s))
+      ready.push_back(slot);
+  }
+  for (std::int32_t slot : ready) {
+    apply(info_of(stop(slot)).id, stop(slot), StartDecode{});
+    after_token(slot, 1);  // the remote node's first token may already finish it
   }
 
   Budget b{cfg_.max_tokens_per_step, cfg_.max_batch_size};
@@ -202,13 +209,6 @@ void Scheduler::schedule_decodes(Plan& p, Budget& b) {
   const std::int32_t max_inflight = cfg_.overlap ? 2 : 1;
   for (std::size_t i = 0; i < running_.size(); ++i) {
     const std::int32_t slot = running_[i];
-    if (std::holds_alternative<Ready>(stop(slot))) {
-      apply(info_of(stop(slot)).id, stop(slot), StartDecode{});
-      if (after_token(slot, 1)) {  // the remote first token may already finish it
-        --i;
-        continue;
-      }
-    }
     auto* d = std::get_if<Decoding>(&stop(slot));
     if (!d || d->inflight >= max_inflight) continue;
     if (b.rows == 0 || b.tokens < need) break;
