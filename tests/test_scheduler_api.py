@@ -54,6 +54,8 @@ def test_errors_carry_the_cpp_message_and_change_nothing():
     s.submit(1, [1, 2, 3], max_new_tokens=2)
     with pytest.raises(SchedulerError, match="already live"):
         s.submit(1, [1, 2, 3])
+    with pytest.raises(SchedulerError, match="exceeds the 1024 tokens of KV memory"):
+        s.submit(2, np.arange(1, 1000, dtype=np.int32), max_new_tokens=100)
     with pytest.raises(SchedulerError, match="request 9 is not live"):
         s.abort(9)
     p = s.step()

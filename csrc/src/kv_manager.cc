@@ -1,6 +1,7 @@
 #include "dayzero/kv_manager.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace dz {
 
@@ -201,6 +202,19 @@ std::int32_t KvManager::free_blocks(std::size_t g) const {
 
 std::int32_t KvManager::total_blocks(std::size_t g) const {
   return allocs_[g] ? allocs_[g]->capacity() : slots_.capacity();
+}
+
+std::int64_t KvManager::max_tokens_per_request() const {
+  // Per block of tokens a request takes 1/k pages in each full-history group (k blocks per
+  // page); a sliding-window group never holds more than its window plus two blocks.
+  double pages = layout_.num_pages, per_block = 0;
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    const double k = layout_.blocks_per_page[g];
+    if (groups_[g].kind == GroupKind::Paged) per_block += 1.0 / k;
+    if (groups_[g].kind == GroupKind::SlidingWindow) pages -= std::ceil((groups_[g].window / block_size_ + 2) / k);
+  }
+  if (per_block == 0) return static_cast<std::int64_t>(std::max(0.0, pages)) * block_size_;  // windows only
+  return static_cast<std::int64_t>(std::max(0.0, pages) / per_block) * block_size_;
 }
 
 bool KvOwner::grow(KvManager& m, std::int32_t tokens) { return m.grow(kv_, tokens); }

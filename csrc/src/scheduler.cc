@@ -55,6 +55,11 @@ void Scheduler::submit(ReqId id, std::span<const TokenId> prompt, const SubmitAr
   if (args.max_new_tokens < 1) throw SchedulerError(who + "max_new_tokens must be >= 1");
   for (TokenId t : prompt)
     if (t < 0) throw SchedulerError(who + "negative token id " + std::to_string(t));
+  const std::int64_t need = static_cast<std::int64_t>(prompt.size()) + args.max_new_tokens;
+  if (need > kv_.max_tokens_per_request())
+    throw SchedulerError(who + "prompt (" + std::to_string(prompt.size()) + ") + max_new_tokens (" +
+                         std::to_string(args.max_new_tokens) + ") exceeds the " +
+                         std::to_string(kv_.max_tokens_per_request()) + " tokens of KV memory one request can hold");
   std::int32_t slot;
   if (!free_slots_.empty()) {
     slot = free_slots_.back();

@@ -181,7 +181,7 @@ TEST(HostPrefix, DemotedPrefixComesBackThroughPrefetching) {
   s.submit(1, seq(9), {.max_new_tokens = 1});
   answer(s, *s.step());
   ASSERT_EQ(s.live(), 0);                            // blocks 0..1 cached on the device
-  s.submit(2, seq(24, 500), {.max_new_tokens = 1});  // needs every page: the cached prefix goes to host
+  s.submit(2, seq(23, 500), {.max_new_tokens = 1});  // needs every page: the cached prefix goes to host
   auto p = s.step();
   EXPECT_EQ(p->copies.to_host_src.size(), 2u);
   answer(s, *p);

@@ -138,7 +138,9 @@ TEST(Scheduler, BadSubmitIsRejected) {
   s.submit(1, seq(3), {});
   EXPECT_THROW(s.submit(1, seq(3), {}), SchedulerError);
   EXPECT_THROW(s.abort(99), SchedulerError);
-  EXPECT_EQ(s.live(), 1);
+  EXPECT_THROW(s.submit(2, seq(60), {.max_new_tokens = 5}), SchedulerError);  // 16 pages of 4 = 64 tokens
+  s.submit(3, seq(60), {.max_new_tokens = 4});                                // exactly fits
+  EXPECT_EQ(s.live(), 2);
 }
 
 TEST(Scheduler, AbortFromEveryStopFreesEverything) {

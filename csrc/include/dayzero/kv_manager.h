@@ -60,6 +60,8 @@ class KvManager {
   std::int32_t free_blocks(std::size_t g) const;  // in free and partial pages
   std::int32_t total_blocks(std::size_t g) const;
   std::int32_t free_host_pages() const { return host_.size(); }
+  // The most tokens one request can hold with the whole device to itself.
+  std::int64_t max_tokens_per_request() const;
   std::int32_t free_slots() const { return slots_.size(); }
   const GroupAllocator* allocator(std::size_t g) const { return allocs_[g].get(); }
 
