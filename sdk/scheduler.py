@@ -6,7 +6,6 @@ re-exports it and adds the helpers the engine and the tests share.
 
 from __future__ import annotations
 
-import numpy as np
 from dayzero._scheduler import (
     CacheGroup,
     CopyOps,
@@ -28,7 +27,6 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerError",
     "make_config",
-    "sampled_rows",
 ]
 
 
@@ -60,9 +58,3 @@ def make_config(
     cfg.overlap = overlap
     cfg.prefix_cache = prefix_cache
     return cfg
-
-
-def sampled_rows(plan: Plan) -> tuple[np.ndarray, np.ndarray]:
-    """(row indices that sample, per-row token counts with 1 where a row samples)."""
-    sample = plan.sample
-    return np.flatnonzero(sample), sample.astype(np.int32)
