@@ -30,31 +30,17 @@ __all__ = [
 ]
 
 
-def make_config(
-    groups: list[CacheGroup],
-    *,
-    device_bytes: int,
-    block_size: int = 64,
-    host_bytes: int = 0,
-    max_batch_size: int = 256,
-    max_tokens_per_step: int = 8192,
-    chunk_size: int | None = None,
-    snapshot_slots: int = 0,
-    spec_tokens: int = 0,
-    overlap: bool = False,
-    prefix_cache: bool = True,
-) -> SchedulerConfig:
-    """A SchedulerConfig from keyword arguments (the C++ struct has no keyword constructor)."""
+def make_config(groups: list[CacheGroup], **fields: int | bool) -> SchedulerConfig:
+    """A SchedulerConfig from keyword arguments; fields left out keep the C++ defaults.
+
+    chunk_size defaults to max_tokens_per_step (one chunk may fill a step).
+    """
     cfg = SchedulerConfig()
     cfg.groups = groups
-    cfg.device_bytes = device_bytes
-    cfg.block_size = block_size
-    cfg.host_bytes = host_bytes
-    cfg.max_batch_size = max_batch_size
-    cfg.max_tokens_per_step = max_tokens_per_step
-    cfg.chunk_size = chunk_size if chunk_size is not None else max_tokens_per_step
-    cfg.snapshot_slots = snapshot_slots
-    cfg.spec_tokens = spec_tokens
-    cfg.overlap = overlap
-    cfg.prefix_cache = prefix_cache
+    fields.setdefault("chunk_size", fields.get("max_tokens_per_step", cfg.max_tokens_per_step))
+    known = {k for k in dir(cfg) if not k.startswith("_") and k != "groups"}
+    for name, value in fields.items():
+        if name not in known:
+            raise TypeError(f"unknown scheduler field {name!r}; known: {', '.join(sorted(known))}")
+        setattr(cfg, name, value)
     return cfg

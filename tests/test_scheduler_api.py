@@ -115,3 +115,14 @@ def test_hybrid_groups_share_one_budget():
     assert [t.shape[1] for t in p.block_tables] == [3, 3, 3, 0]
     assert p.state_slots.tolist() == [0]
     s.check_invariants()
+
+
+def test_make_config_keeps_cpp_defaults_and_refuses_unknown_fields():
+    from dayzero.sdk.scheduler import SchedulerConfig
+
+    groups = [CacheGroup("kv", GroupKind.Paged, bytes_per_token=8)]
+    cfg = make_config(groups, device_bytes=1 << 20, max_tokens_per_step=512)
+    assert cfg.block_size == SchedulerConfig().block_size
+    assert cfg.chunk_size == 512
+    with pytest.raises(TypeError, match="unknown scheduler field 'blocksize'"):
+        make_config(groups, device_bytes=1 << 20, blocksize=16)

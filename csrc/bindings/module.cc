@@ -184,8 +184,8 @@ PYBIND11_MODULE(_scheduler, m) {
              d["evictable"] = c.evictable();
              d["host_entries"] = c.host_entries();
              d["snapshots"] = c.snapshots_held();
-             d["lookup_tokens"] = c.lookup_tokens;
-             d["hit_tokens"] = c.hit_tokens;
+             d["lookup_tokens"] = c.lookup_tokens();
+             d["hit_tokens"] = c.hit_tokens();
              return d;
            })
       .def_property_readonly("layout", [](const Scheduler& s) {

@@ -22,14 +22,7 @@ void Scheduler::check_invariants() const {
   std::int32_t holders = 0;
   for (const auto& s : slots_) {
     if (!s.stop) continue;
-    const KvBlocks* kv = std::visit(
-        [](const auto& x) -> const KvBlocks* {
-          if constexpr (std::derived_from<std::decay_t<decltype(x)>, KvOwner>)
-            return &x.kv();
-          else
-            return nullptr;
-        },
-        *s.stop);
+    const KvBlocks* kv = kv_of(*s.stop);
     if (!kv) continue;
     ++holders;
     for (std::size_t g = 0; g < ng; ++g)

@@ -41,7 +41,8 @@ KvManager::KvManager(const SchedulerConfig& cfg, const MemoryLayout& layout)
       host_(layout.num_host_pages),
       allocs_(make_allocators(cfg, layout, pages_)),
       cache_(group_infos(cfg, allocs_), cfg.block_size, layout.num_host_pages > 0 ? &host_ : nullptr, &snapshots_,
-             cfg.prefix_cache) {}
+             cfg.prefix_cache),
+      max_tokens_per_request_(compute_max_tokens_per_request()) {}
 
 void KvManager::new_step() {
   ops_.clear();
@@ -109,29 +110,26 @@ void KvManager::extend_keys(ReqInfo& info) const {
 PrefixCache::Match KvManager::match(ReqInfo& info, bool device_only) {
   if (!cache_.enabled()) return {};
   extend_keys(info);
-  auto m = cache_.match(info.tokens, info.keys, device_only);
-  cache_.lookup_tokens += info.len();
-  cache_.hit_tokens += m.hit_tokens;
-  return m;
+  return cache_.match(info.tokens, info.keys, device_only);
 }
 
 void KvManager::commit(const KvBlocks& kv, ReqInfo& info, std::int32_t tokens, Lease snapshot) {
   if (!cache_.enabled()) return;
   tokens = std::min(tokens, info.len());
   const std::int32_t full = tokens / block_size_;
-  // A snapshot for an already committed block still attaches to its entry.
-  const std::int32_t first = snapshot ? std::min(info.committed, full - 1) : info.committed;
-  if (first >= full || full <= 0) return;
+  if (full <= 0) return;
   extend_keys(info);
   std::vector<BlockId> blocks(groups_.size(), kNoBlock);
-  for (std::int32_t i = first; i < full; ++i) {
+  for (std::int32_t i = info.committed; i < full; ++i) {
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       const auto& t = kv.table(g);
       blocks[g] = allocs_[g] && i < t.size() ? t.ids()[static_cast<std::size_t>(i)] : kNoBlock;
     }
-    cache_.insert(info.keys[static_cast<std::size_t>(i)], blocks, i == full - 1 ? std::move(snapshot) : Lease{});
+    cache_.insert(info.keys[static_cast<std::size_t>(i)], blocks);
   }
   info.committed = std::max(info.committed, full);
+  // The block may have been committed before (a recomputed request): the snapshot still attaches.
+  if (snapshot) cache_.attach_snapshot(info.keys[static_cast<std::size_t>(full - 1)], std::move(snapshot));
 }
 
 std::optional<HostCopy> KvManager::copy_to_host(const KvBlocks& kv, std::int32_t tokens) {
@@ -204,7 +202,7 @@ std::int32_t KvManager::total_blocks(std::size_t g) const {
   return allocs_[g] ? allocs_[g]->capacity() : slots_.capacity();
 }
 
-std::int64_t KvManager::max_tokens_per_request() const {
+std::int64_t KvManager::compute_max_tokens_per_request() const {
   // Per block of tokens a request takes 1/k pages in each full-history group (k blocks per
   // page); a sliding-window group never holds more than its window plus two blocks.
   double pages = layout_.num_pages, per_block = 0;

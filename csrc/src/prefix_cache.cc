@@ -174,16 +174,17 @@ bool PrefixCache::acquire(const Match& m, std::vector<BlockTable>& tables, SlotI
   return true;
 }
 
-void PrefixCache::insert(const BlockKey& key, std::span<const BlockId> blocks, Lease snapshot) {
-  if (!enabled_) return;
-  if (auto it = index_.find(key); it != index_.end()) {
-    Entry& e = entries_[it->second];
-    if (snapshot && e.on_device && !e.snapshot) {
-      e.snapshot = std::move(snapshot);
-      snapshot_fifo_.emplace_back(it->second, e.gen);
-    }
-    return;
-  }
+void PrefixCache::attach_snapshot(const BlockKey& key, Lease snapshot) {
+  auto it = index_.find(key);
+  if (it == index_.end()) return;
+  Entry& e = entries_[it->second];
+  if (!e.on_device || e.snapshot) return;
+  e.snapshot = std::move(snapshot);
+  snapshot_fifo_.emplace_back(it->second, e.gen);
+}
+
+void PrefixCache::insert(const BlockKey& key, std::span<const BlockId> blocks) {
+  if (!enabled_ || index_.contains(key)) return;  // another request computed the same block
   std::int32_t idx;
   if (!free_entries_.empty()) {
     idx = free_entries_.back();
@@ -208,15 +209,11 @@ void PrefixCache::insert(const BlockKey& key, std::span<const BlockId> blocks, L
     if (groups_[g].alloc->refcount(b) > 1) ++e.pinned;
   }
   if (e.pinned == 0) link_front(Entry::In::DeviceLru, idx);
-  if (snapshot) {
-    e.snapshot = std::move(snapshot);
-    snapshot_fifo_.emplace_back(idx, e.gen);
-  }
   index_.emplace(key, idx);
 }
 
 Lease PrefixCache::take_snapshot_slot() {
-  if (!snapshots_ || snapshots_->capacity() == 0) return {};
+  if (!enabled_ || !snapshots_ || snapshots_->capacity() == 0) return {};
   while (snapshots_->empty() && !snapshot_fifo_.empty()) {  // drop the oldest snapshot
     auto [idx, gen] = snapshot_fifo_.front();
     snapshot_fifo_.pop_front();

@@ -9,21 +9,6 @@ namespace dz {
 
 namespace {
 
-template <class S>
-constexpr bool kHoldsKv = std::derived_from<S, KvOwner>;
-
-// The KV of whatever stop holds some, or nullptr.
-const KvBlocks* kv_of(const Stop& s) {
-  return std::visit(
-      [](const auto& x) -> const KvBlocks* {
-        if constexpr (kHoldsKv<std::decay_t<decltype(x)>>)
-          return &x.kv();
-        else
-          return nullptr;
-      },
-      s);
-}
-
 std::int32_t kv_len_of(const Stop& s) {
   return std::visit(
       [](const auto& x) -> std::int32_t {
@@ -49,17 +34,18 @@ std::int32_t Scheduler::slot_of(ReqId id) const {
 // ---------------------------------------------------------------- requests
 
 void Scheduler::submit(ReqId id, std::span<const TokenId> prompt, const SubmitArgs& args) {
-  const std::string who = "request " + std::to_string(id) + ": ";
-  if (by_id_.contains(id)) throw SchedulerError(who + "id is already live");
-  if (prompt.empty()) throw SchedulerError(who + "empty prompt");
-  if (args.max_new_tokens < 1) throw SchedulerError(who + "max_new_tokens must be >= 1");
+  const auto fail = [id](const std::string& why) {
+    throw SchedulerError("request " + std::to_string(id) + ": " + why);
+  };
+  if (by_id_.contains(id)) fail("id is already live");
+  if (prompt.empty()) fail("empty prompt");
+  if (args.max_new_tokens < 1) fail("max_new_tokens must be >= 1");
   for (TokenId t : prompt)
-    if (t < 0) throw SchedulerError(who + "negative token id " + std::to_string(t));
+    if (t < 0) fail("negative token id " + std::to_string(t));
   const std::int64_t need = static_cast<std::int64_t>(prompt.size()) + args.max_new_tokens;
   if (need > kv_.max_tokens_per_request())
-    throw SchedulerError(who + "prompt (" + std::to_string(prompt.size()) + ") + max_new_tokens (" +
-                         std::to_string(args.max_new_tokens) + ") exceeds the " +
-                         std::to_string(kv_.max_tokens_per_request()) + " tokens of KV memory one request can hold");
+    fail("prompt (" + std::to_string(prompt.size()) + ") + max_new_tokens (" + std::to_string(args.max_new_tokens) +
+         ") exceeds the " + std::to_string(kv_.max_tokens_per_request()) + " tokens of KV memory one request can hold");
   std::int32_t slot;
   if (!free_slots_.empty()) {
     slot = free_slots_.back();
@@ -236,10 +222,8 @@ void Scheduler::schedule_prefills(Plan& p, Budget& b) {
     if (std::holds_alternative<Prefilling>(stop(running_[i])) && !chunk(p, b, running_[i])) break;
 }
 
-bool Scheduler::chunk(Plan& p, Budget& b, std::int32_t slot) {
-  auto& f = std::get<Prefilling>(stop(slot));
-  if (b.rows == 0 || b.tokens == 0) return false;
-  const std::int32_t bs = kv_.block_size(), len = f.info.len(), start = f.kv_len;
+std::int32_t Scheduler::chunk_end(const ReqInfo& info, std::int32_t start, const Budget& b) const {
+  const std::int32_t bs = kv_.block_size(), len = info.len();
   std::int32_t end = start + std::min({len - start, cfg_.chunk_size, b.tokens});
   if (kv_.has_state()) {
     // Chunks end on block boundaries where possible: the state there is snapshotted
@@ -248,6 +232,14 @@ bool Scheduler::chunk(Plan& p, Budget& b, std::int32_t slot) {
     if (start < last_boundary) end = std::min(end, last_boundary);
     if (end < len && end % bs != 0 && end - end % bs > start) end -= end % bs;
   }
+  return end;
+}
+
+bool Scheduler::chunk(Plan& p, Budget& b, std::int32_t slot) {
+  auto& f = std::get<Prefilling>(stop(slot));
+  if (b.rows == 0 || b.tokens == 0) return false;
+  const std::int32_t bs = kv_.block_size(), len = f.info.len(), start = f.kv_len;
+  const std::int32_t end = chunk_end(f.info, start, b);
   bool grown = f.grow(kv_, end);
   while (!grown && make_room(slot)) grown = f.grow(kv_, end);
   if (!grown) return false;
@@ -277,25 +269,22 @@ void Scheduler::admit(Plan& p, Budget& b) {
   while (!retracted_.empty() && !full()) {
     const std::int32_t slot = retracted_.front().slot;
     auto& r = std::get<Retracted>(stop(slot));
+    const bool recompute = r.host.empty();
+    if (recompute && (b.rows == 0 || b.tokens == 0)) return;
     auto kv = kv_.fresh();
     if (!kv) return;
-    if (!r.host.empty()) {
+    if (!recompute) {
       if (!kv_.copy_to_device(*kv, r.host)) return;
       apply(r.info.id, stop(slot), Restore{std::move(*kv)});
     } else {
-      auto m = kv_.match(r.info, /*device_only=*/true);
-      if (!kv_.acquire(m, *kv)) m = {};
+      const auto m = acquire_prefix(r.info, *kv, /*device_only=*/true);
+      if (!kv_.grow(*kv, chunk_end(r.info, m.hit_tokens, b))) return;  // kv goes back; still first in line
+      kv_.cache().record(r.info.len(), m.hit_tokens);
       apply(r.info.id, stop(slot), Recompute{std::move(*kv), m.hit_tokens});
     }
     retracted_.erase(retracted_.begin());
-    const auto arrival = info_of(stop(slot)).arrival;
-    running_.insert(std::upper_bound(running_.begin(), running_.end(), arrival,
-                                     [&](std::uint64_t a, std::int32_t s) { return a < info_of(stop(s)).arrival; }),
-                    slot);
-    if (std::holds_alternative<Prefilling>(stop(slot)) && !chunk(p, b, slot)) {
-      retract(slot);  // no room for its first chunk: back to the head of the queue
-      return;
-    }
+    enter_running(slot);
+    if (recompute) chunk(p, b, slot);  // its first chunk's blocks are already there
   }
   while (!waiting_.empty() && !full() && b.rows > 0 && b.tokens > 0) {
     const RowRef r = waiting_.front();
@@ -304,38 +293,49 @@ void Scheduler::admit(Plan& p, Budget& b) {
       waiting_.pop_front();  // aborted while waiting
       continue;
     }
-    const Admission a = admit_one(p, b, r.slot);
-    if (a == Admission::Blocked) return;
+    if (!admit_one(p, b, r.slot)) return;
     waiting_.pop_front();
-    if (a == Admission::AdmittedStop) return;
   }
 }
 
-Scheduler::Admission Scheduler::admit_one(Plan& p, Budget& b, std::int32_t slot) {
+bool Scheduler::admit_one(Plan& p, Budget& b, std::int32_t slot) {
   auto& sub = std::get<Submitted>(stop(slot));
   const ReqId id = sub.info.id;
   auto kv = kv_.fresh();
-  if (!kv) return Admission::Blocked;
+  if (!kv) return false;
   if (sub.info.remote) {
-    if (!kv_.grow(*kv, sub.info.prompt_len)) return Admission::Blocked;
+    if (!kv_.grow(*kv, sub.info.prompt_len)) return false;
     apply(id, stop(slot), AdmitRemote{std::move(*kv)});
-    running_.push_back(slot);
+    enter_running(slot);
     pending_.remote_fill_ids.push_back(id);
-    return Admission::Admitted;
+    return true;
   }
-  auto m = kv_.match(sub.info);
-  if (!kv_.acquire(m, *kv)) m = {};
-  running_.push_back(slot);
+  const auto m = acquire_prefix(sub.info, *kv, /*device_only=*/false);
+  // Blocks for the first chunk, or no admission at all (kv and its prefix go back).
+  // With part of the prefix on the host, the first chunk waits for it (Prefetching).
+  if (m.host_blocks == 0 && !kv_.grow(*kv, chunk_end(sub.info, m.hit_tokens, b))) return false;
+  kv_.cache().record(sub.info.len(), m.hit_tokens);
   if (m.host_blocks > 0) {
     apply(id, stop(slot), AdmitFromHost{std::move(*kv), m.hit_tokens});
-    return Admission::Admitted;
+  } else {
+    apply(id, stop(slot), Admit{std::move(*kv), m.hit_tokens});
   }
-  apply(id, stop(slot), Admit{std::move(*kv), m.hit_tokens});
-  if (!chunk(p, b, slot)) {
-    retract(slot);  // no room for its first chunk: it heads the retracted queue
-    return Admission::AdmittedStop;
-  }
-  return Admission::Admitted;
+  enter_running(slot);
+  if (m.host_blocks == 0) chunk(p, b, slot);
+  return true;
+}
+
+void Scheduler::enter_running(std::int32_t slot) {
+  const auto arrival = info_of(stop(slot)).arrival;
+  running_.insert(std::upper_bound(running_.begin(), running_.end(), arrival,
+                                   [&](std::uint64_t a, std::int32_t s) { return a < info_of(stop(s)).arrival; }),
+                  slot);
+}
+
+PrefixCache::Match Scheduler::acquire_prefix(ReqInfo& info, KvBlocks& kv, bool device_only) {
+  auto m = kv_.match(info, device_only);
+  if (!kv_.acquire(m, kv)) m = {};
+  return m;
 }
 
 // ---------------------------------------------------------------- pressure
@@ -385,19 +385,19 @@ void Scheduler::feed(std::span<const ReqId> ids, std::span<const std::int32_t> c
                      std::span<const TokenId> tokens) {
   if (inflight_.empty()) throw SchedulerError("feed: no plan is waiting for results");
   const InFlight& rec = inflight_.front();
-  const std::string where = "feed (oldest plan in flight): ";
+  static const std::string where = "feed (oldest plan in flight): ";
   if (ids.size() != rec.ids.size() || counts.size() != ids.size())
     throw SchedulerError(where + "the plan has " + std::to_string(rec.ids.size()) + " rows, got " +
                          std::to_string(ids.size()) + " ids and " + std::to_string(counts.size()) + " counts");
   std::size_t total = 0;
   for (std::size_t i = 0; i < ids.size(); ++i) {
-    const std::string row = where + "row " + std::to_string(i) + " ";
-    if (ids[i] != rec.ids[i])
-      throw SchedulerError(row + "is request " + std::to_string(rec.ids[i]) + ", got " + std::to_string(ids[i]));
-    if (!rec.sample[i] && counts[i] != 0) throw SchedulerError(row + "is a prefill chunk that samples nothing");
+    const auto bad_row = [&](const std::string& why) {
+      throw SchedulerError(where + "row " + std::to_string(i) + " " + why);
+    };
+    if (ids[i] != rec.ids[i]) bad_row("is request " + std::to_string(rec.ids[i]) + ", got " + std::to_string(ids[i]));
+    if (!rec.sample[i] && counts[i] != 0) bad_row("is a prefill chunk that samples nothing");
     if (rec.sample[i] && (counts[i] < 1 || counts[i] > 1 + cfg_.spec_tokens))
-      throw SchedulerError(row + "needs 1.." + std::to_string(1 + cfg_.spec_tokens) + " tokens, got " +
-                           std::to_string(counts[i]));
+      bad_row("needs 1.." + std::to_string(1 + cfg_.spec_tokens) + " tokens, got " + std::to_string(counts[i]));
     total += static_cast<std::size_t>(counts[i]);
   }
   if (total != tokens.size())

@@ -199,3 +199,30 @@ TEST(HostPrefix, DemotedPrefixComesBackThroughPrefetching) {
 
 }  // namespace
 }  // namespace dz
+
+namespace dz {
+namespace {
+
+TEST(Admission, ARequestWithoutRoomForItsFirstChunkWaitsUnadmitted) {
+  auto cfg = test::paged(6);
+  cfg.prefix_cache = false;
+  Scheduler s(cfg);
+  s.submit(1, test::seq(16), {.max_new_tokens = 4});       // 4 pages, a fifth while decoding
+  s.submit(2, test::seq(12, 100), {.max_new_tokens = 1});  // 3 pages: does not fit beside it
+  bool waited = false;
+  for (int step = 0; step < 20 && s.live() > 0; ++step) {
+    auto p = s.step();
+    EXPECT_TRUE(p->retracted_ids.empty());  // waiting is not retraction
+    if (s.live() == 2) {
+      EXPECT_EQ(s.stop_of(2), "Submitted");
+      waited = true;
+    }
+    if (p->rows() > 0) test::answer(s, *p);
+    s.check_invariants();
+  }
+  EXPECT_TRUE(waited);
+  EXPECT_EQ(s.live(), 0);
+}
+
+}  // namespace
+}  // namespace dz

@@ -47,7 +47,6 @@ class KvManager {
   void commit(const KvBlocks& kv, ReqInfo& info, std::int32_t tokens, Lease snapshot = {});
   Lease snapshot_slot() { return cache_.take_snapshot_slot(); }
   PrefixCache& cache() { return cache_; }
-  std::int32_t flush_cache() { return cache_.flush(); }
   const PrefixCache& cache() const { return cache_; }
 
   // Retraction to host memory and back.
@@ -61,13 +60,14 @@ class KvManager {
   std::int32_t total_blocks(std::size_t g) const;
   std::int32_t free_host_pages() const { return host_.size(); }
   // The most tokens one request can hold with the whole device to itself.
-  std::int64_t max_tokens_per_request() const;
+  std::int64_t max_tokens_per_request() const { return max_tokens_per_request_; }
   std::int32_t free_slots() const { return slots_.size(); }
   const GroupAllocator* allocator(std::size_t g) const { return allocs_[g].get(); }
 
  private:
   std::vector<BlockTable>& tables_of(KvBlocks& kv);
   BlockId alloc(std::size_t g);  // evicts from the prefix cache when needed
+  std::int64_t compute_max_tokens_per_request() const;
 
   std::int32_t block_size_;
   std::vector<CacheGroupSpec> groups_;
@@ -78,6 +78,7 @@ class KvManager {
   FreeList host_;
   std::vector<std::unique_ptr<GroupAllocator>> allocs_;  // nullptr for State groups
   PrefixCache cache_;
+  std::int64_t max_tokens_per_request_;
   CopyOps ops_;
 };
 

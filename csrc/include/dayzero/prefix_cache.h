@@ -78,8 +78,10 @@ class PrefixCache final : public PinListener {
   bool acquire(const Match& m, std::vector<BlockTable>& tables, SlotId state_slot, CopyOps& ops);
 
   // Registers block i of a request (key, its block in every group). The entry
-  // takes its own references. A snapshot lease, if given, holds the state after it.
-  void insert(const BlockKey& key, std::span<const BlockId> blocks, Lease snapshot);
+  // takes its own references.
+  void insert(const BlockKey& key, std::span<const BlockId> blocks);
+  // Gives a device entry without one the state snapshot taken after its block.
+  void attach_snapshot(const BlockKey& key, Lease snapshot);
   bool contains(const BlockKey& key) const { return index_.contains(key); }
 
   // Frees device memory: demotes or drops the least recently used unused entry.
@@ -89,7 +91,6 @@ class PrefixCache final : public PinListener {
   // Drops every entry no request uses (device and host); returns how many.
   std::int32_t flush();
   Lease take_snapshot_slot();  // may drop the oldest snapshot; empty if none allowed
-  void set_enabled(bool on) { enabled_ = on; }
   bool enabled() const { return enabled_; }
 
   void pin(std::int32_t e) override;
@@ -105,8 +106,13 @@ class PrefixCache final : public PinListener {
   std::int32_t snapshots_held() const { return snapshots_ ? snapshots_->capacity() - snapshots_->size() : 0; }
   std::int32_t host_pages_held() const;
 
-  std::int64_t lookup_tokens = 0;
-  std::int64_t hit_tokens = 0;
+  // Hit rate, counted once per admitted request.
+  void record(std::int64_t lookup, std::int64_t hit) {
+    lookup_tokens_ += lookup;
+    hit_tokens_ += hit;
+  }
+  std::int64_t lookup_tokens() const { return lookup_tokens_; }
+  std::int64_t hit_tokens() const { return hit_tokens_; }
 
  private:
   struct Entry {
@@ -141,6 +147,7 @@ class PrefixCache final : public PinListener {
   std::int32_t lru_size_ = 0, host_size_ = 0;
   std::deque<std::pair<std::int32_t, std::uint32_t>> snapshot_fifo_;
   std::vector<Lease> deferred_host_;  // host pages read by the last plan's copies
+  std::int64_t lookup_tokens_ = 0, hit_tokens_ = 0;
 
  public:
   // Called when planning a new step: copies of earlier plans run before it.

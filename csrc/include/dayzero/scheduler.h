@@ -49,7 +49,7 @@ class Scheduler {
   void abort(ReqId id);
   void finish(ReqId id);  // stop condition found by the caller (e.g. a stop string)
   // Drops every prefix-cache entry no request uses (e.g. after a weight update).
-  std::int32_t flush_prefix_cache() { return kv_.flush_cache(); }
+  std::int32_t flush_prefix_cache() { return kv_.cache().flush(); }
 
   // One step. The plan stays valid while the caller holds it.
   std::shared_ptr<const Plan> step();
@@ -99,8 +99,10 @@ class Scheduler {
   void schedule_decodes(Plan& p, Budget& b);
   void schedule_prefills(Plan& p, Budget& b);
   void admit(Plan& p, Budget& b);
-  enum class Admission { Blocked, Admitted, AdmittedStop };
-  Admission admit_one(Plan& p, Budget& b, std::int32_t slot);
+  bool admit_one(Plan& p, Budget& b, std::int32_t slot);  // false: it must wait, and so do later ones
+  void enter_running(std::int32_t slot);                  // keeps running_ in arrival order
+  PrefixCache::Match acquire_prefix(ReqInfo& info, KvBlocks& kv, bool device_only);
+  std::int32_t chunk_end(const ReqInfo& info, std::int32_t start, const Budget& b) const;
   bool chunk(Plan& p, Budget& b, std::int32_t slot);
   bool make_room(std::int32_t for_slot);  // retracts one victim later than for_slot
   void retract(std::int32_t slot);

@@ -7,6 +7,7 @@
 // no KV has no kv() at all.
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <variant>
 #include <vector>
@@ -156,6 +157,17 @@ inline const ReqInfo& info_of(const Stop& s) {
 }
 inline ReqInfo& info_of(Stop& s) {
   return std::visit([](auto& x) -> ReqInfo& { return x.info; }, s);
+}
+// The KV of a stop that holds some, or nullptr.
+inline const KvBlocks* kv_of(const Stop& s) {
+  return std::visit(
+      [](const auto& x) -> const KvBlocks* {
+        if constexpr (std::derived_from<std::decay_t<decltype(x)>, KvOwner>)
+          return &x.kv();
+        else
+          return nullptr;
+      },
+      s);
 }
 inline const char* name_of(const Stop& s) {
   return std::visit([](const auto& x) { return std::decay_t<decltype(x)>::kName; }, s);
