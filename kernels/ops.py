@@ -1,0 +1,62 @@
+"""The portable op API: every op a block may call, and the features a block may ask of it.
+
+Shapes: T tokens in the step (all rows, flattened), R rows (requests), H query heads, Hk KV
+heads, D head size, E experts, V vocabulary. A paged cache view of one layer is [N, Hk, D],
+indexed by slot = block * block_size + offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from dayzero.kernels.registry import declare_op
+
+
+@dataclass(frozen=True)
+class PagedMeta:
+    """Where one step's rows live in one paged cache group.
+
+    query_start [R + 1], kv_lens [R] (KV length after this step), positions [T],
+    block_table [R, W] (group-local block ids, -1 where a sliding window freed a block),
+    slots [T] (cache slot each new token is written to), block_size.
+    Host copies (`*_cpu`) let the reference backend loop over rows without syncing.
+    """
+
+    query_start: torch.Tensor
+    kv_lens: torch.Tensor
+    positions: torch.Tensor
+    block_table: torch.Tensor
+    slots: torch.Tensor
+    block_size: int
+    query_start_cpu: tuple[int, ...]
+    kv_lens_cpu: tuple[int, ...]
+
+
+declare_op("embedding", "ids [T] -> weight[ids] [T, Dm]")
+declare_op("linear", "x [.., K] @ w[N, K]^T (+ b) -> [.., N]", features={"bias"})
+declare_op("rms_norm", "x / rms(x) * w over the last dim, in fp32", features={"weight_in_fp32"})
+declare_op(
+    "rope", "rotate the first rotary_dim channels of [T, H, D] by position", features={"partial", "neox"}
+)
+declare_op("kv_write", "write new keys/values [T, Hk, D] into their cache slots")
+declare_op(
+    "gqa_attention",
+    "causal attention of q [T, H, D] over the paged K/V of each row -> [T, H, D]",
+    features={"causal", "sliding_window", "softcap"},
+)
+declare_op("swiglu", "act(gate) * up, optionally in fp32", features={"fp32"})
+declare_op(
+    "moe_route",
+    "router logits [T, E] -> (weights [T, k], expert ids [T, k])",
+    features={"sigmoid", "softmax", "correction_bias", "grouped", "renormalize"},
+)
+declare_op(
+    "moe_experts", "sum_k w_k * expert_{id_k}(x) over stacked SwiGLU experts -> [T, Dm]", features={"fp32"}
+)
+declare_op("softcap", "cap * tanh(x / cap), in fp32")
+declare_op(
+    "sample",
+    "logits [S, V] -> (token ids [S], chosen-token logprobs [S])",
+    features={"greedy", "temperature", "top_k", "top_p", "seed"},
+)

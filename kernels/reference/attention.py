@@ -1,0 +1,63 @@
+"""Reference paged GQA attention: a loop over rows, each gathering its keys from the cache."""
+
+from __future__ import annotations
+
+import torch
+from dayzero.kernels.ops import PagedMeta
+from dayzero.kernels.registry import register
+
+
+@register("kv_write", "reference")
+def kv_write(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """k_cache[slots[t]] = k[t] for every new token t; k, v [T, Hk, D], caches [N, Hk, D]."""
+    k_cache[slots] = k.to(k_cache.dtype)
+    v_cache[slots] = v.to(v_cache.dtype)
+
+
+@register("gqa_attention", "reference")
+def gqa_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedMeta,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Grouped-query attention over paged K/V.
+
+    For query token t at position p_t of row r and key position j < kv_lens[r]:
+        s[t, h, j] = scale * <q[t, h], K_r[j, h // (H / Hk)]>     (optionally cap * tanh(s / cap))
+        allowed iff j <= p_t and (window is None or j > p_t - window)
+        out[t, h] = sum_j softmax_j(s[t, h, :])[j] * V_r[j, h // (H / Hk)]
+    Scores and softmax in fp32; the probabilities are cast to q's dtype before the V product.
+    q [T, H, D], caches [N, Hk, D] -> [T, H, D].
+    """
+    out = torch.empty_like(q)
+    h, hk = q.shape[1], k_cache.shape[1]
+    bs = meta.block_size
+    qs = meta.query_start_cpu
+    for r in range(len(qs) - 1):
+        a, b = qs[r], qs[r + 1]
+        if a == b:
+            continue
+        kv_len = meta.kv_lens_cpu[r]
+        first = kv_len - (b - a)  # position of the row's first query
+        lo = 0 if window is None else max(0, first - window + 1)
+        pos_k = torch.arange(lo, kv_len, device=q.device)
+        slots = meta.block_table[r, pos_k // bs].long() * bs + pos_k % bs
+        keys = k_cache[slots].to(q.dtype).repeat_interleave(h // hk, dim=1)  # [L, H, D]
+        vals = v_cache[slots].to(q.dtype).repeat_interleave(h // hk, dim=1)
+        s = torch.einsum("thd,lhd->htl", q[a:b].float(), keys.float()) * scale  # [H, n, L]
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        pos_q = meta.positions[a:b]
+        allowed = pos_k[None, :] <= pos_q[:, None]
+        if window is not None:
+            allowed &= pos_k[None, :] > pos_q[:, None] - window
+        s = s.masked_fill(~allowed[None], float("-inf"))
+        p = torch.softmax(s, dim=-1).to(q.dtype)
+        out[a:b] = torch.einsum("htl,lhd->thd", p, vals)
+    return out

@@ -1,0 +1,65 @@
+"""Reference elementwise and matmul ops: embedding, linear, RMSNorm, RoPE, SwiGLU, softcap."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from dayzero.kernels.registry import register
+
+
+@register("embedding", "reference")
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.embedding(ids, weight)  # [T, Dm]
+
+
+@register("linear", "reference")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+@register("rms_norm", "reference")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False) -> torch.Tensor:
+    """y = x / sqrt(mean(x^2) + eps) * w, the statistic in fp32.
+
+    weight_in_fp32: multiply by w before casting back (Gemma/Beam order); otherwise cast, then
+    multiply (Llama order). Identical in fp32, differs by rounding in bf16.
+    """
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_in_fp32:
+        return (weight * h).to(x.dtype)
+    return weight * h.to(x.dtype)
+
+
+@register("rope", "reference")
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, neox: bool = True) -> torch.Tensor:
+    """Rotary embedding on the first 2 * len(inv_freq) channels of x [T, H, D].
+
+    angle[t, j] = positions[t] * inv_freq[j]. neox (rotate-half): channel j pairs with j + R/2;
+    otherwise (GPT-J) channel 2j pairs with 2j + 1. Channels past R pass through (partial RoPE).
+    """
+    rot = 2 * inv_freq.shape[0]
+    ang = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, R/2]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]  # [T, 1, R/2]
+    xr = x[..., :rot].float()
+    if neox:
+        x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((out.to(x.dtype), x[..., rot:]), dim=-1)
+
+
+@register("swiglu", "reference")
+def swiglu(gate: torch.Tensor, up: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+    """silu(gate) * up; with fp32 the activation and product run in fp32 and are cast back."""
+    if fp32:
+        return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    return F.silu(gate) * up
+
+
+@register("softcap", "reference")
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap) in fp32 (bf16 tanh saturates badly); returns fp32."""
+    return torch.tanh(x.float() / cap) * cap

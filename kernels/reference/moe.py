@@ -1,0 +1,63 @@
+"""Reference mixture-of-experts: routing (sigmoid / softmax, grouped top-k) and stacked SwiGLU experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from dayzero.kernels.registry import register
+
+
+@register("moe_route", "reference")
+def moe_route(
+    logits: torch.Tensor,
+    top_k: int,
+    score: str = "softmax",
+    correction_bias: torch.Tensor | None = None,
+    groups: int = 1,
+    topk_groups: int = 1,
+    renormalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick top_k experts per token from router logits [T, E] (fp32).
+
+    s = sigmoid(logits) or softmax(logits). Selection uses c = s + correction_bias (the bias
+    never enters the weights). With groups > 1 the E experts form `groups` equal groups, a
+    group scores the sum of its top-2 c, and only experts of the topk_groups best groups may be
+    picked. weights = s at the picked experts, divided by their sum when renormalize.
+    Returns (weights [T, k] fp32, ids [T, k] int64).
+    """
+    s = logits.float().sigmoid() if score == "sigmoid" else logits.float().softmax(dim=-1)
+    choice = s if correction_bias is None else s + correction_bias.float()
+    if groups > 1:
+        t, e = choice.shape
+        group_score = choice.view(t, groups, e // groups).topk(2, dim=-1).values.sum(-1)  # [T, G]
+        keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(topk_groups, dim=-1).indices, 1.0)
+        keep = keep.bool()[:, :, None].expand(t, groups, e // groups).reshape(t, e)
+        choice = choice.masked_fill(~keep, float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    w = s.gather(1, ids)
+    if renormalize:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w, ids
+
+
+@register("moe_experts", "reference")
+def moe_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    fp32: bool = False,
+) -> torch.Tensor:
+    """out[t] = sum_k weights[t, k] * down_e(silu(g) * u), [g; u] = gate_up_e x[t], e = ids[t, k].
+
+    x [T, Dm], gate_up [E, 2I, Dm], down [E, Dm, I], weights/ids [T, k] -> [T, Dm].
+    """
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
+        h = (F.silu(g.float()) * u.float()).to(x.dtype) if fp32 else F.silu(g) * u
+        y = F.linear(h, down[e]) * weights[tok, slot, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out

@@ -1,0 +1,168 @@
+"""Kernel registry: every op has a reference backend; faster backends declare what they support.
+
+A kernel is (op, backend, function, capabilities). Capabilities are data: device kinds, dtypes,
+minimum compute capability, head sizes and op features. `select` picks, for one `Need` (op +
+features + head size), the registered kernel with the highest priority that supports the device
+and dtype; `DAYZERO_KERNEL_<OP>=<backend>` overrides the choice. A model is built only after every
+need it has is selected, so a spec this device cannot run fails before serving, naming the op and
+what is missing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+
+import torch
+from dayzero.sdk.registry import Registry, UnknownKeyError
+
+ENTRY_POINT_GROUP = "dayzero.kernels"
+
+
+@dataclass(frozen=True)
+class OpDecl:
+    """An op of the portable API and the features a caller may ask of it."""
+
+    name: str
+    doc: str
+    features: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.bfloat16, torch.float16})
+    features: frozenset[str] = frozenset()
+    head_dims: frozenset[int] | None = None  # None: any
+    min_capability: tuple[int, int] | None = None  # CUDA compute capability
+    priority: int = 0  # higher wins among the kernels that fit
+
+
+@dataclass(frozen=True)
+class Kernel:
+    op: str
+    backend: str
+    fn: Callable
+    caps: Capabilities = field(default_factory=Capabilities)
+
+    @property
+    def key(self) -> str:
+        return f"{self.op}/{self.backend}"
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one block asks of one op."""
+
+    op: str
+    features: frozenset[str] = frozenset()
+    head_dim: int | None = None
+
+
+class KernelSelectionError(RuntimeError):
+    pass
+
+
+OPS: Registry[OpDecl] = Registry("op")
+KERNELS: Registry[Kernel] = Registry("kernel")
+
+
+def declare_op(name: str, doc: str, features: Iterable[str] = ()) -> None:
+    OPS.add(name, OpDecl(name, doc, frozenset(features)))
+
+
+def register(op: str, backend: str, caps: Capabilities | None = None) -> Callable[[Callable], Callable]:
+    OPS.get(op)  # an unknown op fails here, listing the known ones
+
+    def wrap(fn: Callable) -> Callable:
+        c = caps or Capabilities(features=OPS.get(op).features)
+        KERNELS.add(f"{op}/{backend}", Kernel(op, backend, fn, c))
+        return fn
+
+    return wrap
+
+
+_loaded = False
+
+
+def load_backends() -> None:
+    """Import the built-in backends and any third-party ones (entry-point group `dayzero.kernels`)."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    from dayzero.kernels import reference  # noqa: F401  (registers on import)
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        ep.load()
+
+
+def _missing(k: Kernel, need: Need, device: torch.device, dtype: torch.dtype) -> list[str]:
+    c, out = k.caps, []
+    if device.type not in c.devices:
+        out.append(f"device {device.type} (has {', '.join(sorted(c.devices))})")
+    if dtype not in c.dtypes:
+        out.append(f"dtype {str(dtype).removeprefix('torch.')}")
+    if lacking := need.features - c.features:
+        out.append(f"features {', '.join(sorted(lacking))}")
+    if c.head_dims is not None and need.head_dim not in c.head_dims:
+        out.append(f"head size {need.head_dim}")
+    if c.min_capability is not None and device.type == "cuda":
+        cc = torch.cuda.get_device_capability(device)
+        if cc < c.min_capability:
+            out.append(f"compute capability {cc} < {c.min_capability}")
+    return out
+
+
+def select(need: Need, device: torch.device, dtype: torch.dtype) -> Kernel:
+    load_backends()
+    decl = OPS.get(need.op)
+    if unknown := need.features - decl.features:
+        raise KernelSelectionError(
+            f"op {need.op!r} has no feature {', '.join(sorted(unknown))}; "
+            f"known: {', '.join(sorted(decl.features)) or '(none)'}"
+        )
+    candidates = [k for _, k in KERNELS.items() if k.op == need.op]
+    override = os.environ.get(f"DAYZERO_KERNEL_{need.op.upper()}")
+    if override:
+        by_name = {k.backend: k for k in candidates}
+        if override not in by_name:
+            raise UnknownKeyError(f"backend for op {need.op!r}", override, sorted(by_name))
+        candidates = [by_name[override]]
+    fits = [k for k in candidates if not _missing(k, need, device, dtype)]
+    if not fits:
+        why = "; ".join(
+            f"{k.backend}: lacks {', '.join(_missing(k, need, device, dtype))}" for k in candidates
+        )
+        raise KernelSelectionError(f"no kernel for op {need.op!r} on {device.type}/{dtype}: {why}")
+    return max(fits, key=lambda k: k.caps.priority)
+
+
+class OpTable:
+    """The kernels one model was built with: `ops.rms_norm(...)` calls the selected function."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self._chosen: dict[str, Kernel] = {}
+        self._needs: dict[str, Need] = {}
+
+    def need(self, op: str, features: Iterable[str] = (), head_dim: int | None = None) -> None:
+        """Record a need; the union of features over all blocks is what gets selected."""
+        prev = self._needs.get(op, Need(op))
+        self._needs[op] = Need(op, prev.features | frozenset(features), head_dim or prev.head_dim)
+
+    def resolve(self) -> OpTable:
+        for op, need in self._needs.items():
+            self._chosen[op] = select(need, self.device, self.dtype)
+        return self
+
+    def chosen(self) -> dict[str, str]:
+        return {op: k.backend for op, k in sorted(self._chosen.items())}
+
+    def __getattr__(self, op: str) -> Callable:
+        chosen = self.__dict__.get("_chosen", {})
+        if op in chosen:
+            return chosen[op].fn
+        raise AttributeError(f"op {op!r} was not selected for this model (needs: {', '.join(chosen)})")

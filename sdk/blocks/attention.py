@@ -1,0 +1,201 @@
+"""Attention blocks. Each kind's math is in its module docstring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from dayzero.kernels.registry import OpTable
+from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl
+from dayzero.sdk.spec.schema import BoolV, FloatV, IntV, Strict
+from torch import nn
+
+
+class RopeOpts(Strict):
+    kind: Literal["default"] = "default"
+    theta: FloatV
+    fraction: FloatV = 1.0  # partial RoPE: the first fraction of each head's channels rotate
+    neox: bool = True  # rotate-half pairing (else interleaved pairs)
+
+
+class QueryScalingOpts(Strict):
+    """log_position: q *= (1 + (p + 1) / base) ** exponent at position p (scalable softmax)."""
+
+    kind: Literal["log_position"]
+    base: FloatV
+    exponent: FloatV
+
+
+class GqaOpts(Strict):
+    kind: Literal["gqa"]
+    heads: IntV
+    kv_heads: IntV
+    head_dim: IntV
+    bias: BoolV = False  # q/k/v and output projection biases
+    qk_norm: bool = False
+    rope: RopeOpts | None = None  # None: NoPE
+    window: IntV | None = None  # sliding window (tokens a query sees, itself included)
+    output_gate: Literal["none", "sigmoid", "sigmoid_head_bias"] = "none"
+    query_scaling: QueryScalingOpts | None = None
+    softcap: FloatV | None = None
+    scale: FloatV | None = None  # default head_dim ** -0.5
+
+
+@dataclass(frozen=True)
+class GqaCfg:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    bias: bool
+    qk_norm: bool
+    norm_eps: float
+    norm_weight_in_fp32: bool
+    rope_theta: float | None
+    rotary_dim: int
+    neox: bool
+    window: int | None
+    output_gate: str
+    query_scaling: tuple[float, float] | None  # (base, exponent)
+    softcap: float | None
+    scale: float
+
+
+class GqaAttention(nn.Module):
+    """Grouped-query attention over the paged KV cache.
+
+    [q; k; v; g] = x W_in (+ b on q, k, v)             q, g [T, H, D]; k, v [T, Hk, D]
+    q, k <- rmsnorm_D(q), rmsnorm_D(k)                  (qk_norm)
+    q, k <- rope(q, p), rope(k, p)                      (rope; NoPE when absent)
+    q <- q * (1 + (p + 1) / base) ** exponent           (query_scaling)
+    o[t, h] = sum_{j <= p_t, j > p_t - W} softmax_j(scale * q[t, h] . k[j, h // (H/Hk)]) v[j, ...]
+    o <- o * sigmoid(g (+ b_gate[h]))                   (output_gate)
+    y = o W_o (+ b_o)                                   [T, Dm]
+    """
+
+    def __init__(self, cfg: GqaCfg, ops: OpTable, cache_group: int, cache_offset: int) -> None:
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        self.group, self.offset = cache_group, cache_offset
+        h, hk, d = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.split = [h * d, hk * d, hk * d] + ([h * d] if cfg.output_gate != "none" else [])
+        self.in_proj = nn.Parameter(torch.empty(sum(self.split), cfg.hidden))
+        self.qkv_bias = nn.Parameter(torch.empty(sum(self.split[:3]))) if cfg.bias else None
+        self.o_proj = nn.Parameter(torch.empty(cfg.hidden, h * d))
+        self.o_bias = nn.Parameter(torch.empty(cfg.hidden)) if cfg.bias else None
+        self.q_norm = nn.Parameter(torch.empty(d)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.empty(d)) if cfg.qk_norm else None
+        self.gate_bias = nn.Parameter(torch.empty(h)) if cfg.output_gate == "sigmoid_head_bias" else None
+        inv = None
+        if cfg.rope_theta is not None:
+            r = cfg.rotary_dim
+            inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
+        self.register_buffer("inv_freq", None if inv is None else inv.float(), persistent=False)
+
+    @staticmethod
+    def parts(cfg: GqaCfg) -> dict[str, dict[str, int]]:
+        h, hk, d = cfg.heads, cfg.kv_heads, cfg.head_dim
+        proj = {"q": h * d, "k": hk * d, "v": hk * d} | ({"gate": h * d} if cfg.output_gate != "none" else {})
+        return {"in_proj": proj, "qkv_bias": {"q": h * d, "k": hk * d, "v": hk * d}}
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        c, ops, t = self.cfg, self.ops, x.shape[0]
+        proj = ops.linear(x, self.in_proj)  # [T, (2H + 2Hk) D] or [T, (H + 2Hk) D]
+        qkv, gate = proj[:, : sum(self.split[:3])], proj[:, sum(self.split[:3]) :]
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        q, k, v = qkv.split(self.split[:3], dim=-1)
+        q = q.reshape(t, c.heads, c.head_dim)
+        k = k.reshape(t, c.kv_heads, c.head_dim)
+        v = v.reshape(t, c.kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q = ops.rms_norm(q, self.q_norm, c.norm_eps, c.norm_weight_in_fp32)
+            k = ops.rms_norm(k, self.k_norm, c.norm_eps, c.norm_weight_in_fp32)
+        if self.inv_freq is not None:
+            q = ops.rope(q, ctx.positions, self.inv_freq, c.neox)
+            k = ops.rope(k, ctx.positions, self.inv_freq, c.neox)
+        if c.query_scaling is not None:
+            base, exponent = c.query_scaling
+            s = torch.exp(exponent * torch.log1p((ctx.positions.float() + 1) / base))  # [T]
+            q = (q.float() * s[:, None, None]).to(q.dtype)
+        kv = ctx.caches[self.group][:, self.offset : self.offset + 2 * c.kv_heads * c.head_dim]
+        kv = kv.view(-1, 2, c.kv_heads, c.head_dim)  # [N, 2, Hk, D]
+        meta = ctx.paged[self.group]
+        ops.kv_write(k, v, kv[:, 0], kv[:, 1], meta.slots)
+        o = ops.gqa_attention(q, kv[:, 0], kv[:, 1], meta, c.scale, c.window, c.softcap)  # [T, H, D]
+        if c.output_gate != "none":
+            g = gate.reshape(t, c.heads, c.head_dim)
+            if self.gate_bias is not None:
+                g = g + self.gate_bias[None, :, None]
+            o = o * torch.sigmoid(g)
+        return ops.linear(o.reshape(t, -1), self.o_proj, self.o_bias)
+
+
+def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
+    d = int(val(o.head_dim))
+    rope = o.rope
+    rot = 0 if rope is None else int(d * float(val(rope.fraction)))
+    if rope is not None and (rot <= 0 or rot % 2):
+        raise ValueError(
+            f"rope.fraction gives {rot} rotary channels of head_dim {d}; need an even number > 0"
+        )
+    qs = o.query_scaling
+    return GqaCfg(
+        hidden=int(val("$hidden")),
+        heads=int(val(o.heads)),
+        kv_heads=int(val(o.kv_heads)),
+        head_dim=d,
+        bias=bool(val(o.bias)),
+        qk_norm=o.qk_norm,
+        norm_eps=float(val("$norm_eps")),
+        norm_weight_in_fp32=bool(val("$norm_weight_in_fp32")),
+        rope_theta=None if rope is None else float(val(rope.theta)),
+        rotary_dim=rot,
+        neox=True if rope is None else rope.neox,
+        window=None if o.window is None or val(o.window) is None else int(val(o.window)),
+        output_gate=o.output_gate,
+        query_scaling=None if qs is None else (float(val(qs.base)), float(val(qs.exponent))),
+        softcap=None if o.softcap is None or val(o.softcap) is None else float(val(o.softcap)),
+        scale=d**-0.5 if o.scale is None else float(val(o.scale)),
+    )
+
+
+def _gqa_needs(c: GqaCfg):
+    attn = {"causal"} | ({"sliding_window"} if c.window else set()) | ({"softcap"} if c.softcap else set())
+    needs = [
+        ("linear", frozenset({"bias"}) if c.bias else frozenset(), None),
+        ("kv_write", frozenset(), c.head_dim),
+        ("gqa_attention", frozenset(attn), c.head_dim),
+    ]
+    if c.qk_norm:
+        needs.append(("rms_norm", frozenset({"weight_in_fp32"} if c.norm_weight_in_fp32 else ()), None))
+    if c.rope_theta is not None:
+        rope = ({"partial"} if c.rotary_dim < c.head_dim else set()) | ({"neox"} if c.neox else set())
+        needs.append(("rope", frozenset(rope), None))
+    return needs
+
+
+def _gqa_cache(c: GqaCfg) -> CacheDecl:
+    row = 2 * c.kv_heads * c.head_dim
+    return CacheDecl("sliding", row, c.window) if c.window else CacheDecl("paged", row)
+
+
+def _gqa_static_cache(o: GqaOpts) -> tuple[str, str]:
+    return ("paged", "") if o.window is None else ("sliding", str(o.window))
+
+
+BLOCKS.add(
+    "gqa",
+    BlockDef(
+        "gqa",
+        "attention",
+        GqaOpts,
+        _resolve_gqa,
+        GqaAttention,
+        _gqa_needs,
+        _gqa_cache,
+        _gqa_static_cache,
+        GqaAttention.__doc__ or "",
+    ),
+)

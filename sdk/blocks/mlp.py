@@ -1,0 +1,175 @@
+"""Feed-forward blocks: SwiGLU and mixture-of-experts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from dayzero.kernels.registry import OpTable
+from dayzero.sdk.blocks.base import BLOCKS, BlockDef
+from dayzero.sdk.spec.schema import BoolV, FloatV, IntV, Strict
+from torch import nn
+
+
+class SwigluOpts(Strict):
+    kind: Literal["swiglu"]
+    intermediate: IntV
+    fp32: BoolV = False  # activation and product in fp32
+
+
+@dataclass(frozen=True)
+class SwigluCfg:
+    hidden: int
+    intermediate: int
+    fp32: bool
+
+
+class SwiGLU(nn.Module):
+    """y = W_down (silu(x W_gate) * (x W_up)); [gate; up] is one fused projection."""
+
+    def __init__(self, cfg: SwigluCfg, ops: OpTable) -> None:
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        self.gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate, cfg.hidden))
+        self.down = nn.Parameter(torch.empty(cfg.hidden, cfg.intermediate))
+
+    @staticmethod
+    def parts(cfg: SwigluCfg) -> dict[str, dict[str, int]]:
+        return {"gate_up": {"gate": cfg.intermediate, "up": cfg.intermediate}}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.ops.linear(x, self.gate_up).chunk(2, dim=-1)  # [T, I] each
+        return self.ops.linear(self.ops.swiglu(gate, up, self.cfg.fp32), self.down)
+
+
+class MoeOpts(Strict):
+    kind: Literal["moe"]
+    experts: IntV
+    top_k: IntV
+    intermediate: IntV
+    score: Literal["sigmoid", "softmax"] = "softmax"
+    correction_bias: bool = False
+    groups: IntV = 1
+    topk_groups: IntV = 1
+    renormalize: BoolV = True
+    routed_scale: FloatV = 1.0
+    shared_intermediate: IntV = 0  # 0: no shared expert
+    shared_gate: bool = False  # sigmoid(x w_g) scales the shared expert
+    fp32: BoolV = False  # expert activations in fp32
+
+
+@dataclass(frozen=True)
+class MoeCfg:
+    hidden: int
+    experts: int
+    top_k: int
+    intermediate: int
+    score: str
+    correction_bias: bool
+    groups: int
+    topk_groups: int
+    renormalize: bool
+    routed_scale: float
+    shared_intermediate: int
+    shared_gate: bool
+    fp32: bool
+
+
+class MoE(nn.Module):
+    """Routed experts (+ shared expert).
+
+    s = score(x W_r^T) (fp32; sigmoid or softmax over E experts)
+    pick top_k by s + b_corr (bias only selects), within the topk_groups best of `groups`
+    groups (group score = sum of its top-2); w = s[picked] (/ sum when renormalize)
+    y = routed_scale * sum_k w_k SwiGLU_{e_k}(x)  (+ [sigmoid(x w_g)] SwiGLU_shared(x))
+    """
+
+    fp32_params = ("router", "correction_bias")  # routing stays fp32 in every model dtype
+
+    def __init__(self, cfg: MoeCfg, ops: OpTable) -> None:
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        e, i, h = cfg.experts, cfg.intermediate, cfg.hidden
+        self.router = nn.Parameter(torch.empty(e, h))
+        self.correction_bias = nn.Parameter(torch.empty(e)) if cfg.correction_bias else None
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down = nn.Parameter(torch.empty(e, h, i))
+        si = cfg.shared_intermediate
+        self.shared = SwiGLU(SwigluCfg(h, si, cfg.fp32), ops) if si else None
+        self.shared_gate = nn.Parameter(torch.empty(1, h)) if si and cfg.shared_gate else None
+
+    @staticmethod
+    def parts(cfg: MoeCfg) -> dict[str, dict[str, int]]:
+        return {"gate_up": {"gate": cfg.intermediate, "up": cfg.intermediate}} | {
+            "shared.gate_up": {"gate": cfg.shared_intermediate, "up": cfg.shared_intermediate}
+        }
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c, ops = self.cfg, self.ops
+        logits = ops.linear(x.float(), self.router)  # [T, E] fp32
+        w, ids = ops.moe_route(
+            logits, c.top_k, c.score, self.correction_bias, c.groups, c.topk_groups, c.renormalize
+        )
+        y = ops.moe_experts(x, self.gate_up, self.down, w, ids, c.fp32)
+        if c.routed_scale != 1.0:
+            y = y * c.routed_scale
+        if self.shared is not None:
+            s = self.shared(x)
+            if self.shared_gate is not None:
+                s = s * torch.sigmoid(ops.linear(x, self.shared_gate))
+            y = y + s
+        return y
+
+
+def _resolve_swiglu(o: SwigluOpts, val) -> SwigluCfg:
+    return SwigluCfg(int(val("$hidden")), int(val(o.intermediate)), bool(val(o.fp32)))
+
+
+def _resolve_moe(o: MoeOpts, val) -> MoeCfg:
+    c = MoeCfg(
+        hidden=int(val("$hidden")),
+        experts=int(val(o.experts)),
+        top_k=int(val(o.top_k)),
+        intermediate=int(val(o.intermediate)),
+        score=o.score,
+        correction_bias=o.correction_bias,
+        groups=int(val(o.groups) or 1),
+        topk_groups=int(val(o.topk_groups) or 1),
+        renormalize=bool(val(o.renormalize)),
+        routed_scale=float(val(o.routed_scale)),
+        shared_intermediate=int(val(o.shared_intermediate) or 0),
+        shared_gate=o.shared_gate,
+        fp32=bool(val(o.fp32)),
+    )
+    if c.experts % c.groups or c.topk_groups > c.groups:
+        raise ValueError(f"{c.experts} experts do not split into {c.groups} groups with top {c.topk_groups}")
+    if c.groups > 1 and c.experts // c.groups < 2:
+        raise ValueError("grouped routing scores a group by its top-2 experts; groups need >= 2 experts")
+    if not 0 < c.top_k <= c.experts:
+        raise ValueError(f"top_k {c.top_k} must be in 1..{c.experts}")
+    return c
+
+
+def _swiglu_needs(c: SwigluCfg):
+    return [("linear", frozenset(), None), ("swiglu", frozenset({"fp32"} if c.fp32 else ()), None)]
+
+
+def _moe_needs(c: MoeCfg):
+    route = {c.score} | ({"correction_bias"} if c.correction_bias else set())
+    route |= ({"grouped"} if c.groups > 1 else set()) | ({"renormalize"} if c.renormalize else set())
+    needs = [
+        ("linear", frozenset(), None),
+        ("moe_route", frozenset(route), None),
+        ("moe_experts", frozenset({"fp32"} if c.fp32 else ()), None),
+    ]
+    return needs + (
+        _swiglu_needs(SwigluCfg(c.hidden, c.shared_intermediate, c.fp32)) if c.shared_intermediate else []
+    )
+
+
+BLOCKS.add(
+    "swiglu",
+    BlockDef("swiglu", "mlp", SwigluOpts, _resolve_swiglu, SwiGLU, _swiglu_needs, doc=SwiGLU.__doc__),
+)
+BLOCKS.add("moe", BlockDef("moe", "mlp", MoeOpts, _resolve_moe, MoE, _moe_needs, doc=MoE.__doc__))

@@ -1,0 +1,151 @@
+"""Codegen: render `templates/` (jinja2) from each family's spec into `models/<family>/`.
+
+Outputs per family: `model.py` (composition of blocks), `cache.py` (cache geometry),
+`README.md` (model card), `test_parity.py` (the family's parity test), `__init__.py`.
+Each starts with a "generated from spec.yaml@<hash>, do not edit" line. Codegen never looks at
+a family's name: everything comes from the spec and the block library.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jinja2
+from dayzero.sdk.blocks import BLOCKS
+from dayzero.sdk.engine.geometry import GroupDecl
+from dayzero.sdk.families import Family
+from dayzero.sdk.spec.load import _rule_blocks
+from dayzero.sdk.support import support_matrix
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
+OUTPUTS = ("__init__.py", "model.py", "cache.py", "README.md", "test_parity.py")
+PARITY_SEEDS_PER_SHAPE = 2
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=False,
+    )
+
+
+def _groups(fam: Family) -> list[dict]:
+    loaded = fam.spec
+    used = [b for _, b in _rule_blocks(loaded.spec.layers.attention)]
+    by_key: dict[tuple[str, str], list[str]] = {}
+    for name in dict.fromkeys(used):
+        opts = loaded.blocks[name]
+        by_key.setdefault(BLOCKS.get(opts.kind).static_cache(opts), []).append(name)
+    sliding = [k for k in by_key if k[0] == "sliding"]
+    out = []
+    for (kind, key), blocks in by_key.items():
+        name = (
+            "kv"
+            if kind == "paged"
+            else "kv_swa"
+            if len(sliding) == 1
+            else f"kv_swa_{sliding.index((kind, key))}"
+        )
+        out.append({"name": name, "kind": kind, "blocks": blocks})
+    return out
+
+
+def _describe(opts) -> str:
+    d = opts.model_dump(exclude_defaults=True, exclude={"kind"}, by_alias=True)
+    return ", ".join(f"{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in d.items()) or "-"
+
+
+def _plan_text(rule) -> str:
+    return json.dumps(rule.model_dump(exclude_defaults=True)).replace('"', "")
+
+
+def render(fam: Family) -> dict[str, str]:
+    loaded, env = fam.spec, _env()
+    spec = loaded.spec
+    header = f"# generated from spec.yaml@{loaded.hash}, do not edit"
+    kinds = {role: [] for role in ("attention", "mlp")}
+    for _, opts in loaded.blocks.items():
+        bdef = BLOCKS.get(opts.kind)
+        if (bdef.kind, bdef.module) not in kinds[bdef.role]:
+            kinds[bdef.role].append((bdef.kind, bdef.module))
+    imports: dict[str, list[str]] = {}
+    for role in kinds.values():
+        for _, cls in role:
+            imports.setdefault(cls.__module__, []).append(cls.__name__)
+    groups = _groups(fam)
+    residual = spec.residual
+    ctx = {
+        "header": header,
+        "header_md": f"<!-- generated from spec.yaml@{loaded.hash}, do not edit -->",
+        "family": spec.family,
+        "title": spec.title,
+        "reference": spec.reference,
+        "architectures": spec.architectures,
+        "model_types": spec.model_types,
+        "imports": sorted((m, sorted(set(n))) for m, n in imports.items()),
+        "attention": [(k, c.__name__) for k, c in kinds["attention"]],
+        "mlp": [(k, c.__name__) for k, c in kinds["mlp"]],
+        "residual_doc": (
+            "One decoder layer: x + post_norm(attn(norm(x))), then the same around the MLP"
+            if residual.kind == "sandwich"
+            else "One decoder layer: x + attn(norm(x)), then x + mlp(norm(x))"
+        )
+        + (" (depth-scaled adds)." if residual.depth_scaled else "."),
+        "groups": groups,
+        "shapes": repr([dict(spec.tiny)] + [dict(spec.tiny) | s for s in spec.shapes]),
+        "seeds_per_shape": PARITY_SEEDS_PER_SHAPE,
+        "blocks": [
+            {"role": BLOCKS.get(o.kind).role, "name": n, "kind": o.kind, "options": _describe(o)}
+            for n, o in loaded.blocks.items()
+        ],
+        "plan_attention": _plan_text(spec.layers.attention),
+        "plan_mlp": _plan_text(spec.layers.mlp),
+        "residual": f"{residual.kind}{', depth-scaled' if residual.depth_scaled else ''}",
+        "head": f"tie={spec.head.tie}, softcap={spec.head.softcap}",
+        "support": support_matrix(
+            fam, tuple(GroupDecl(g["name"], g["kind"], tuple(g["blocks"])) for g in groups)
+        ),
+    }
+    out = {
+        "__init__.py": f'{header}\n"""{spec.title} (generated; the source of truth is spec.yaml)."""\n',
+        "model.py": env.get_template("model.py.j2").render(ctx),
+        "cache.py": env.get_template("cache.py.j2").render(ctx),
+        "README.md": env.get_template("README.md.j2").render(ctx),
+        "test_parity.py": env.get_template("test_parity.py.j2").render(ctx),
+    }
+    return {k: _format(k, v) for k, v in out.items()}
+
+
+def _format(name: str, text: str) -> str:
+    """Generated Python is ruff-formatted, so the committed files pass the repo's lint."""
+    if not name.endswith(".py"):
+        return text
+    r = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--quiet", "--stdin-filename", name, "-"],
+        input=text,
+        capture_output=True,
+        text=True,
+    )
+    return r.stdout if r.returncode == 0 else text
+
+
+def stale(fam: Family) -> list[Path]:
+    return [
+        fam.spec.folder / name
+        for name, text in render(fam).items()
+        if not (fam.spec.folder / name).exists() or (fam.spec.folder / name).read_text() != text
+    ]
+
+
+def write(fam: Family) -> list[Path]:
+    changed = stale(fam)
+    for name, text in render(fam).items():
+        path = fam.spec.folder / name
+        if path in changed:
+            path.write_text(text)
+    return changed

@@ -1,0 +1,50 @@
+"""One step's typed batch context, built from a scheduler `Plan`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from dayzero.kernels.ops import PagedMeta
+
+
+@dataclass
+class StepContext:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    paged: list[PagedMeta]  # per cache group
+    caches: list[torch.Tensor]  # per cache group: [N slots, row] in the cache dtype
+    sample_index: torch.Tensor  # [S] token index of each sampling row's last token
+
+
+def build_context(plan, caches: list[torch.Tensor], block_size: int, device: torch.device) -> StepContext:
+    num_tokens = np.asarray(plan.num_tokens)
+    qs = np.asarray(plan.query_start)
+    positions = torch.from_numpy(np.asarray(plan.positions, dtype=np.int64))
+    row_of_token = torch.from_numpy(np.repeat(np.arange(len(num_tokens)), num_tokens))
+    kv_lens = tuple(int(x) for x in plan.kv_lens)
+    paged = []
+    for table_np in plan.block_tables:
+        table = torch.from_numpy(np.asarray(table_np, dtype=np.int64))  # [R, W]
+        slots = table[row_of_token, positions // block_size] * block_size + positions % block_size  # [T]
+        paged.append(
+            PagedMeta(
+                query_start=torch.from_numpy(qs.astype(np.int64)).to(device),
+                kv_lens=torch.tensor(kv_lens, device=device),
+                positions=positions.to(device),
+                block_table=table.to(device),
+                slots=slots.to(device),
+                block_size=block_size,
+                query_start_cpu=tuple(int(x) for x in qs),
+                kv_lens_cpu=kv_lens,
+            )
+        )
+    sample_rows = np.nonzero(np.asarray(plan.sample))[0]
+    return StepContext(
+        input_ids=torch.from_numpy(np.asarray(plan.input_ids, dtype=np.int64)).to(device),
+        positions=positions.to(device),
+        paged=paged,
+        caches=caches,
+        sample_index=torch.from_numpy((qs[sample_rows + 1] - 1).astype(np.int64)).to(device),
+    )

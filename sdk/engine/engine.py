@@ -1,0 +1,194 @@
+"""The engine loop: scheduler plan -> batch context -> model -> sampler -> scheduler feed.
+
+One `Engine` owns a scheduler, the physical KV pool and a built model. `step()` runs one
+scheduler step and returns what each request gained; `generate()` is the offline loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from dayzero.sdk.engine.context import build_context
+from dayzero.sdk.engine.geometry import scheduler_groups
+from dayzero.sdk.engine.kv_pool import KvPool
+from dayzero.sdk.scheduler import FinishReason, Scheduler, SchedulerError, make_config
+from dayzero.sdk.spec.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # <= 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class RequestOutput:
+    id: int
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    kv_cache_bytes: int = 256 << 20
+    host_cache_bytes: int = 256 << 20
+    block_size: int = 16
+    max_batch_size: int = 64
+    max_tokens_per_step: int = 2048
+    chunk_size: int | None = None  # default: max_tokens_per_step
+    prefix_cache: bool = True
+    max_model_len: int | None = None  # default: the model's max_position
+
+
+_REASONS = {
+    int(FinishReason.STOP): "stop",
+    int(FinishReason.LENGTH): "length",
+    int(FinishReason.ABORT): "abort",
+}
+
+
+class Engine:
+    def __init__(
+        self, model: torch.nn.Module, cfg: ModelConfig, ops, config: EngineConfig = EngineConfig()
+    ) -> None:
+        self.model, self.cfg, self.ops, self.config = model, cfg, ops, config
+        self.device, self.dtype = ops.device, ops.dtype
+        fields = dict(
+            block_size=config.block_size,
+            device_bytes=config.kv_cache_bytes,
+            host_bytes=config.host_cache_bytes,
+            max_batch_size=config.max_batch_size,
+            max_tokens_per_step=config.max_tokens_per_step,
+            prefix_cache=config.prefix_cache,
+        )
+        if config.chunk_size:
+            fields["chunk_size"] = config.chunk_size
+        self.groups = scheduler_groups(cfg, self.dtype.itemsize)
+        self.scheduler = Scheduler(make_config(self.groups, **fields))
+        self.pool = KvPool(self.scheduler.layout, config.block_size, self.dtype, self.device)
+        self.max_model_len = config.max_model_len or cfg.max_position
+        self.requests: dict[int, RequestOutput] = {}
+        self.params: dict[int, SamplingParams] = {}
+        self.generators: dict[int, torch.Generator] = {}
+        self._ids = itertools.count()
+        self.stats = {"steps": 0, "retracted": 0, "prefill_tokens": 0, "decode_tokens": 0}
+
+    def scheduler_groups(self):
+        return self.groups
+
+    # ---- requests ------------------------------------------------------------------------
+    def add(
+        self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), req_id: int | None = None
+    ) -> int:
+        """Queue a request; raises ValueError (and keeps nothing) when it cannot be served."""
+        rid = next(self._ids) if req_id is None else req_id
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.cfg.embedding.vocab
+        if bad := [t for t in prompt_ids if not 0 <= t < vocab]:
+            raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        total = len(prompt_ids) + params.max_tokens
+        if self.max_model_len and total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"the maximum model length {self.max_model_len}"
+            )
+        stops = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.cfg.eos_token_ids))
+        try:
+            self.scheduler.submit(
+                rid,
+                np.asarray(prompt_ids, dtype=np.int32),
+                max_new_tokens=params.max_tokens,
+                stop_ids=stops,
+                ignore_eos=params.ignore_eos,
+            )
+        except SchedulerError as e:
+            raise ValueError(str(e)) from None
+        self.requests[rid] = RequestOutput(rid, list(prompt_ids))
+        self.params[rid] = params
+        if params.seed is not None:
+            self.generators[rid] = torch.Generator(self.device).manual_seed(params.seed)
+        return rid
+
+    def abort(self, rid: int) -> None:
+        if rid in self.requests and not self.requests[rid].finished:
+            self.scheduler.abort(rid)
+
+    def has_work(self) -> bool:
+        return any(not r.finished for r in self.requests.values())
+
+    # ---- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns the requests that gained a token or finished."""
+        plan = self.scheduler.step()
+        self.stats["steps"] += 1
+        self.stats["retracted"] += len(plan.retracted_ids)
+        touched: dict[int, RequestOutput] = {}
+        for rid, reason in zip(plan.finished_ids.tolist(), plan.finished_reasons.tolist(), strict=True):
+            if rid in self.requests:
+                out = self.requests[rid]
+                out.finish_reason = _REASONS.get(reason, "stop")
+                touched[rid] = out
+                self.generators.pop(rid, None)
+        self.pool.apply(plan.copies)  # a plan may carry copies (restores) and no rows
+        if plan.rows == 0:
+            self.pool.apply_after(plan.copies)
+            return list(touched.values())
+        ctx = build_context(plan, self.pool.views, self.config.block_size, self.device)
+        logits = self.model(ctx)  # [S, V] fp32
+        self.pool.apply_after(plan.copies)
+        sample_ids = plan.req_ids[np.asarray(plan.sample, dtype=bool)].tolist()
+        tokens, logprobs = self._sample(logits, sample_ids)
+        self.scheduler.feed(plan.req_ids, plan.sample.astype(np.int32), tokens.astype(np.int32))
+        prefill = int(np.asarray(plan.num_tokens)[np.asarray(plan.is_prefill, dtype=bool)].sum())
+        self.stats["prefill_tokens"] += prefill
+        self.stats["decode_tokens"] += plan.num_input_tokens - prefill
+        for rid, tok, lp in zip(sample_ids, tokens.tolist(), logprobs.tolist(), strict=True):
+            out = self.requests[rid]
+            out.token_ids.append(tok)
+            out.logprobs.append(lp)
+            touched[rid] = out
+        return list(touched.values())
+
+    def _sample(self, logits: torch.Tensor, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        ps = [self.params[i] for i in ids]
+        dev = logits.device
+        temp = torch.tensor([p.temperature for p in ps], device=dev)
+        top_k = torch.tensor([p.top_k for p in ps], device=dev)
+        top_p = torch.tensor([p.top_p for p in ps], device=dev)
+        gens = [self.generators.get(i) for i in ids]
+        tok, lp = self.ops.sample(logits, temp, top_k, top_p, gens)
+        return tok.cpu().numpy(), lp.cpu().numpy()
+
+    # ---- offline -------------------------------------------------------------------------
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[RequestOutput]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        while any(not self.requests[i].finished for i in ids):
+            self.step()
+        return [self.requests.pop(i) for i in ids]

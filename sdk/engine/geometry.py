@@ -1,0 +1,31 @@
+"""Cache geometry: the generated declaration of cache groups, and the scheduler groups it becomes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from dayzero.sdk.engine.kv_pool import ROW_ALIGN
+from dayzero.sdk.scheduler import CacheGroup, GroupKind
+from dayzero.sdk.spec.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class GroupDecl:
+    """A cache group as codegen declares it: the attention blocks whose layers share it."""
+
+    name: str
+    kind: Literal["paged", "sliding"]
+    blocks: tuple[str, ...]
+
+
+def scheduler_groups(cfg: ModelConfig, elem_bytes: int) -> list[CacheGroup]:
+    """One scheduler group per resolved cache group; rows padded to ROW_ALIGN bytes."""
+    out = []
+    for g in cfg.cache_groups:
+        row = -(-g.row * elem_bytes // ROW_ALIGN) * ROW_ALIGN
+        if g.kind == "sliding":
+            out.append(CacheGroup(g.name, GroupKind.SlidingWindow, bytes_per_token=row, window=g.window))
+        else:
+            out.append(CacheGroup(g.name, GroupKind.Paged, bytes_per_token=row))
+    return out

@@ -1,0 +1,66 @@
+"""Physical KV memory behind the scheduler's logical blocks.
+
+Device pool bytes: [ state slots: num_slots x state_slot_bytes ][ pages: num_pages x page_bytes ].
+Block b of paged group g is rows [b * block_size, (b + 1) * block_size) of that group's view
+[num_pages * blocks_per_page[g] * block_size, padded_row_bytes[g]], seen in the cache dtype.
+Host pool: num_host_pages x page_bytes (pinned on CUDA), for retraction and demoted prefixes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+ROW_ALIGN = 256  # bytes; keeps every group's padded row a whole number of elements
+
+
+class KvPool:
+    def __init__(self, layout: dict, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.layout, self.block_size, self.dtype, self.device = layout, block_size, dtype, device
+        self.state_bytes = layout["num_slots"] * layout["state_slot_bytes"]
+        self.page_bytes = layout["page_bytes"]
+        total = self.state_bytes + layout["num_pages"] * self.page_bytes
+        self.pool = torch.zeros(total, dtype=torch.uint8, device=device)
+        pin = device.type == "cuda"
+        self.host = torch.zeros(layout["num_host_pages"] * self.page_bytes, dtype=torch.uint8, pin_memory=pin)
+        pages = self.pool[self.state_bytes :]
+        self.block_bytes: list[torch.Tensor] = []  # per group: [num_blocks, block_size * padded_row_bytes]
+        self.views: list[torch.Tensor] = []  # per group: [num_slots, padded row] in dtype
+        for bpp, padded in zip(layout["blocks_per_page"], layout["padded_row_bytes"], strict=True):
+            if bpp == 0:  # a State group: no paged view
+                continue
+            blocks = pages.view(layout["num_pages"] * bpp, block_size * padded)
+            self.block_bytes.append(blocks)
+            self.views.append(blocks.view(-1, padded).view(dtype))
+        self.host_pages = self.host.view(-1, self.page_bytes) if self.page_bytes else self.host
+        self.slots = self.pool[: self.state_bytes].view(-1, layout["state_slot_bytes"] or 1)
+
+    def apply(self, c) -> None:
+        """The plan's copies that run before the forward pass (offload, reload, state restore)."""
+        for g, src, dst in zip(c.to_host_group, c.to_host_src, c.to_host_dst, strict=True):
+            blk = self.block_bytes[g][src]
+            self.host_pages[dst, : blk.numel()].copy_(blk, non_blocking=True)
+        for g, src, dst in zip(c.to_device_group, c.to_device_src, c.to_device_dst, strict=True):
+            blk = self.block_bytes[g][dst]
+            blk.copy_(self.host_pages[src, : blk.numel()], non_blocking=True)
+        self._state_copies(c.state_to_host_slot, c.state_to_host_pages, to_host=True)
+        self._state_copies(c.state_to_device_slot, c.state_to_device_pages, to_host=False)
+        for src, dst in zip(c.restore_src, c.restore_dst, strict=True):
+            self.slots[dst].copy_(self.slots[src])
+
+    def apply_after(self, c) -> None:
+        """Copies that run after the forward pass: state snapshots at chunk ends."""
+        for src, dst in zip(c.snapshot_src, c.snapshot_dst, strict=True):
+            self.slots[dst].copy_(self.slots[src])
+
+    def _state_copies(self, slots: np.ndarray, pages: np.ndarray, to_host: bool) -> None:
+        """A request's state (one slot) spans pages_per_state host pages."""
+        per, n = self.layout["pages_per_state"], self.layout["state_slot_bytes"]
+        for i, slot in enumerate(slots.tolist()):
+            idx = torch.from_numpy(np.asarray(pages[i * per : (i + 1) * per], dtype=np.int64))
+            if to_host:
+                buf = torch.zeros(per * self.page_bytes, dtype=torch.uint8)
+                buf[:n] = self.slots[slot].cpu()
+                self.host_pages[idx] = buf.view(per, self.page_bytes)
+            else:
+                self.slots[slot].copy_(self.host_pages[idx].reshape(-1)[:n])

@@ -1,0 +1,106 @@
+"""The family registry: one entry per `models/<family>/spec.yaml`, and model construction.
+
+`build` turns (family, HF config) into the generated model on a device, with its kernels
+selected: an op this device cannot run fails here, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from dayzero.kernels.registry import OpTable
+from dayzero.sdk.blocks import BLOCKS
+from dayzero.sdk.registry import Registry
+from dayzero.sdk.spec.config import ModelConfig
+from dayzero.sdk.spec.load import LoadedSpec, SpecError, load_spec, resolve
+
+MODELS_DIR = Path(importlib.import_module("dayzero.models").__path__[0])
+
+
+class NotSupportedYet(RuntimeError):
+    pass
+
+
+@dataclass
+class Family:
+    name: str
+    spec_path: Path
+
+    @cached_property
+    def spec(self) -> LoadedSpec:
+        return load_spec(self.spec_path)
+
+    def module(self, part: str = "model"):
+        return importlib.import_module(f"dayzero.models.{self.name}.{part}")
+
+    def config(self, hf: dict, source: str = "config.json") -> ModelConfig:
+        return resolve(self.spec, hf, self.module("cache").CACHE_GROUPS, source)
+
+
+def _discover() -> Registry[Family]:
+    reg: Registry[Family] = Registry("model family")
+    for spec in sorted(MODELS_DIR.glob("*/spec.yaml")):
+        reg.add(spec.parent.name, Family(spec.parent.name, spec))
+    return reg
+
+
+FAMILIES = _discover()
+
+
+def family_for(hf: dict, source: str = "config.json") -> Family:
+    """The family serving this HF config, by `architectures`, then `model_type`."""
+    archs, mtype = hf.get("architectures") or [], hf.get("model_type")
+    for _, fam in FAMILIES.items():
+        if set(archs) & set(fam.spec.spec.architectures):
+            return fam
+    for _, fam in FAMILIES.items():
+        if mtype in fam.spec.spec.model_types:
+            return fam
+    known = ", ".join(f"{n} ({'/'.join(f.spec.spec.architectures)})" for n, f in FAMILIES.items())
+    raise SpecError(source, "architectures", f"no family serves {archs or mtype!r}; known: {known}")
+
+
+def refuse_unsupported(fam: Family, hf: dict) -> None:
+    spec = fam.spec.spec
+    if spec.mtp is not None:
+        raise NotSupportedYet(f"{fam.name}: the MTP head ({spec.mtp.kind}) is not supported yet")
+    q = hf.get("quantization_config")
+    if q:
+        method = q.get("quant_method") or q.get("quant_algo") or "?"
+        raise NotSupportedYet(
+            f"{fam.name}: quantized checkpoints ({method}) are not supported yet; "
+            f"the spec accepts {', '.join(spec.quantization.formats) or 'none'}"
+        )
+
+
+def kernel_needs(cfg: ModelConfig, ops: OpTable) -> OpTable:
+    ops.need("embedding")
+    ops.need("rms_norm", {"weight_in_fp32"} if cfg.final_norm.weight_in_fp32 else ())
+    ops.need("linear")
+    ops.need("sample", {"greedy", "temperature", "top_k", "top_p", "seed"})
+    if cfg.head.softcap is not None:
+        ops.need("softcap")
+    for layer in cfg.layers:
+        for kind, sub in ((layer.attn_kind, layer.attn), (layer.mlp_kind, layer.mlp)):
+            for op, features, head_dim in BLOCKS.get(kind).needs(sub):
+                ops.need(op, features, head_dim)
+    return ops
+
+
+def build(fam: Family, cfg: ModelConfig, hf: dict, device: torch.device, dtype: torch.dtype):
+    """The generated model for cfg, parameters uninitialised (the loader writes them)."""
+    refuse_unsupported(fam, hf)
+    ops = kernel_needs(cfg, OpTable(device, dtype)).resolve()
+    with torch.device(device):
+        model = fam.module("model").Model(cfg, ops)
+    model.to(dtype)
+    for m in model.modules():
+        for name in getattr(m, "fp32_params", ()):
+            p = getattr(m, name, None)
+            if p is not None:
+                p.data = p.data.float()
+    return model.eval(), ops

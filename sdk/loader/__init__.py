@@ -1,0 +1,82 @@
+"""Checkpoints: find the format and family, resolve the config, stream the weights in strictly."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from dayzero.sdk.families import Family, family_for
+from dayzero.sdk.loader import gguf_io, safetensors_io
+from dayzero.sdk.loader.mapping import Mapping, StrictWriter, WeightError
+from dayzero.sdk.loader.safetensors_io import CheckpointError
+from dayzero.sdk.spec.load import Resolver
+from torch import nn
+from tqdm import tqdm
+
+__all__ = ["Checkpoint", "CheckpointError", "WeightError", "load_weights", "open_checkpoint"]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path  # the folder (safetensors) or the .gguf file
+    format: str  # "safetensors" | "gguf"
+    hf: dict  # HF config fields
+    family: Family
+
+    @property
+    def folder(self) -> Path:
+        return self.path if self.path.is_dir() else self.path.parent
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.format == "gguf":
+            return gguf_io.iter_tensors(self.path)
+        return safetensors_io.iter_tensors(safetensors_io.shard_files(self.path))
+
+    def count(self) -> int:
+        if self.format == "gguf":
+            return gguf_io.count_tensors(self.path)
+        return safetensors_io.count_tensors(safetensors_io.shard_files(self.path))
+
+
+def open_checkpoint(path: str | Path, family: str | None = None) -> Checkpoint:
+    from dayzero.sdk.families import FAMILIES
+
+    p = Path(path)
+    if p.is_dir() and not (p / "config.json").exists():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise CheckpointError(f"{p}: no config.json, and {len(ggufs)} .gguf files (need exactly one)")
+        p = ggufs[0]
+    if p.suffix == ".gguf":
+        arch = gguf_io.metadata(p).get("general.architecture")
+        fam = FAMILIES.get(family) if family else family_for({"model_type": arch}, str(p))
+        fmt = next((w for w in fam.spec.spec.weights if w.format == "gguf"), None)
+        if fmt is None:
+            raise CheckpointError(f"{p}: family {fam.name} has no gguf weight rules")
+        return Checkpoint(p, "gguf", gguf_io.hf_config(p, fmt.config), fam)
+    if not (p / "config.json").exists():
+        raise CheckpointError(f"{p}: not a checkpoint folder (no config.json) nor a .gguf file")
+    hf = json.loads((p / "config.json").read_text())
+    fam = FAMILIES.get(family) if family else family_for(hf, str(p / "config.json"))
+    return Checkpoint(p, "safetensors", hf, fam)
+
+
+def load_weights(model: nn.Module, ckpt: Checkpoint, progress: bool = True) -> None:
+    """Stream every checkpoint tensor into the model through the spec's rules; strict."""
+    fam = ckpt.family
+    fmt = next((w for w in fam.spec.spec.weights if w.format == ckpt.format), None)
+    if fmt is None:
+        raise CheckpointError(f"family {fam.name} has no weight rules for {ckpt.format}")
+    resolver = Resolver(fam.spec, ckpt.hf, str(ckpt.path))
+    mapping, writer = Mapping(fmt, resolver.value), StrictWriter(model)
+    bar = tqdm(total=ckpt.count(), desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    for name, tensor in ckpt.tensors():
+        target = mapping.target(name)
+        if target is not None:
+            writer.write(name, target, tensor)
+        bar.update(1)
+    bar.close()
+    writer.finish()

@@ -1,0 +1,138 @@
+"""Weight mapping as data: a spec's rules compiled to matchers, and the strict writer.
+
+Every checkpoint tensor must match one rule (or an ignore pattern); every parameter element
+must be written exactly once. A rule target `name[sel][sel]` narrows the parameter: `[{e}]`
+picks an index along the leading dim (expert stacking), `[part]` a named slice of a fused
+parameter (its sizes come from the block's `parts`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from dayzero.sdk.registry import Registry
+from dayzero.sdk.spec.schema import WeightFormat
+from torch import nn
+
+
+class WeightError(ValueError):
+    pass
+
+
+TRANSFORMS: Registry[Callable[..., torch.Tensor]] = Registry("weight transform")
+
+
+@TRANSFORMS.register("rope_unpermute")
+def rope_unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """GGUF stores q/k rows of each head interleaved (pairs); back to rotate-half order."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+@dataclass(frozen=True)
+class Target:
+    param: str
+    selectors: tuple[int | str, ...]
+    transform: Callable[[torch.Tensor], torch.Tensor] | None
+
+
+_PLACEHOLDER = re.compile(r"\\\{([ie])\\\}")
+
+
+class Mapping:
+    def __init__(self, fmt: WeightFormat, value: Callable) -> None:
+        self.rules = []
+        for rule in fmt.rules:
+            skip = bool(value(rule.unless)) if rule.unless else False
+            pattern = re.compile("^" + _PLACEHOLDER.sub(r"(?P<\1>\\d+)", re.escape(rule.src)) + "$")
+            tf = None
+            if rule.transform is not None:
+                fn = TRANSFORMS.get(rule.transform.kind)
+                args = {k: value(v) for k, v in rule.transform.args.items()}
+                tf = (lambda f, a: lambda w: f(w, **a))(fn, args)
+            self.rules.append((pattern, rule.to, tf, skip))
+        self.ignore = list(fmt.ignore)
+
+    def target(self, name: str) -> Target | None:
+        """Where a checkpoint tensor goes; None when deliberately ignored."""
+        for pattern, to, tf, skip in self.rules:
+            m = pattern.match(name)
+            if m is None:
+                continue
+            if skip:
+                return None
+            groups = m.groupdict()
+            filled = to.replace("{i}", groups.get("i", "{i}")).replace("{e}", groups.get("e", "{e}"))
+            param, *sels = re.findall(r"[^\[\]]+", filled)
+            return Target(param, tuple(int(s) if s.isdigit() else s for s in sels), tf)
+        if any(fnmatch.fnmatchcase(name, p) for p in self.ignore):
+            return None
+        raise WeightError(f"checkpoint tensor {name} matches no weight rule and is not ignored")
+
+
+class StrictWriter:
+    """Writes tensors into a model's parameters, tracking coverage row by row."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = dict(model.named_parameters())
+        self.parts: dict[str, dict[str, tuple[int, int]]] = {}
+        for prefix, mod in model.named_modules():
+            if hasattr(mod, "parts") and hasattr(mod, "cfg"):
+                for pname, sizes in mod.parts(mod.cfg).items():
+                    offs, o = {}, 0
+                    for part, n in sizes.items():
+                        offs[part], o = (o, n), o + n
+                    self.parts[f"{prefix}.{pname}" if prefix else pname] = offs
+        self.covered = {
+            n: torch.zeros(p.shape[:-1] if p.dim() > 1 else p.shape, dtype=torch.bool)
+            for n, p in self.params.items()
+        }
+
+    def write(self, tensor_name: str, t: Target, value: torch.Tensor) -> None:
+        if t.param not in self.params:
+            raise WeightError(
+                f"checkpoint tensor {tensor_name} maps to {t.param}, which this model does not have"
+            )
+        if not value.is_floating_point():
+            raise WeightError(
+                f"checkpoint tensor {tensor_name} has dtype {value.dtype}; expected a float type"
+            )
+        dst, cov = self.params[t.param].data, self.covered[t.param]
+        for sel in t.selectors:
+            if isinstance(sel, int):
+                if sel >= dst.shape[0]:
+                    raise WeightError(
+                        f"checkpoint tensor {tensor_name}: index {sel} out of {dst.shape[0]} in {t.param}"
+                    )
+                dst, cov = dst[sel], cov[sel]
+            else:
+                offs = self.parts.get(t.param, {})
+                if sel not in offs:
+                    raise WeightError(f"{t.param} has no part {sel!r}; parts: {', '.join(offs) or '(none)'}")
+                off, n = offs[sel]
+                dst, cov = dst.narrow(0, off, n), cov.narrow(0, off, n)
+        if t.transform is not None:
+            value = t.transform(value)
+        if tuple(value.shape) != tuple(dst.shape):
+            raise WeightError(
+                f"checkpoint tensor {tensor_name}: shape {list(value.shape)}, "
+                f"expected {list(dst.shape)} for {t.param}"
+            )
+        if not torch.isfinite(value).all():
+            raise WeightError(f"checkpoint tensor {tensor_name} holds NaN or inf")
+        if cov.any():
+            raise WeightError(f"checkpoint tensor {tensor_name} writes {t.param}, which was already written")
+        dst.copy_(value)
+        cov.fill_(True)
+
+    def finish(self) -> None:
+        missing = [n for n, c in self.covered.items() if not c.all()]
+        if missing:
+            partial = [n for n in missing if self.covered[n].any()]
+            raise WeightError(
+                f"{len(missing)} parameter(s) never written: {', '.join(missing[:10])}"
+                + (f" (partly written: {', '.join(partial[:5])})" if partial else "")
+            )

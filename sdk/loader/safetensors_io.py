@@ -1,0 +1,114 @@
+"""Safetensors read tensor by tensor: one file or shards with an index.
+
+The header is parsed and checked here (dtype, shape x itemsize == bytes, data inside the file)
+so a truncated or corrupt file fails naming the tensor. Each tensor is read into its own buffer
+and handed out; nothing else is held, so peak memory is the model plus the largest tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute file offsets
+    end: int
+
+
+def read_header(path: Path) -> list[TensorInfo]:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: {size} bytes, too short for a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise CheckpointError(f"{path}: header of {n} bytes runs past the end of the file ({size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: header is not valid JSON ({e})") from None
+    out = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dt = meta.get("dtype")
+        if dt not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name}: unknown dtype {dt!r}")
+        shape = tuple(int(x) for x in meta["shape"])
+        b, e = (int(x) for x in meta["data_offsets"])
+        nbytes = math.prod(shape) * DTYPES[dt].itemsize
+        if e - b != nbytes:
+            raise CheckpointError(f"{path}: tensor {name}: {e - b} bytes for shape {list(shape)} of {dt}")
+        if 8 + n + e > size:
+            raise CheckpointError(
+                f"{path}: tensor {name}: data ends at byte {8 + n + e} but the file has {size} (truncated?)"
+            )
+        out.append(TensorInfo(name, dt, shape, 8 + n + b, 8 + n + e))
+    return sorted(out, key=lambda t: t.begin)
+
+
+def shard_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if not (folder / f).exists():
+                raise CheckpointError(f"{index}: shard {f} is missing")
+        listed = {name for f in files for name in (t.name for t in read_header(folder / f))}
+        if missing := sorted(set(weight_map) - listed):
+            raise CheckpointError(f"{index}: tensors listed but in no shard: {', '.join(missing[:8])}")
+        return [folder / f for f in files]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors files")
+    return files
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with open(path, "rb") as f:
+            for t in read_header(path):
+                buf = torch.empty(t.end - t.begin, dtype=torch.uint8)
+                f.seek(t.begin)
+                if f.readinto(memoryview(buf.numpy())) != t.end - t.begin:
+                    raise CheckpointError(
+                        f"{path}: tensor {t.name}: short read (file changed while loading?)"
+                    )
+                yield t.name, buf.view(DTYPES[t.dtype]).reshape(t.shape)
+
+
+def count_tensors(files: list[Path]) -> int:
+    return sum(len(read_header(f)) for f in files)

@@ -1,0 +1,23 @@
+"""The parity reference: the transformers class a spec names, and its config class."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+
+def reference_class(path: str):
+    """`transformers.BeamForCausalLM` -> the class (transformers' lazy top-level import)."""
+    module, name = path.rsplit(".", 1)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    return getattr(importlib.import_module(module), name)
+
+
+def reference_config(path: str, overrides: dict) -> dict:
+    """The full HF config dict the reference class builds from `overrides` (defaults filled in)."""
+    cls = reference_class(path)
+    cfg = cls.config_class(**overrides)
+    out = cfg.to_dict()
+    if not out.get("architectures"):
+        out["architectures"] = [cls.__name__]
+    return out

@@ -1,0 +1,305 @@
+"""`dayzero parity`: dayzero and the reference class on the same checkpoint, the same prompts.
+
+Checks (each a row of the report):
+  prefill logits    all prompts prefilled in one batch; logits at every position vs the
+                    reference's full-sequence forward (max abs diff)
+  greedy            each prompt alone, 32 greedy tokens vs the reference's generate
+                    (tokens identical, chosen-token logprobs close)
+  mixed chunked     all prompts at once, chunk smaller than the prompts, prefills and decodes
+                    sharing steps
+  prefix cache      a second round over the same prompts in the same engine (cache hits)
+  retraction host   KV memory too small for the batch: requests are retracted to host memory
+  retraction recompute  the same with no host memory: retracted requests recompute
+On failure, a layer-by-layer diff names the first block that diverges.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from dayzero.sdk.api import parse_dtype
+from dayzero.sdk.engine.context import build_context
+from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from dayzero.sdk.families import build
+from dayzero.sdk.loader import Checkpoint, load_weights, open_checkpoint
+from dayzero.sdk.parity.reference import reference_class
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    logits: float
+    logprobs: float
+    min_agreement: float  # greedy tokens: fraction of the reference sequence matched before divergence
+
+    @staticmethod
+    def for_dtype(dtype: torch.dtype) -> Tolerance:
+        if dtype == torch.float32:
+            return Tolerance(1e-4, 1e-4, 1.0)
+        return Tolerance(0.5, 0.5, 0.0)  # low precision: reported, judged loosely
+
+
+@dataclass
+class Row:
+    check: str
+    ok: bool
+    logit_err: float = float("nan")
+    logprob_err: float = float("nan")
+    agreement: float = float("nan")
+    note: str = ""
+
+
+@dataclass
+class Report:
+    family: str
+    device: str
+    dtype: str
+    rows: list[Row] = field(default_factory=list)
+    layer_diff: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+    def table(self) -> str:
+        lines = [
+            f"parity {self.family} on {self.device}/{self.dtype}",
+            f"{'check':<22} {'result':<6} {'max|dlogit|':>12} {'max|dlogprob|':>14} {'tokens':>7}  note",
+        ]
+        for r in self.rows:
+            lines.append(
+                f"{r.check:<22} {'ok' if r.ok else 'FAIL':<6} {r.logit_err:>12.3e} {r.logprob_err:>14.3e} "
+                f"{r.agreement:>7.3f}  {r.note}"
+            )
+        if self.layer_diff:
+            lines += ["layer-by-layer diff (first prompt that failed):", *self.layer_diff]
+        lines.append(f"parity {'PASSED' if self.ok else 'FAILED'}")
+        return "\n".join(lines)
+
+
+def make_prompts(vocab: int, seed: int, n: int = 8, window: int | None = None) -> list[list[int]]:
+    """n prompts of distinct lengths (some past the sliding window), two sharing a prefix."""
+    rng = np.random.default_rng(seed)
+    longest = max(24, 3 * (window or 0))
+    lengths = sorted(rng.choice(np.arange(3, longest + 1), size=n, replace=False).tolist())
+    prompts = [rng.integers(0, vocab, size=k).tolist() for k in lengths]
+    prompts[-1][: len(prompts[-2]) // 2] = prompts[-2][: len(prompts[-2]) // 2]
+    return prompts
+
+
+class Reference:
+    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> None:
+        cls = reference_class(ckpt.family.spec.spec.reference)
+        attn = "eager" if dtype == torch.float32 else "sdpa"
+        self.model = cls.from_pretrained(ckpt.path, dtype=dtype, attn_implementation=attn).to(device).eval()
+        self.device = device
+
+    @torch.inference_mode()
+    def logits(self, prompt: list[int]) -> torch.Tensor:
+        ids = torch.tensor([prompt], device=self.device)
+        return self.model(ids).logits[0].float()  # [L, V]
+
+    @torch.inference_mode()
+    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+        ids = torch.tensor([prompt], device=self.device)
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        toks = out.sequences[0, len(prompt) :].tolist()
+        lps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks, strict=True)]
+        return toks, lps
+
+
+class Ours:
+    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> None:
+        self.cfg = ckpt.family.config(ckpt.hf, str(ckpt.path))
+        self.model, self.ops = build(ckpt.family, self.cfg, ckpt.hf, device, dtype)
+        load_weights(self.model, ckpt, progress=False)
+
+    def engine(self, **kw) -> Engine:
+        return Engine(self.model, self.cfg, self.ops, EngineConfig(**kw))
+
+    @torch.inference_mode()
+    def prefill_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """All prompts prefilled in one step; logits at every position of every prompt."""
+        eng = self.engine(max_tokens_per_step=sum(map(len, prompts)), max_batch_size=len(prompts))
+        for i, p in enumerate(prompts):
+            eng.add(p, SamplingParams(max_tokens=1, temperature=0), req_id=i)
+        plan = eng.scheduler.step()
+        assert plan.rows == len(prompts), "parity: every prompt must prefill in one step"
+        ctx = build_context(plan, eng.pool.views, eng.config.block_size, eng.device)
+        ctx.sample_index = torch.arange(plan.num_input_tokens, device=eng.device)
+        logits = self.model(ctx)
+        qs = plan.query_start.tolist()
+        return [logits[qs[r] : qs[r + 1]] for r in range(len(prompts))]
+
+
+def _compare(
+    outs: list[RequestOutput],
+    ref: list[tuple[list[int], list[float]]],
+    tol: Tolerance,
+    name: str,
+    note: str = "",
+) -> Row:
+    agree, lp_err = [], 0.0
+    for o, (toks, lps) in zip(outs, ref, strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(o.token_ids, toks, strict=False)) if a != b), len(toks))
+        n = min(n, len(o.token_ids))
+        agree.append(n / len(toks))
+        if n:
+            lp_err = max(lp_err, float(np.max(np.abs(np.array(o.logprobs[:n]) - np.array(lps[:n])))))
+    a = float(np.mean(agree))
+    ok = a >= tol.min_agreement and (tol.min_agreement < 1 or lp_err <= tol.logprobs)
+    return Row(name, ok, logprob_err=lp_err, agreement=a, note=note)
+
+
+def _layer_diff(ours: Ours, ref: Reference, prompt: list[int], tol: float, spec) -> list[str]:
+    """Hook every layer's attention, mlp and output on both sides; name the first that diverges."""
+    mods = spec.reference_modules
+    if not mods:
+        return ["(the spec names no reference_modules; no layer diff)"]
+    got: dict[str, torch.Tensor] = {}
+    hooks = []
+
+    def keep(key: str):
+        def hook(_m, _i, out):
+            t = out[0] if isinstance(out, tuple) else out
+            got[key] = t.detach().float().reshape(-1, t.shape[-1])
+
+        return hook
+
+    n = len(ours.cfg.layers)
+    parts = [("attention", "attn"), ("mlp", "mlp"), ("layer", None)]
+    for i in range(n):
+        for role, ours_name in parts:
+            if role in mods:
+                hooks.append(
+                    ref.model.get_submodule(mods[role].replace("{i}", str(i))).register_forward_hook(
+                        keep(f"ref.{i}.{role}")
+                    )
+                )
+            sub = ours.model.layers[i] if ours_name is None else getattr(ours.model.layers[i], ours_name)
+            hooks.append(sub.register_forward_hook(keep(f"ours.{i}.{role}")))
+    try:
+        ref.logits(prompt)
+        ours.prefill_logits([prompt])
+    finally:
+        for h in hooks:
+            h.remove()
+    lines = []
+    for i in range(n):
+        layer = ours.cfg.layers[i]
+        for role, _ in parts:
+            a, b = got.get(f"ours.{i}.{role}"), got.get(f"ref.{i}.{role}")
+            if a is None or b is None:
+                continue
+            err = (a - b).abs().max().item()
+            kind = {"attention": layer.attn_kind, "mlp": layer.mlp_kind}.get(role, "decoder layer")
+            lines.append(f"  layer {i:>3} {role:<9} ({kind}) max|diff| {err:.3e}")
+            if err > tol * max(1.0, b.abs().max().item()):
+                lines.append(f"  first divergence: layer {i} {role} ({kind} block)")
+                return lines
+    lines.append("  no layer exceeds the tolerance: the divergence is in the final norm or head")
+    return lines
+
+
+def run_parity(
+    checkpoint: str | Path,
+    device: str = "cpu",
+    dtype: str | None = None,
+    seed: int = 0,
+    family: str | None = None,
+    new_tokens: int = 32,
+) -> Report:
+    ckpt = open_checkpoint(checkpoint, family)
+    dev = torch.device(device)
+    dt = parse_dtype(dtype, dev)
+    tol = Tolerance.for_dtype(dt)
+    torch.manual_seed(seed)
+    ours, ref = Ours(ckpt, dev, dt), Reference(ckpt, dev, dt)
+    windows = [g.window for g in ours.cfg.cache_groups if g.window]
+    prompts = make_prompts(ours.cfg.embedding.vocab, seed, window=max(windows, default=None))
+    report = Report(ckpt.family.name, dev.type, str(dt).removeprefix("torch."))
+
+    # 1. prefill logits at every position, all prompts in one batch
+    errs = [
+        (a - ref.logits(p)).abs().max().item()
+        for a, p in zip(ours.prefill_logits(prompts), prompts, strict=True)
+    ]
+    scale = max(1.0, max(ref.logits(p).abs().max().item() for p in prompts[:1]))
+    worst = int(np.argmax(errs))
+    report.rows.append(
+        Row(
+            "prefill logits",
+            max(errs) <= tol.logits,
+            logit_err=max(errs),
+            note=f"{len(prompts)} prompts, lengths {min(map(len, prompts))}..{max(map(len, prompts))}",
+        )
+    )
+
+    # 2. greedy, one prompt at a time
+    expected = [ref.greedy(p, new_tokens) for p in prompts]
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    solo = []
+    for p in prompts:
+        solo += ours.engine(max_batch_size=1).generate([p], greedy)
+    report.rows.append(_compare(solo, expected, tol, "greedy (one by one)"))
+
+    # 3. one mixed batch, chunk smaller than the prompts
+    shortest = min(map(len, prompts))
+    chunk = max(2, shortest - 1)
+    eng = ours.engine(chunk_size=chunk, max_tokens_per_step=2 * chunk + len(prompts), block_size=4)
+    report.rows.append(
+        _compare(
+            eng.generate(prompts, greedy),
+            expected,
+            tol,
+            "mixed batch, chunked",
+            f"chunk {chunk}, {eng.stats['steps']} steps",
+        )
+    )
+
+    # 4. prefix-cache hits: the same prompts again in the same engine
+    before = eng.scheduler.prefix_stats()["hit_tokens"]
+    second = eng.generate(prompts, greedy)
+    hits = eng.scheduler.prefix_stats()["hit_tokens"] - before
+    row = _compare(second, expected, tol, "prefix-cache hits", f"{hits} tokens from cache")
+    row.ok = row.ok and hits > 0
+    report.rows.append(row)
+
+    # 5./6. forced retraction: KV memory for about two requests, with and without host memory
+    for label, host in (("retraction (host)", 64 << 20), ("retraction (recompute)", 0)):
+        need = max(map(len, prompts)) + new_tokens
+        per_token = sum(g.bytes_per_token for g in eng.scheduler_groups())
+        block = 8
+        budget = per_token * block * (2 * math.ceil(need / block) + 2)
+        e = ours.engine(
+            kv_cache_bytes=budget,
+            host_cache_bytes=host,
+            block_size=block,
+            prefix_cache=False,
+            max_tokens_per_step=64,
+            chunk_size=16,
+        )
+        row = _compare(
+            e.generate(prompts, greedy), expected, tol, label, f"{e.stats['retracted']} retractions"
+        )
+        row.ok = row.ok and e.stats["retracted"] > 0
+        report.rows.append(row)
+
+    report.rows[0].note += f", |logit| up to {scale:.1f}"
+    if not report.ok:
+        failing = prompts[worst]
+        report.layer_diff = _layer_diff(ours, ref, failing, tol.logits, ckpt.family.spec.spec)
+    return report

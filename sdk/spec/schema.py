@@ -1,0 +1,173 @@
+"""The spec schema (pydantic v2): what a model lab writes in `models/<family>/spec.yaml`.
+
+A spec is data. Numbers and flags in block options are literals or `$symbol` references; a
+symbol is read from the HF config (`symbols:`), so one spec serves every size of a family.
+Block kinds come from the block library (`dayzero.sdk.blocks`); the union of their option
+schemas is built from that registry, so a new block is usable by any spec once registered.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+Ref = Annotated[str, StringConstraints(pattern=r"^\$[A-Za-z_][A-Za-z0-9_]*$")]
+IntV = int | Ref
+FloatV = float | Ref
+BoolV = bool | Ref
+Expr = Annotated[str, StringConstraints(min_length=1)]
+
+QUANT_FORMATS = ("fp8_block", "mxfp4", "nvfp4")
+MTP_KINDS = ("nextn", "qwen_mtp")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Symbol(Strict):
+    """A spec symbol read from the HF config: the first present field wins, else `default`
+    (a literal, `$symbol`, or an arithmetic expression over symbols such as `hidden // heads`)."""
+
+    field: str | list[str] | None = None
+    default: int | float | bool | str | None = None
+    required: bool = True
+
+
+class RuleAll(Strict):
+    rule: Literal["all"]
+    block: str
+
+
+class RuleField(Strict):
+    """Per-layer kinds from a list field of the HF config, each value mapped to a block."""
+
+    rule: Literal["field"]
+    field: str
+    map: dict[str, str]
+    fallback: RuleEvery | RuleFirst | RuleAll | None = Field(default=None, discriminator="rule")
+
+
+class RuleEvery(Strict):
+    """Layer i gets `block` when (i + 1) % n == 0 (and the last layer when `last`), else `other`."""
+
+    rule: Literal["every"]
+    n: IntV
+    block: str
+    other: str
+    last: bool = False
+
+
+class RuleFirst(Strict):
+    """The first k layers get `block`, the rest `other`."""
+
+    rule: Literal["first"]
+    k: IntV
+    block: str
+    other: str
+
+
+LayerRule = Annotated[RuleAll | RuleField | RuleEvery | RuleFirst, Field(discriminator="rule")]
+
+
+class LayerPlan(Strict):
+    count: IntV
+    attention: LayerRule
+    mlp: LayerRule
+
+
+class Residual(Strict):
+    """prenorm: x + f(norm(x)). sandwich: x + post_norm(f(norm(x))). depth_scaled: the k-th
+    residual add (k = 2, 3, ... counting both adds of every layer) is r * sqrt((k-1)/k) + f / sqrt(k)."""
+
+    kind: Literal["prenorm", "sandwich"]
+    depth_scaled: bool = False
+
+
+class Norm(Strict):
+    kind: Literal["rms"] = "rms"
+    eps: FloatV
+    weight_in_fp32: bool = False
+
+
+class Embedding(Strict):
+    vocab: IntV
+    dim: IntV  # the model width; blocks read it as $hidden
+
+
+class Head(Strict):
+    tie: BoolV = False
+    softcap: FloatV | None = None
+
+
+class Transform(Strict):
+    kind: str
+    args: dict[str, IntV | FloatV] = {}
+
+
+class WeightRule(Strict):
+    """`from` a checkpoint name pattern to a parameter target.
+
+    Patterns may hold `{i}` (layer) and `{e}` (expert). A target is a parameter name followed by
+    selectors: `[{e}]` picks an expert along the leading dim, `[part]` a named part of a fused
+    parameter (e.g. `layers.{i}.attn.in_proj.weight[q]`)."""
+
+    src: str = Field(alias="from")
+    to: str
+    transform: Transform | None = None
+    unless: Ref | None = None  # skip (ignore the tensor) when this boolean symbol is true
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class WeightFormat(Strict):
+    format: Literal["safetensors", "gguf"]
+    rules: list[WeightRule]
+    ignore: list[str] = []
+    config: dict[str, str] = {}  # gguf: HF field -> metadata key ({arch} expands)
+
+
+class Quantization(Strict):
+    formats: list[Literal["fp8_block", "mxfp4", "nvfp4"]] = []
+
+
+class Mtp(Strict):
+    kind: Literal["nextn", "qwen_mtp"]
+    layers: IntV = 1
+    draft_tokens: IntV = 1
+
+
+class Tokenizer(Strict):
+    stop_tokens: list[str] = []
+
+
+class Spec(Strict):
+    family: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]*$")]
+    title: str
+    architectures: list[str] = Field(min_length=1)
+    model_types: list[str] = Field(min_length=1)
+    reference: Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][\w.]*\.[A-Za-z_]\w*$")]
+    reference_modules: dict[Literal["layer", "attention", "mlp"], str] = {}  # for the layer diff
+    tiny: dict[str, Any]
+    shapes: list[dict[str, Any]] = []  # extra HF-config overrides the parity test also runs
+    symbols: dict[str, str | Symbol]
+    layers: LayerPlan
+    blocks: dict[str, Any]  # validated against the block library (`dayzero.sdk.blocks`)
+    residual: Residual
+    norm: Norm
+    embedding: Embedding
+    head: Head = Head()
+    weights: list[WeightFormat] = Field(min_length=1)
+    quantization: Quantization = Quantization()
+    mtp: Mtp | None = None
+    tokenizer: Tokenizer = Tokenizer()
+    max_position: IntV | None = None
+    eos_token_ids: Ref | None = None
+
+    @model_validator(mode="after")
+    def _one_rule_set_per_format(self) -> Spec:
+        formats = [w.format for w in self.weights]
+        if len(set(formats)) != len(formats):
+            raise ValueError(f"weights: each format may appear once, got {formats}")
+        return self

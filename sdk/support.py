@@ -1,0 +1,64 @@
+"""Support matrix: which features a family's spec uses and which devices can run it."""
+
+from __future__ import annotations
+
+from dayzero.kernels.registry import KERNELS, OpTable, load_backends
+from dayzero.sdk.families import Family, kernel_needs
+from dayzero.sdk.parity.reference import reference_config
+from dayzero.sdk.spec.load import resolve
+
+DEVICES = ("cpu", "cuda")
+
+
+def _features(fam: Family) -> list[str]:
+    out = []
+    for name, opts in fam.spec.blocks.items():
+        flags = [
+            k
+            for k, v in opts.model_dump(exclude_defaults=True).items()
+            if k != "kind" and v not in (None, False)
+        ]
+        out.append(f"{opts.kind} ({name}: {', '.join(flags) or 'plain'})")
+    return out
+
+
+def device_support(fam: Family, groups: tuple | None = None) -> dict[str, str]:
+    """For each device kind: 'yes (backends)' or what is missing, from the kernels' declared capabilities."""
+    import torch
+
+    load_backends()
+    tiny = reference_config(fam.spec.spec.reference, dict(fam.spec.spec.tiny))
+    cfg = fam.config(tiny) if groups is None else resolve(fam.spec, tiny, groups, "tiny config")
+    ops = kernel_needs(cfg, OpTable(torch.device("cpu"), torch.float32))
+    out = {}
+    for dev in DEVICES:
+        missing, backends = [], set()
+        for op, need in ops._needs.items():
+            fits = [
+                k
+                for _, k in KERNELS.items()
+                if k.op == op and dev in k.caps.devices and need.features <= k.caps.features
+            ]
+            if fits:
+                backends |= {k.backend for k in fits}
+            else:
+                missing.append(op)
+        out[dev] = f"yes ({', '.join(sorted(backends))})" if not missing else f"no: {', '.join(missing)}"
+    return out
+
+
+def support_matrix(fam: Family, groups: tuple | None = None) -> list[tuple[str, str]]:
+    """groups: the cache geometry to resolve with (codegen passes the one it is rendering)."""
+    spec = fam.spec.spec
+    rows = [(f, "yes") for f in _features(fam)]
+    rows.append(
+        (f"residual: {spec.residual.kind}{', depth-scaled' if spec.residual.depth_scaled else ''}", "yes")
+    )
+    if spec.head.softcap is not None:
+        rows.append(("final logit softcap", "yes"))
+    for q in spec.quantization.formats:
+        rows.append((f"quantized checkpoints: {q}", "not supported yet"))
+    if spec.mtp is not None:
+        rows.append((f"MTP head ({spec.mtp.kind})", "not supported yet"))
+    rows += [(f"device: {d}", s) for d, s in device_support(fam, groups).items()]
+    return rows
