@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 
 import torch
+
 from dayzero.sdk.registry import Registry, UnknownKeyError
 
 ENTRY_POINT_GROUP = "dayzero.kernels"

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import load_weights, open_checkpoint

@@ -110,6 +110,7 @@ def _parity(args: argparse.Namespace) -> int:
 
 def _kernels(args: argparse.Namespace) -> int:
     import torch
+
     from dayzero.kernels.registry import KERNELS, OPS, KernelSelectionError, Need, load_backends, select
     from dayzero.sdk.api import default_device, parse_dtype
 

@@ -12,6 +12,7 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
+
 from dayzero.kernels.registry import OpTable
 from dayzero.sdk.blocks import BLOCKS
 from dayzero.sdk.registry import Registry
@@ -95,9 +96,13 @@ def build(fam: Family, cfg: ModelConfig, hf: dict, device: torch.device, dtype: 
     """The generated model for cfg, parameters uninitialised (the loader writes them)."""
     refuse_unsupported(fam, hf)
     ops = kernel_needs(cfg, OpTable(device, dtype)).resolve()
-    with torch.device(device):
-        model = fam.module("model").Model(cfg, ops)
-    model.to(dtype)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are born in the model dtype: no fp32 copy of a big model
+    try:
+        with torch.device(device):
+            model = fam.module("model").Model(cfg, ops)
+    finally:
+        torch.set_default_dtype(previous)
     for m in model.modules():
         for name in getattr(m, "fp32_params", ()):
             p = getattr(m, name, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from dayzero.sdk.scheduler import CacheGroup, GroupKind, Scheduler, SchedulerError, make_config
 
 

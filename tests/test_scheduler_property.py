@@ -18,6 +18,7 @@ from collections import deque
 import numpy as np
 import pytest
 from conftest import SEEDS
+
 from dayzero.sdk.scheduler import CacheGroup, GroupKind, Scheduler, SchedulerError, make_config
 
 BLOCK = 8

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from dayzero.kernels.ops import PagedMeta
 from dayzero.kernels.registry import register
 

@@ -9,6 +9,7 @@ and a forced retraction.
 """
 
 import pytest
+
 from dayzero.sdk.parity import run_parity
 from dayzero.sdk.parity.tiny import write_tiny
 

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch import nn
+
 from dayzero.kernels.registry import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl
 from dayzero.sdk.spec.schema import BoolV, FloatV, IntV, Strict
-from torch import nn
 
 
 class RopeOpts(Strict):
@@ -90,8 +91,8 @@ class GqaAttention(nn.Module):
         inv = None
         if cfg.rope_theta is not None:
             r = cfg.rotary_dim
-            inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
-        self.register_buffer("inv_freq", None if inv is None else inv.float(), persistent=False)
+            inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.int64).to(torch.float32) / r))
+        self.register_buffer("inv_freq", inv, persistent=False)  # fp32 in every model dtype
 
     @staticmethod
     def parts(cfg: GqaCfg) -> dict[str, dict[str, int]]:

@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dayzero.sdk.registry import Registry
 from pydantic import BaseModel
+
+from dayzero.sdk.registry import Registry
 
 Role = Literal["attention", "mlp"]
 

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch import nn
+
 from dayzero.kernels.registry import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef
 from dayzero.sdk.spec.schema import BoolV, FloatV, IntV, Strict
-from torch import nn
 
 
 class SwigluOpts(Strict):

@@ -6,8 +6,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from dayzero.kernels.registry import OpTable
 from torch import nn
+
+from dayzero.kernels.registry import OpTable
 
 
 @dataclass(frozen=True)

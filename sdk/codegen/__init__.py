@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import jinja2
+
 from dayzero.sdk.blocks import BLOCKS
 from dayzero.sdk.engine.geometry import GroupDecl
 from dayzero.sdk.families import Family

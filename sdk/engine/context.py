@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from dayzero.kernels.ops import PagedMeta
 
 

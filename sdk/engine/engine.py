@@ -6,11 +6,13 @@ scheduler step and returns what each request gained; `generate()` is the offline
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from dayzero.sdk.engine.context import build_context
 from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.kv_pool import KvPool
@@ -133,8 +135,10 @@ class Engine:
         return rid
 
     def abort(self, rid: int) -> None:
+        """Abort a live request; one the scheduler already finished is reported by the next step."""
         if rid in self.requests and not self.requests[rid].finished:
-            self.scheduler.abort(rid)
+            with contextlib.suppress(SchedulerError):  # finished by its last token: the next plan says so
+                self.scheduler.abort(rid)
 
     def has_work(self) -> bool:
         return any(not r.finished for r in self.requests.values())

@@ -8,13 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
+from tqdm import tqdm
+
 from dayzero.sdk.families import Family, family_for
 from dayzero.sdk.loader import gguf_io, safetensors_io
 from dayzero.sdk.loader.mapping import Mapping, StrictWriter, WeightError
 from dayzero.sdk.loader.safetensors_io import CheckpointError
 from dayzero.sdk.spec.load import Resolver
-from torch import nn
-from tqdm import tqdm
 
 __all__ = ["Checkpoint", "CheckpointError", "WeightError", "load_weights", "open_checkpoint"]
 
@@ -64,16 +65,26 @@ def open_checkpoint(path: str | Path, family: str | None = None) -> Checkpoint:
     return Checkpoint(p, "safetensors", hf, fam)
 
 
-def load_weights(model: nn.Module, ckpt: Checkpoint, progress: bool = True) -> None:
-    """Stream every checkpoint tensor into the model through the spec's rules; strict."""
+def load_weights(
+    model: nn.Module,
+    ckpt: Checkpoint,
+    progress: bool = True,
+    tensors: Iterator[tuple[str, torch.Tensor]] | None = None,
+    count: int | None = None,
+) -> None:
+    """Stream every checkpoint tensor into the model through the spec's rules; strict.
+
+    `tensors` (with `count`) replaces reading ckpt's files: weights already in memory, in the
+    checkpoint's naming (the decode benchmark hands over the reference model's this way)."""
     fam = ckpt.family
     fmt = next((w for w in fam.spec.spec.weights if w.format == ckpt.format), None)
     if fmt is None:
         raise CheckpointError(f"family {fam.name} has no weight rules for {ckpt.format}")
     resolver = Resolver(fam.spec, ckpt.hf, str(ckpt.path))
     mapping, writer = Mapping(fmt, resolver.value), StrictWriter(model)
-    bar = tqdm(total=ckpt.count(), desc="loading weights", unit="tensor", disable=not progress, leave=False)
-    for name, tensor in ckpt.tensors():
+    total = count if tensors is not None else ckpt.count()
+    bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    for name, tensor in tensors if tensors is not None else ckpt.tensors():
         target = mapping.target(name)
         if target is not None:
             writer.write(name, target, tensor)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from dayzero.sdk.loader.safetensors_io import CheckpointError
 
 

@@ -14,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+
 from dayzero.sdk.registry import Registry
 from dayzero.sdk.spec.schema import WeightFormat
-from torch import nn
 
 
 class WeightError(ValueError):
@@ -128,11 +129,20 @@ class StrictWriter:
         dst.copy_(value)
         cov.fill_(True)
 
+    def _gaps(self, name: str) -> str:
+        """Which parts / leading indices of a partly written parameter are missing."""
+        cov = self.covered[name]
+        rows = cov.reshape(cov.shape[0], -1).all(-1) if cov.dim() > 1 else cov
+        if name in self.parts and cov.dim() == 1:
+            return ", ".join(p for p, (o, n) in self.parts[name].items() if not cov[o : o + n].all())
+        idx = (~rows).nonzero().flatten().tolist()
+        return f"index {', '.join(map(str, idx[:8]))}{' ...' if len(idx) > 8 else ''}"
+
     def finish(self) -> None:
         missing = [n for n, c in self.covered.items() if not c.all()]
         if missing:
-            partial = [n for n in missing if self.covered[n].any()]
+            partial = [f"{n} [{self._gaps(n)}]" for n in missing if self.covered[n].any()]
             raise WeightError(
                 f"{len(missing)} parameter(s) never written: {', '.join(missing[:10])}"
-                + (f" (partly written: {', '.join(partial[:5])})" if partial else "")
+                + (f" (partly written: {'; '.join(partial[:5])})" if partial else "")
             )

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import torch
+
 from dayzero.sdk.families import FAMILIES
 from dayzero.sdk.parity.reference import reference_class
 

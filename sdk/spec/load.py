@@ -11,14 +11,28 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ValidationError
+
 from dayzero.sdk.blocks import BLOCKS
 from dayzero.sdk.blocks.norm import EmbeddingCfg, HeadCfg, NormCfg, ResidualCfg
 from dayzero.sdk.registry import UnknownKeyError
 from dayzero.sdk.spec.config import CacheGroupCfg, LayerCfg, ModelConfig
 from dayzero.sdk.spec.schema import RuleAll, RuleEvery, RuleField, RuleFirst, Spec, Symbol
-from pydantic import BaseModel, ValidationError
 
 BUILTINS = ("hidden", "norm_eps", "norm_weight_in_fp32")
+# sections whose strings are never symbol references
+LITERAL_SECTIONS = (
+    "family",
+    "title",
+    "architectures",
+    "model_types",
+    "reference",
+    "reference_modules",
+    "tiny",
+    "shapes",
+    "tokenizer",
+    "quantization",
+)
 
 
 class SpecError(ValueError):
@@ -39,15 +53,39 @@ class LoadedSpec:
         return self.path.parent
 
 
+_BRANCHES = {
+    "int",
+    "float",
+    "bool",
+    "str",
+    "constrained-str",
+    "list[str]",
+    "function-after[_one_rule_set_per_format()]",
+}
+
+
 def _loc(loc: tuple) -> str:
-    return ".".join(str(x) for x in loc if not str(x).startswith("function-after"))
+    """A field path without pydantic's union-branch names (`heads.int` -> `heads`)."""
+    return ".".join(
+        str(x) for x in loc if str(x) not in _BRANCHES and not str(x).startswith("function-after")
+    )
 
 
 def _raise_validation(source: str, prefix: str, err: ValidationError) -> None:
-    e = err.errors()[0]
-    loc = _loc(e["loc"])
-    more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-    raise SpecError(source, f"{prefix}{'.' if prefix and loc else ''}{loc}", f"{e['msg']}{more}") from None
+    errors = err.errors()
+    first = _loc(errors[0]["loc"])
+    same = [e for e in errors if _loc(e["loc"]) == first]  # one field, several union branches
+    if len(same) > 1 and any("pattern" in e["msg"] for e in same):
+        kinds = [str(e["loc"][-1]) for e in same if str(e["loc"][-1]) in ("int", "float", "bool")]
+        msg = f"expected {' or '.join(kinds) or 'a value'} or a `$symbol` reference, got {same[0]['input']!r}"
+    else:
+        msg = same[0]["msg"]
+    rest = len({_loc(e["loc"]) for e in errors}) - 1
+    more = f" (and {rest} more)" if rest else ""
+    path = f"{prefix}{'.' if prefix and first else ''}{first}"
+    if not first and "weights" in msg:
+        path = f"{prefix}{'.' if prefix else ''}weights"
+    raise SpecError(source, path, f"{msg}{more}") from None
 
 
 def _refs(value: Any, path: str):
@@ -90,9 +128,17 @@ def load_spec(path: str | Path) -> LoadedSpec:
             _raise_validation(source, f"blocks.{name}", e)
     _check_plan(source, spec, blocks)
     symbols = set(spec.symbols) | set(BUILTINS)
-    for where, ref in _refs(raw, ""):
+    for where, ref in (r for k, v in raw.items() if k not in LITERAL_SECTIONS for r in _refs(v, k)):
         if ref not in symbols:
             raise SpecError(source, where, f"unknown symbol ${ref}; known: {', '.join(sorted(symbols))}")
+    for name, sym in spec.symbols.items():
+        if isinstance(sym, Symbol) and isinstance(sym.default, str) and sym.default.startswith("="):
+            try:
+                names = _names(sym.default[1:])
+            except ValueError as e:
+                raise SpecError(source, f"symbols.{name}.default", str(e)) from None
+            if unknown := sorted(names - symbols):
+                raise SpecError(source, f"symbols.{name}.default", f"unknown symbol(s) {', '.join(unknown)}")
     return LoadedSpec(spec, blocks, path, hashlib.sha256(raw_bytes).hexdigest()[:12])
 
 
@@ -129,6 +175,25 @@ _BINOPS = {
     ast.FloorDiv: operator.floordiv,
     ast.Pow: operator.pow,
 }
+
+
+def _names(expr: str) -> set[str]:
+    """The symbols an expression uses; ValueError when it is not a plain arithmetic expression."""
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"expression {expr.strip()!r} does not parse ({e.msg})") from None
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            out.add(n.id)
+        elif not isinstance(
+            n, (ast.Expression, ast.Constant, ast.BinOp, ast.UnaryOp, ast.USub, ast.Load, *_BINOPS)
+        ):
+            raise ValueError(
+                f"expression {expr.strip()!r}: only numbers, symbols and + - * / // ** are allowed"
+            )
+    return out
 
 
 def _eval(expr: str, lookup) -> Any:
@@ -168,6 +233,7 @@ class Resolver:
     def __init__(self, loaded: LoadedSpec, hf: dict, source: str) -> None:
         self.loaded, self.hf, self.source = loaded, hf, source
         self.values: dict[str, Any] = {}
+        self.origin: dict[str, str] = {}  # symbol -> the HF field it was read from
         self._active: set[str] = set()
 
     def symbol(self, name: str) -> Any:
@@ -194,21 +260,41 @@ class Resolver:
         for f in fields:
             v = _field(self.hf, f)
             if v is not _MISSING and v is not None:
+                self.origin[name] = f
                 break
         if v is _MISSING or v is None:
             if sym.default is not None:
-                v = self.value(sym.default)
-            elif sym.required and v is _MISSING:
+                try:
+                    v = self.value(sym.default)
+                except (ArithmeticError, TypeError, ValueError) as e:
+                    if isinstance(e, SpecError):
+                        raise
+                    raise SpecError(str(self.loaded.path), f"symbols.{name}.default", f"{e}") from None
+            elif sym.required:
+                what = "missing" if v is _MISSING else "null"
                 raise SpecError(
                     self.source,
                     " or ".join(fields) or name,
-                    f"missing (needed by symbol ${name} of {self.loaded.path.name})",
+                    f"{what} (needed by symbol ${name} of {self.loaded.path.name})",
                 )
             else:
                 v = None
         self._active.discard(name)
         self.values[name] = v
         return v
+
+    def number(self, v: Any, kind: type, where: str) -> Any:
+        """value(v) as int or float; a non-number names the spec field and the config value."""
+        got = self.value(v)
+        try:
+            if isinstance(got, bool) or got is None:
+                raise TypeError
+            return kind(got)
+        except (TypeError, ValueError):
+            sym = v[1:] if isinstance(v, str) and v.startswith("$") else None
+            field = self.origin.get(sym, "") if sym else ""
+            via = f" (symbol ${sym} of {self.loaded.path.name}, for {where})" if sym else ""
+            raise SpecError(self.source, field or where, f"expected a number{via}, got {got!r}") from None
 
     def value(self, v: Any) -> Any:
         """A literal, a `$symbol`, or a `= expression` over symbols."""
@@ -255,9 +341,9 @@ def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "con
     """Spec + HF config -> ModelConfig. `group_decls` is the generated cache geometry."""
     spec, r = loaded.spec, Resolver(loaded, hf, source)
     spath = str(loaded.path)
-    hidden = int(r.symbol("hidden"))
-    norm = NormCfg(hidden, float(r.symbol("norm_eps")), spec.norm.weight_in_fp32)
-    n = int(r.value(spec.layers.count))
+    hidden = r.number(spec.embedding.dim, int, "embedding.dim")
+    norm = NormCfg(hidden, r.number(spec.norm.eps, float, "norm.eps"), spec.norm.weight_in_fp32)
+    n = r.number(spec.layers.count, int, "layers.count")
     attn_plan, mlp_plan = _plan(spec.layers.attention, n, r, "attention"), _plan(spec.layers.mlp, n, r, "mlp")
     resolved: dict[str, Any] = {}
     for name, opts in loaded.blocks.items():
@@ -310,7 +396,7 @@ def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "con
     # drop empty groups and renumber the layers' group indices
     renum = {gi: j for j, gi in enumerate(gi for gi in range(len(group_decls)) if members[gi])}
     layers = [LayerCfg(**{**layer.__dict__, "cache_group": renum[layer.cache_group]}) for layer in layers]
-    vocab = int(r.value(spec.embedding.vocab))
+    vocab = r.number(spec.embedding.vocab, int, "embedding.vocab")
     softcap = r.value(spec.head.softcap)
     eos = r.value(spec.eos_token_ids) if spec.eos_token_ids else None
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)

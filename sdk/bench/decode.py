@@ -1,0 +1,191 @@
+"""`dayzero bench decode`: decode tokens/s on a GPU for a scaled Reflection Beam config.
+
+The config keeps BeamConfig()'s hidden size and head shapes with fewer layers (the first dense)
+and fewer experts. Random bf16 weights are made once, in transformers' BeamForCausalLM on the
+GPU, and handed to dayzero through the spec's weight rules, so both run the same weights in the
+same process. Each batch decodes after a prompt of --prompt-len random tokens.
+
+Roofline: bytes a decode step must read at batch 1 (every weight except the embedding table
+and the experts a token does not use, plus the KV it attends to) over the device-to-device copy
+bandwidth measured in the same run (bytes read + written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
+from dayzero.sdk.families import FAMILIES, build
+from dayzero.sdk.loader import Checkpoint, load_weights
+from dayzero.sdk.parity.reference import reference_class, reference_config
+
+
+def scaled_overrides(layers: int, experts: int) -> dict:
+    return {
+        "num_hidden_layers": layers,
+        "num_experts": experts,
+        "mlp_layer_types": ["dense"] + ["sparse"] * (layers - 1),
+    }
+
+
+def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The in-memory reference model under its checkpoint names (stacked experts split per
+    expert, as save_pretrained writes them)."""
+    for name, t in model.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):
+            base, half = name.removesuffix("gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                yield f"{base}{e}.gate_proj.weight", t[e, :half]
+                yield f"{base}{e}.up_proj.weight", t[e, half:]
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix("down_proj")
+            for e in range(t.shape[0]):
+                yield f"{base}{e}.down_proj.weight", t[e]
+        else:
+            yield name, t
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(25):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append(a.elapsed_time(b) / 1e3)
+    return 2 * nbytes / float(np.median(times))
+
+
+def bytes_per_token(hf: dict, model: torch.nn.Module, prompt_len: int) -> tuple[float, float, float]:
+    """(bytes read per decode step at batch 1, total params, active params)."""
+    total = sum(p.numel() for p in model.parameters())
+    e, k, layers = hf["num_experts"], hf["num_experts_per_tok"], hf["mlp_layer_types"].count("sparse")
+    expert = 3 * hf["hidden_size"] * hf["moe_intermediate_size"]
+    embed = hf["vocab_size"] * hf["hidden_size"]
+    active = total - embed - layers * (e - k) * expert
+    kv = 0
+    for kind in hf["layer_types"]:
+        seen = min(prompt_len, hf["sliding_window"]) if kind == "sliding_attention" else prompt_len
+        kv += 2 * hf["num_key_value_heads"] * hf["head_dim"] * seen * 2
+    return active * 2 + kv, total, active
+
+
+def time_ours(eng: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
+    rng = np.random.default_rng(batch)
+    params = SamplingParams(max_tokens=new_tokens + 64, temperature=0, ignore_eos=True)
+    ids = [eng.add(rng.integers(0, vocab, prompt_len).tolist(), params) for _ in range(batch)]
+    while any(len(eng.requests[i].token_ids) < 3 for i in ids):  # prefill + two warm-up decodes
+        eng.step()
+    torch.cuda.synchronize()
+    t0, steps = time.perf_counter(), 0
+    while steps < new_tokens - 1 and all(not eng.requests[i].finished for i in ids):
+        eng.step()
+        steps += 1
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    for i in ids:
+        eng.abort(i)
+    while eng.has_work():
+        eng.step()
+    return batch * steps / dt
+
+
+def time_transformers(
+    ref: torch.nn.Module, batch: int, prompt_len: int, new_tokens: int, vocab: int
+) -> float:
+    g = torch.Generator().manual_seed(batch)
+    ids = torch.randint(0, vocab, (batch, prompt_len), generator=g).cuda()
+
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ref.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            cache_implementation="static",
+            disable_compile=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(2)  # warm-up
+    t1, tn = run(1), run(new_tokens)
+    return batch * (new_tokens - 1) / (tn - t1)
+
+
+def main(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("dayzero bench decode: needs a CUDA GPU (none visible)")
+        return 2
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    fam = FAMILIES.get("beam")
+    hf = reference_config(fam.spec.spec.reference, scaled_overrides(args.layers, args.experts))
+    cls = reference_class(fam.spec.spec.reference)
+    print(
+        f"building BeamForCausalLM: {args.layers} layers (1 dense), {args.experts} experts, "
+        f"hidden {hf['hidden_size']}"
+    )
+    torch.manual_seed(0)
+    torch.set_default_dtype(dtype)
+    with torch.device(dev):
+        ref = cls(cls.config_class(**hf)).eval()
+    torch.set_default_dtype(torch.float32)
+    cfg = fam.config(hf)
+    model, ops = build(fam, cfg, hf, dev, dtype)
+    ckpt = Checkpoint(fam.spec.folder / "<in-memory>", "safetensors", hf, fam)
+    n = sum(1 for _ in checkpoint_tensors(ref))
+    load_weights(model, ckpt, tensors=checkpoint_tensors(ref), count=n)
+    bw = copy_bandwidth(dev)
+    bpt, total, active = bytes_per_token(hf, model, args.prompt_len)
+    roofline = bw / bpt
+    print(
+        f"params {total / 1e9:.2f}B, active {active / 1e9:.2f}B; copy bandwidth {bw / 1e12:.2f} TB/s; "
+        f"{bpt / 1e9:.2f} GB per decode step at batch 1 -> roofline {roofline:.0f} tok/s"
+    )
+    rows = []
+    for b in (int(x) for x in args.batches.split(",")):
+        eng = Engine(
+            model,
+            cfg,
+            ops,
+            EngineConfig(
+                kv_cache_bytes=8 << 30,
+                host_cache_bytes=0,
+                block_size=64,
+                max_batch_size=b,
+                max_tokens_per_step=8192,
+            ),
+        )
+        ours = time_ours(eng, b, args.prompt_len, args.new_tokens, hf["vocab_size"])
+        del eng
+        torch.cuda.empty_cache()
+        theirs = time_transformers(ref, b, args.prompt_len, args.new_tokens, hf["vocab_size"])
+        rows.append((b, ours, theirs))
+    print(
+        f"{'batch':>5} {'dayzero tok/s':>14} {'transformers tok/s':>19} {'ratio':>6} "
+        f"{'dayzero/roofline(b1)':>21}"
+    )
+    for b, ours, theirs in rows:
+        print(f"{b:>5} {ours:>14.1f} {theirs:>19.1f} {ours / theirs:>6.2f} {ours / roofline:>21.3f}")
+    print(
+        "decode_beam "
+        + " ".join(f"b{b}={o:.1f}" for b, o, _ in rows)
+        + f" roofline_b1={roofline:.0f} "
+        + " ".join(f"hf_b{b}={t:.1f}" for b, _, t in rows)
+    )
+    return 0

@@ -1,0 +1,296 @@
+"""Bad specs and HF configs fail with a SpecError naming the file, the field path and what was expected."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dayzero.sdk.families import FAMILIES, Family, NotSupportedYet, build, refuse_unsupported
+from dayzero.sdk.parity.reference import reference_config
+from dayzero.sdk.spec.load import SpecError, load_spec
+
+LLAMA_SPEC = FAMILIES.get("llama").spec_path
+REF = r"^\$[A-Za-z_][A-Za-z0-9_]*$"  # the `$symbol` pattern of schema.Ref
+
+
+def llama_raw() -> dict[str, Any]:
+    """A fresh, mutable copy of the llama spec as parsed YAML."""
+    return yaml.safe_load(LLAMA_SPEC.read_text())
+
+
+def write_spec(tmp_path: Path, raw: dict[str, Any], name: str = "spec.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def spec_error(path: Path) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        load_spec(path)
+    return info.value
+
+
+def set_in(*keys: str | int, value: Any) -> Callable[[dict], None]:
+    """A mutation setting raw[k0][k1]...[kn] = value."""
+
+    def mutate(raw: dict) -> None:
+        cur = raw
+        for k in keys[:-1]:
+            cur = cur[k]
+        cur[keys[-1]] = value
+
+    return mutate
+
+
+def _mutated(mutate: Callable[[dict], None]) -> dict[str, Any]:
+    """The llama spec with one mutation applied."""
+    raw = llama_raw()
+    mutate(raw)
+    return raw
+
+
+def _unless_rule() -> int:
+    """Index of the safetensors rule with `unless:` (lm_head, skipped when tied)."""
+    rules = yaml.safe_load(LLAMA_SPEC.read_text())["weights"][0]["rules"]
+    return next(i for i, r in enumerate(rules) if "unless" in r)
+
+
+UNLESS = _unless_rule()
+
+
+def dup_weights(raw: dict) -> None:
+    raw["weights"].append(copy.deepcopy(raw["weights"][0]))
+
+
+# (id, mutation, field path in the message, fragments of what was expected)
+CASES: list[tuple[str, Callable[[dict], None], str, tuple[str, ...]]] = [
+    ("unknown_block_kind", set_in("blocks", "attn", "kind", value="mla"), "blocks.attn.kind",
+     ("unknown block kind 'mla'", "gqa", "moe", "swiglu")),
+    ("unknown_block_option", set_in("blocks", "attn", "flash", value=True), "blocks.attn.flash",
+     ("Extra inputs are not permitted",)),
+    ("wrong_type", set_in("blocks", "attn", "heads", value="many"), "blocks.attn.heads",
+     ("expected int or a `$symbol` reference", "'many'")),
+    ("bad_ref_syntax", set_in("eos_token_ids", value="$9eos"), "eos_token_ids",
+     ("should match pattern", REF)),
+    ("bad_ref_in_rule", set_in("weights", 0, "rules", UNLESS, "unless", value="tie"),
+     f"weights.0.rules.{UNLESS}.unless",
+     ("should match pattern", REF)),
+    ("undefined_symbol", set_in("blocks", "attn", "heads", value="$nheads"), "blocks.attn.heads",
+     ("unknown symbol $nheads", "known:", "heads", "kv_heads")),
+    ("layer_rule_missing_block", set_in("layers", "mlp", "block", value="ffn"), "layers.mlp.block",
+     ("unknown block 'ffn'", "blocks: attn, mlp")),
+    ("attention_rule_on_mlp_block", set_in("layers", "attention", "block", value="mlp"),
+     "layers.attention.block", ("block 'mlp' is a mlp block", "kind swiglu")),
+    ("unknown_layer_rule", set_in("layers", "attention", value={"rule": "odd", "block": "attn"}),
+     "layers.attention", ("'odd'", "'all'", "'field'", "'every'", "'first'")),
+    ("unknown_weights_format", set_in("weights", 1, "format", value="pytorch"), "weights.1.format",
+     ("'safetensors'", "'gguf'")),
+    ("duplicate_weights_format", dup_weights, "weights",
+     ("weights: each format may appear once", "['safetensors', 'gguf', 'safetensors']")),
+    ("uppercase_family", set_in("family", value="Llama"), "family", ("should match pattern", "[a-z]")),
+    ("unknown_quantization", set_in("quantization", value={"formats": ["int4"]}), "quantization.formats.0",
+     ("'fp8_block'", "'mxfp4'", "'nvfp4'")),
+    ("bad_mtp_kind", set_in("mtp", value={"kind": "medusa"}), "mtp.kind", ("'nextn'", "'qwen_mtp'")),
+    ("block_not_a_mapping", set_in("blocks", "attn", value="gqa"), "blocks.attn",
+     ("expected a mapping with a `kind`",)),
+    ("undefined_symbol_in_layer_count", set_in("layers", "count", value="$layers"), "layers.count",
+     ("unknown symbol $layers",)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("mutate", "field", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_spec_names_file_field_and_expectation(
+    tmp_path: Path, mutate: Callable[[dict], None], field: str, expected: tuple[str, ...]
+) -> None:
+    """One mutation of the llama spec -> SpecError '<file>: <field>: <what was expected>'."""
+    raw = llama_raw()
+    mutate(raw)
+    path = write_spec(tmp_path, raw)
+    err = spec_error(path)
+    msg = str(err)
+    assert msg.startswith(f"{path}: {field}"), msg
+    assert err.source == str(path)
+    for frag in expected:
+        assert frag in msg, (frag, msg)
+
+
+def test_the_unmutated_copy_loads(tmp_path: Path) -> None:
+    """The mutation harness itself is sound: a plain round trip of the llama spec is accepted."""
+    loaded = load_spec(write_spec(tmp_path, llama_raw()))
+    assert loaded.spec.family == "llama"
+    assert set(loaded.blocks) == {"attn", "mlp"}
+
+
+def test_invalid_yaml(tmp_path: Path) -> None:
+    """Unparsable YAML names the file, the top level and the line of the problem."""
+    path = tmp_path / "spec.yaml"
+    path.write_text("family: llama\nblocks: [unclosed\n  - x: {\n")
+    msg = str(spec_error(path))
+    assert msg.startswith(f"{path}: (top level): not valid YAML")
+    assert "line 3" in msg
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"), [("- a\n- b\n", "list"), ("just a string\n", "str"), ("", "NoneType")]
+)
+def test_top_level_not_a_mapping(tmp_path: Path, text: str, kind: str) -> None:
+    """A list, scalar or empty document at the top level is refused, naming what it got."""
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    msg = str(spec_error(path))
+    assert msg == f"{path}: (top level): expected a mapping at the top level, got {kind}"
+
+
+def test_bad_ref_in_numeric_field_mentions_the_ref_pattern(tmp_path: Path) -> None:
+    """`heads: $9heads` is a malformed reference; the message should say what a reference looks like."""
+    path = write_spec(tmp_path, _mutated(set_in("blocks", "attn", "heads", value="$9heads")))
+    msg = str(spec_error(path))
+    assert "blocks.attn.heads" in msg
+    assert REF in msg or "$symbol" in msg, msg
+
+
+# ---- resolution against an HF config ----------------------------------------------------------
+
+
+def llama_hf(**overrides: Any) -> dict[str, Any]:
+    """The full HF config dict of the tiny llama, via the reference config class."""
+    return reference_config(
+        "transformers.LlamaForCausalLM", dict(FAMILIES.get("llama").spec.spec.tiny) | overrides
+    )
+
+
+def beam_hf(**overrides: Any) -> dict[str, Any]:
+    return reference_config(
+        "transformers.BeamForCausalLM", dict(FAMILIES.get("beam").spec.spec.tiny) | overrides
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "symbol"),
+    [
+        ("hidden_size", "$hidden"),
+        ("num_attention_heads", "$heads"),
+        ("rms_norm_eps", "$eps"),
+        ("vocab_size", "$vocab"),
+    ],
+)
+def test_missing_hf_field_is_named(field: str, symbol: str) -> None:
+    """A required HF field that is absent -> 'config.json: <field>: missing (needed by symbol $x ...)'."""
+    hf = llama_hf()
+    del hf[field]
+    with pytest.raises(SpecError) as info:
+        FAMILIES.get("llama").config(hf)
+    assert str(info.value) == f"config.json: {field}: missing (needed by symbol {symbol} of spec.yaml)"
+
+
+def test_optional_hf_field_falls_back_to_its_default() -> None:
+    """Deleting fields that have spec defaults (head_dim, num_key_value_heads) is not an error."""
+    hf = llama_hf()
+    del hf["head_dim"], hf["num_key_value_heads"]
+    attn = FAMILIES.get("llama").config(hf).layers[0].attn
+    assert (attn.head_dim, attn.kv_heads) == (64 // 4, 4)
+
+
+def test_beam_unknown_layer_kind() -> None:
+    """A `layer_types` entry outside the spec's map names the list index and the known kinds."""
+    hf = beam_hf()
+    hf["layer_types"] = list(hf["layer_types"])
+    hf["layer_types"][2] = "linear_attention"
+    with pytest.raises(SpecError) as info:
+        FAMILIES.get("beam").config(hf)
+    assert str(info.value) == (
+        "config.json: layer_types.2: unknown layer kind 'linear_attention'; "
+        "known: sliding_attention, full_attention"
+    )
+
+
+def test_beam_layer_types_too_short() -> None:
+    """A `layer_types` list shorter than num_hidden_layers is refused, naming the field and the count."""
+    hf = beam_hf()
+    hf["layer_types"] = hf["layer_types"][:3]
+    with pytest.raises(
+        SpecError, match=r"^config\.json: layer_types: expected a list of at least 7 layer kinds"
+    ):
+        FAMILIES.get("beam").config(hf)
+
+
+def test_beam_groups_must_divide_experts() -> None:
+    """num_experts=10 with n_group=4: the moe block's resolution fails naming the spec, block and numbers."""
+    fam = FAMILIES.get("beam")
+    with pytest.raises(SpecError) as info:
+        fam.config(beam_hf(num_experts=10, n_group=4))
+    err = info.value
+    assert err.source == str(fam.spec_path)
+    assert err.path == "blocks.moe"
+    assert "10 experts do not split into 4 groups" in str(err)
+    assert "(with config.json)" in str(err)
+
+
+def test_beam_top_k_beyond_experts() -> None:
+    """num_experts_per_tok larger than num_experts names the allowed range."""
+    with pytest.raises(SpecError, match=r"blocks\.moe: top_k 40 must be in 1\.\.16"):
+        FAMILIES.get("beam").config(beam_hf(num_experts_per_tok=40))
+
+
+def test_null_hf_field_is_named() -> None:
+    """`num_attention_heads: null` should fail like an absent field, naming num_attention_heads."""
+    with pytest.raises(SpecError, match="num_attention_heads"):
+        FAMILIES.get("llama").config(llama_hf() | {"num_attention_heads": None})
+
+
+def test_non_numeric_hf_field_is_a_spec_error() -> None:
+    """`hidden_size: "big"` should be a SpecError naming the field, not `invalid literal for int()`."""
+    with pytest.raises(SpecError, match="hidden_size"):
+        FAMILIES.get("llama").config(llama_hf() | {"hidden_size": "big"})
+
+
+def test_malformed_symbol_expression_is_a_spec_error(tmp_path: Path) -> None:
+    """A default expression that does not parse should fail as a SpecError naming the symbol."""
+    raw = llama_raw()
+    raw["symbols"]["head_dim"] = {"field": "no_such_field", "default": "= hidden //"}
+    path = write_spec(tmp_path, raw)
+    fam = Family("llama", path)
+    with pytest.raises(SpecError, match=r"symbols\.head_dim"):
+        load_spec(path)
+        fam.config(llama_hf())
+
+
+# ---- refused at build time ---------------------------------------------------------------------
+
+
+def test_mtp_section_is_refused_at_build(tmp_path: Path) -> None:
+    """A spec with `mtp: {kind: nextn}` validates, but building from it says it is not supported yet."""
+    raw = llama_raw()
+    raw["mtp"] = {"kind": "nextn"}
+    fam = Family("llama", write_spec(tmp_path, raw))
+    assert fam.spec.spec.mtp is not None and fam.spec.spec.mtp.kind == "nextn"
+    with pytest.raises(NotSupportedYet) as info:
+        refuse_unsupported(fam, llama_hf())
+    assert str(info.value) == "llama: the MTP head (nextn) is not supported yet"
+
+
+def test_quantized_checkpoint_is_refused_at_build() -> None:
+    """A config with `quantization_config` is refused by build() before any module is made."""
+    import torch
+
+    fam = FAMILIES.get("llama")
+    hf = llama_hf() | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    cfg = fam.config(hf)
+    with pytest.raises(NotSupportedYet) as info:
+        build(fam, cfg, hf, torch.device("cpu"), torch.float32)
+    msg = str(info.value)
+    assert "quantized checkpoints (fp8) are not supported yet" in msg
+    assert msg.endswith("the spec accepts none")
+
+
+def test_quantized_beam_lists_the_accepted_formats() -> None:
+    """Beam's spec declares nvfp4; the refusal says so (and still refuses)."""
+    with pytest.raises(NotSupportedYet, match=r"\(modelopt\) are not supported yet; the spec accepts nvfp4$"):
+        refuse_unsupported(
+            FAMILIES.get("beam"), {"quantization_config": {"quant_algo": "NVFP4", "quant_method": "modelopt"}}
+        )
