@@ -19,9 +19,11 @@ MED='{"hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8, "n
  "num_key_value_heads": 4, "head_dim": 64, "moe_intermediate_size": 512, "num_experts": 32,
  "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "sliding_window": 64, "vocab_size": 4096}'
 $DZ tiny beam "$TMP/medium" --seed 3 --set "$MED" >/dev/null
-for spec in "tiny fp32:beam --device cuda --dtype float32" "tiny bf16:beam --device cuda --dtype bfloat16" \
-            "medium fp32:--checkpoint $TMP/medium --device cuda --dtype float32 --seed 3" \
-            "medium bf16:--checkpoint $TMP/medium --device cuda --dtype bfloat16 --seed 3"; do
+PARITY=${PARITY:-"tiny-fp32 tiny-bf16 medium-fp32 medium-bf16"}
+for which in $PARITY; do
+  size=${which%-*}; dtype=${which#*-}; [ "$dtype" = bf16 ] && dtype=bfloat16 || dtype=float32
+  [ "$size" = tiny ] && args="beam" || args="--checkpoint $TMP/medium --seed 3"
+  spec="$which:$args --device cuda --dtype $dtype"
   echo "== parity ${spec%%:*}"
   $DZ parity ${spec#*:} 2>&1 | grep -v "Loading weights" | tee -a "$OUT/parity.log"
 done
