@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,17 +50,86 @@ def hf_config(path: Path, mapping: dict[str, str]) -> dict:
     return cfg
 
 
+DEQUANT_ROWS = 2048  # rows dequantized at a time
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _tensor_infos(f) -> tuple[list[tuple[str, tuple[int, ...], int, int]], int]:
+    """(name, GGML dims, GGML type, data offset) of every tensor, and where the data starts.
+
+    Reads the header directly (the key-value section is skipped, not materialised), so iterating
+    tensors holds no mmap of the file and no copy of the tokenizer arrays."""
+
+    def u(fmt: str):
+        size = struct.calcsize("<" + fmt)
+        return struct.unpack("<" + fmt, f.read(size))[0]
+
+    def skip_value(vtype: int) -> None:
+        if vtype == 8:
+            f.seek(u("Q"), 1)
+        elif vtype == 9:
+            etype, n = u("I"), u("Q")
+            if etype in _SCALARS:
+                f.seek(n * struct.calcsize(_SCALARS[etype]), 1)
+            else:
+                for _ in range(n):
+                    skip_value(etype)
+        else:
+            f.seek(struct.calcsize(_SCALARS[vtype]), 1)
+
+    if f.read(4) != b"GGUF":
+        raise CheckpointError(f"{f.name}: not a GGUF file (bad magic)")
+    u("I")  # version
+    n_tensors, n_kv = u("Q"), u("Q")
+    alignment = 32
+    for _ in range(n_kv):
+        key = f.read(u("Q")).decode()
+        vtype = u("I")
+        if key == "general.alignment" and vtype == 4:
+            alignment = u("I")
+        else:
+            skip_value(vtype)
+    infos = []
+    for _ in range(n_tensors):
+        name = f.read(u("Q")).decode()
+        dims = tuple(u("Q") for _ in range(u("I")))
+        infos.append((name, dims, u("I"), u("Q")))
+    start = -(-f.tell() // alignment) * alignment
+    return infos, start
+
+
 def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor read into its own buffer and dequantized to fp32 [rows, ne0] (HF order)."""
     import gguf
 
-    for t in _reader(path).tensors:
-        try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError as e:
-            raise CheckpointError(f"{path}: tensor {t.name}: {e}") from None
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        yield t.name, torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))  # a writable copy
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        infos, start = _tensor_infos(f)
+        for name, dims, gtype, offset in infos:
+            qtype = gguf.GGMLQuantizationType(gtype)
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            n = int(np.prod(dims))
+            nbytes = n // block * type_size
+            if start + offset + nbytes > size:
+                raise CheckpointError(
+                    f"{path}: tensor {name}: data runs past the end of the file (truncated?)"
+                )
+            raw = np.empty(nbytes, dtype=np.uint8)
+            f.seek(start + offset)
+            f.readinto(memoryview(raw))
+            rows = raw.reshape(-1, dims[0] // block * type_size)  # [rows, bytes per row]
+            out = np.empty((rows.shape[0], dims[0]), dtype=np.float32)
+            try:
+                for i in range(0, rows.shape[0], DEQUANT_ROWS):  # bounded temporaries
+                    out[i : i + DEQUANT_ROWS] = gguf.quants.dequantize(rows[i : i + DEQUANT_ROWS], qtype)
+            except NotImplementedError as e:
+                raise CheckpointError(f"{path}: tensor {name}: {e}") from None
+            yield (
+                name,
+                torch.from_numpy(out.reshape(tuple(reversed(dims)))),
+            )  # GGML lists the fastest dim first
 
 
 def count_tensors(path: Path) -> int:
-    return len(_reader(path).tensors)
+    with open(path, "rb") as f:
+        return len(_tensor_infos(f)[0])
