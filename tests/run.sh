@@ -7,12 +7,15 @@ PY=${PYTHON:-.venv/bin/python}
 JOBS=${JOBS:-2}
 
 echo "== lint"
-"$PY" -m ruff check sdk kernels models tests
-"$PY" -m ruff format --check sdk kernels models tests
+"$PY" -m ruff check sdk kernels models tests scripts
+"$PY" -m ruff format --check sdk kernels models tests scripts
 clang-format --dry-run --Werror csrc/include/dayzero/*.h csrc/src/*.cc csrc/bindings/*.cc csrc/tests/*.cc csrc/tests/*.h
 
-echo "== python tests"
-"$PY" -m pytest -q tests  # exits 5 (a failure here) if nothing was collected
+echo "== generated files are current"
+"$PY" -m dayzero.sdk.cli codegen --check
+
+echo "== python tests (unit, kernels, loader, engine, CLI, and each family's generated parity test)"
+"$PY" -m pytest -q tests models  # exits 5 (a failure here) if nothing was collected
 
 for mode in plain asan; do
   echo "== C++ tests ($mode)"

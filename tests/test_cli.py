@@ -36,3 +36,97 @@ def test_unknown_bench_part_is_refused():
     r = run("bench", "nonsense")
     assert r.returncode == 2
     assert "invalid choice" in r.stderr
+
+
+def test_help_lists_every_verb():
+    r = run("--help")
+    for verb in ("bench", "generate", "specs", "new", "codegen", "tiny", "parity", "kernels"):
+        assert verb in r.stdout, verb
+
+
+def test_specs_lists_the_families_with_their_support():
+    r = run("specs")
+    assert r.returncode == 0, r.stderr
+    rows = {ln.split()[0]: ln for ln in r.stdout.splitlines()[1:]}
+    assert set(rows) >= {"beam", "llama"}
+    assert "moe" in rows["beam"] and "nvfp4 (soon)" in rows["beam"]
+    assert "yes (reference)" in rows["llama"]
+
+
+def test_kernels_shows_every_op_and_the_selection():
+    r = run("kernels", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    for op in ("gqa_attention", "moe_route", "moe_experts", "rms_norm", "rope", "sample", "swiglu"):
+        line = next(ln for ln in r.stdout.splitlines() if ln.startswith(op + " "))
+        assert line.split()[1] == "reference", line
+
+
+def test_kernel_override_to_an_unknown_backend_is_refused(monkeypatch):
+    monkeypatch.setenv("DAYZERO_KERNEL_RMS_NORM", "nope")
+    r = run("kernels", "--device", "cpu")
+    assert r.returncode == 2
+    assert "unknown backend for op 'rms_norm' 'nope'; known: reference" in r.stderr
+
+
+def test_codegen_check_passes_on_the_committed_files():
+    r = run("codegen", "--check")
+    assert r.returncode == 0, r.stderr
+    assert "0 stale file(s)" in r.stdout
+
+
+def test_tiny_then_parity_with_the_family_found_from_the_checkpoint(tmp_path):
+    r = run("tiny", "llama", str(tmp_path / "ckpt"), "--seed", "7", "--set", '{"num_hidden_layers": 2}')
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "ckpt" / "config.json").exists() and (tmp_path / "ckpt" / "tokenizer.json").exists()
+    r = run("parity", "--checkpoint", str(tmp_path / "ckpt"), "--seed", "7", "--device", "cpu")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "parity llama on cpu/float32" in r.stdout and r.stdout.strip().endswith("parity PASSED")
+    for check in (
+        "prefill logits",
+        "greedy (one by one)",
+        "mixed batch, chunked",
+        "prefix-cache hits",
+        "retraction (host)",
+        "retraction (recompute)",
+    ):
+        assert re.search(rf"^{re.escape(check)}\s+ok\s", r.stdout, re.M), check
+
+
+def test_generate_runs_a_checkpoint_and_prints_the_continuation(tmp_path):
+    run("tiny", "beam", str(tmp_path / "ckpt"), "--seed", "1")
+    r = run(
+        "generate",
+        str(tmp_path / "ckpt"),
+        "--prompt",
+        "The capital of",
+        "--prompt",
+        "def add",
+        "--max-tokens",
+        "5",
+        "--device",
+        "cpu",
+    )
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.splitlines()) >= 2
+
+
+def test_new_drafts_a_spec_that_validates(tmp_path):
+    import json
+
+    from dayzero.sdk.parity.reference import reference_config
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(reference_config("transformers.BeamForCausalLM", {"num_hidden_layers": 7})))
+    r = run("new", "beamish", "--from-config", str(cfg), "--out", str(tmp_path / "beamish"))
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "beamish" / "spec.yaml").read_text()
+    assert "# check:" in text and "kind: moe" in text and "rule: field" in text
+    r = run("new", "beamish", "--from-config", str(cfg), "--out", str(tmp_path / "beamish"))
+    assert r.returncode == 2 and "not overwriting" in r.stderr
+
+
+def test_bad_checkpoint_is_a_clear_error_not_a_traceback(tmp_path):
+    r = run("generate", str(tmp_path), "--prompt", "x", "--device", "cpu")
+    assert r.returncode == 2
+    assert "not a checkpoint folder" in r.stderr or "no config.json" in r.stderr
+    assert "Traceback" not in r.stderr

@@ -88,6 +88,7 @@ def load_weights(
         target = mapping.target(name)
         if target is not None:
             writer.write(name, target, tensor)
+        del tensor  # dropped before the next tensor is read (bounds peak memory)
         bar.update(1)
     bar.close()
     writer.finish()

@@ -124,10 +124,8 @@ def iter_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                     out[i : i + DEQUANT_ROWS] = gguf.quants.dequantize(rows[i : i + DEQUANT_ROWS], qtype)
             except NotImplementedError as e:
                 raise CheckpointError(f"{path}: tensor {name}: {e}") from None
-            yield (
-                name,
-                torch.from_numpy(out.reshape(tuple(reversed(dims)))),
-            )  # GGML lists the fastest dim first
+            yield name, torch.from_numpy(out.reshape(tuple(reversed(dims))))  # GGML: fastest dim first
+            del raw, rows, out  # before the next allocation: one tensor's buffers alive at a time
 
 
 def count_tensors(path: Path) -> int:

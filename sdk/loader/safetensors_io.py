@@ -108,6 +108,7 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                         f"{path}: tensor {t.name}: short read (file changed while loading?)"
                     )
                 yield t.name, buf.view(DTYPES[t.dtype]).reshape(t.shape)
+                del buf  # before the next allocation: one tensor's buffer alive at a time
 
 
 def count_tensors(files: list[Path]) -> int:

@@ -1,0 +1,29 @@
+"""A parity failure is reported as a failure, with a layer diff naming the first diverging block."""
+
+from __future__ import annotations
+
+import torch
+
+from dayzero.kernels import registry
+from dayzero.kernels.registry import KERNELS, Capabilities, Kernel
+from dayzero.sdk.parity import run_parity
+from dayzero.sdk.parity.tiny import write_tiny
+
+
+def test_a_wrong_kernel_fails_parity_and_the_diff_names_its_block(tmp_path, monkeypatch):
+    ckpt = write_tiny("llama", tmp_path / "ckpt", seed=2, overrides={"num_hidden_layers": 2})
+
+    def off_by_a_bit(gate: torch.Tensor, up: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+        return torch.nn.functional.silu(gate) * up * 1.01  # a 1% error in every MLP
+
+    registry.load_backends()
+    caps = Capabilities(features=frozenset({"fp32"}), priority=100)  # outranks the reference
+    monkeypatch.setitem(
+        KERNELS._items, "swiglu/test_wrong", Kernel("swiglu", "test_wrong", off_by_a_bit, caps)
+    )
+    report = run_parity(ckpt, device="cpu", seed=2)
+    assert not report.ok
+    text = report.table()
+    assert "prefill logits" in text and "FAIL" in text and text.endswith("parity FAILED")
+    assert "first divergence: layer 0 mlp (swiglu block)" in text
+    assert "layer   0 attention (gqa)" in text  # the attention before it matched
