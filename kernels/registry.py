@@ -94,7 +94,7 @@ def load_backends() -> None:
     if _loaded:
         return
     _loaded = True
-    from dayzero.kernels import reference  # noqa: F401  (registers on import)
+    from dayzero.kernels import batched, reference  # noqa: F401  (register on import)
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         ep.load()

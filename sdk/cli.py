@@ -78,6 +78,10 @@ def _codegen(args: argparse.Namespace) -> int:
         else:
             changed = codegen.write(fam)
             print(f"codegen {name}: spec.yaml@{fam.spec.hash} -> {len(changed)} file(s) written")
+    if args.family is None:
+        stale += codegen.stale_docs() if args.check else []
+        if not args.check and codegen.write_docs():
+            print(f"codegen: {codegen.SPEC_DOC} written")
     if args.check:
         for p in stale:
             print(f"stale: {p} (run `dayzero codegen`)", file=sys.stderr)

@@ -135,6 +135,24 @@ def _format(name: str, text: str) -> str:
     return r.stdout if r.returncode == 0 else text
 
 
+SPEC_DOC = Path(__file__).resolve().parents[2] / "docs" / "spec-reference.md"
+
+
+def stale_docs() -> list[Path]:
+    from dayzero.sdk.codegen.spec_doc import render as render_doc
+
+    return [] if SPEC_DOC.exists() and SPEC_DOC.read_text() == render_doc() else [SPEC_DOC]
+
+
+def write_docs() -> list[Path]:
+    from dayzero.sdk.codegen.spec_doc import render as render_doc
+
+    changed = stale_docs()
+    if changed:
+        SPEC_DOC.write_text(render_doc())
+    return changed
+
+
 def stale(fam: Family) -> list[Path]:
     return [
         fam.spec.folder / name

@@ -30,7 +30,6 @@ LITERAL_SECTIONS = (
     "reference_modules",
     "tiny",
     "shapes",
-    "tokenizer",
     "quantization",
 )
 

@@ -28,7 +28,8 @@ class Strict(BaseModel):
 
 class Symbol(Strict):
     """A spec symbol read from the HF config: the first present field wins, else `default`
-    (a literal, `$symbol`, or an arithmetic expression over symbols such as `hidden // heads`)."""
+    (a literal, a `$symbol`, or `= expression`: arithmetic over symbols, e.g. `= hidden // heads`).
+    A required symbol whose field is absent or null and that has no default is an error."""
 
     field: str | list[str] | None = None
     default: int | float | bool | str | None = None
@@ -138,10 +139,6 @@ class Mtp(Strict):
     draft_tokens: IntV = 1
 
 
-class Tokenizer(Strict):
-    stop_tokens: list[str] = []
-
-
 class Spec(Strict):
     family: Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]*$")]
     title: str
@@ -161,7 +158,6 @@ class Spec(Strict):
     weights: list[WeightFormat] = Field(min_length=1)
     quantization: Quantization = Quantization()
     mtp: Mtp | None = None
-    tokenizer: Tokenizer = Tokenizer()
     max_position: IntV | None = None
     eos_token_ids: Ref | None = None
 

@@ -1,0 +1,80 @@
+"""Paged GQA attention for all rows at once: keys gathered into [R, L, Hk, D], queries padded to
+[R, Q, H, D], one masked SDPA call (manual softmax when a logit softcap is asked for)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dayzero.kernels.ops import PagedMeta
+from dayzero.kernels.registry import Capabilities, register
+
+
+@register(
+    "gqa_attention",
+    "batched",
+    Capabilities(features=frozenset({"causal", "sliding_window", "softcap"}), priority=5),
+)
+def gqa_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedMeta,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The reference's math (see kernels/reference/attention.py), batched over rows.
+
+    q [T, H, D], caches [N, Hk, D] -> [T, H, D]. Key j of row r is allowed for the query at
+    position p iff j < kv_lens[r], j <= p, and j > p - window when windowed.
+    """
+    dev, bs = q.device, meta.block_size
+    qs = meta.query_start
+    n_q = qs[1:] - qs[:-1]  # [R]
+    q_max = max(b - a for a, b in zip(meta.query_start_cpu, meta.query_start_cpu[1:], strict=False))
+    l_max = max(meta.kv_lens_cpu)
+    lo = 0
+    if window is not None:  # keys before the first query's window are never needed
+        lo = max(
+            0,
+            min(
+                k - (b - a)
+                for k, a, b in zip(
+                    meta.kv_lens_cpu, meta.query_start_cpu, meta.query_start_cpu[1:], strict=False
+                )
+            )
+            - window
+            + 1,
+        )
+    j = torch.arange(lo, l_max, device=dev)  # key positions [L]
+    table = meta.block_table[:, (j // bs).clamp(max=meta.block_table.shape[1] - 1)]  # [R, L]
+    slots = table.clamp(min=0) * bs + j % bs
+    real = (table >= 0) & (j[None, :] < meta.kv_lens[:, None])  # [R, L]: keys the row may read
+    if window is not None:  # and no older than its first query's window
+        real &= j[None, :] > (meta.kv_lens - n_q)[:, None] - window
+    real = real[:, :, None, None]
+    keys = k_cache[slots].to(q.dtype).masked_fill(~real, 0)  # [R, L, Hk, D]; unused slots may hold
+    vals = v_cache[slots].to(q.dtype).masked_fill(~real, 0)  # anything: zeroed, then masked
+    i = torch.arange(q_max, device=dev)
+    tok = (qs[:-1, None] + i[None, :]).clamp(max=q.shape[0] - 1)  # [R, Q] token index
+    valid_q = i[None, :] < n_q[:, None]
+    pos_q = meta.kv_lens[:, None] - n_q[:, None] + i[None, :]  # [R, Q]
+    allowed = (j[None, None, :] <= pos_q[:, :, None]) & (table[:, None, :] >= 0)  # [R, Q, L]
+    if window is not None:
+        allowed &= j[None, None, :] > pos_q[:, :, None] - window
+    allowed &= valid_q[:, :, None]
+    allowed[:, :, 0] |= ~allowed.any(-1)  # padded queries see one key: no all-masked rows (NaN)
+    qp = q[tok].transpose(1, 2)  # [R, H, Q, D]
+    h, hk = q.shape[1], k_cache.shape[1]
+    kt, vt = keys.transpose(1, 2), vals.transpose(1, 2)  # [R, Hk, L, D]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            qp, kt, vt, attn_mask=allowed[:, None], scale=scale, enable_gqa=h != hk
+        )
+    else:
+        kt, vt = kt.repeat_interleave(h // hk, dim=1), vt.repeat_interleave(h // hk, dim=1)
+        s = torch.einsum("rhqd,rhld->rhql", qp.float(), kt.float()) * scale
+        s = (torch.tanh(s / softcap) * softcap).masked_fill(~allowed[:, None], float("-inf"))
+        out = torch.einsum("rhql,rhld->rhqd", torch.softmax(s, -1).to(q.dtype), vt)
+    return out.transpose(1, 2)[valid_q].reshape(q.shape)  # back to [T, H, D] in token order

@@ -1,0 +1,48 @@
+"""Stacked SwiGLU experts as two grouped GEMMs over the (token, expert) pairs sorted by expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dayzero.kernels.registry import Capabilities, register
+
+
+def moe_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    fp32: bool = False,
+) -> torch.Tensor:
+    """The reference's math (kernels/reference/moe.py) without a loop over experts.
+
+    x [T, Dm], gate_up [E, 2I, Dm], down [E, Dm, I], weights/ids [T, k] -> [T, Dm]. The k expert
+    outputs of a token are weighted and summed in fp32, then cast to x's dtype.
+    """
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+    offs = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
+    xs = x[order // k]  # [T*k, Dm]
+    g, u = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [T*k, I]
+    hidden = (F.silu(g.float()) * u.float()).to(x.dtype) if fp32 else F.silu(g) * u
+    y = torch._grouped_mm(hidden, down.transpose(1, 2), offs=offs)  # [T*k, Dm]
+    out = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)
+    out[order] = y.float() * weights.reshape(-1)[order, None].float()
+    return out.view(t, k, -1).sum(1).to(x.dtype)
+
+
+if hasattr(torch, "_grouped_mm"):  # torch >= 2.8; CUDA: bf16 on compute capability 9.0+
+    register(
+        "moe_experts",
+        "grouped_mm",
+        Capabilities(
+            devices=frozenset({"cuda"}),
+            dtypes=frozenset({torch.bfloat16}),
+            features=frozenset({"fp32"}),
+            min_capability=(9, 0),
+            priority=10,
+        ),
+    )(moe_experts)
