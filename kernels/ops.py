@@ -7,7 +7,7 @@ indexed by slot = block * block_size + offset.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,8 @@ class PagedMeta:
     block_table [R, W] (group-local block ids, -1 where a sliding window freed a block),
     slots [T] (cache slot each new token is written to), block_size.
     Host copies (`*_cpu`) let the reference backend loop over rows without syncing.
+    `memo` holds what a kernel derives from this metadata once per step (index and mask tensors
+    every layer of the group shares).
     """
 
     query_start: torch.Tensor
@@ -32,6 +34,7 @@ class PagedMeta:
     block_size: int
     query_start_cpu: tuple[int, ...]
     kv_lens_cpu: tuple[int, ...]
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 declare_op("embedding", "ids [T] -> weight[ids] [T, Dm]")

@@ -162,6 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batches", default="1,32", help="decode: batch sizes")
     b.add_argument("--prompt-len", type=int, default=512, help="decode: prompt tokens before timing")
     b.add_argument("--new-tokens", type=int, default=64, help="decode: timed tokens per request")
+    b.add_argument(
+        "--no-reference",
+        dest="reference",
+        action="store_false",
+        help="decode: skip transformers (random weights, dayzero timing only)",
+    )
+    b.add_argument("--profile", action="store_true", help="decode: profile batch-1 steps (torch.profiler)")
     device_flags(b)
     b.set_defaults(fn=_bench)
 

@@ -10,6 +10,43 @@ from dayzero.kernels.ops import PagedMeta
 from dayzero.kernels.registry import Capabilities, register
 
 
+def _layout(meta: PagedMeta, window: int | None, tokens: int):
+    """Index and mask tensors for one step of one group (shared by all its layers).
+
+    slots [R, L] cache slot of key position lo + l; unread [R, L, 1, 1] keys a row may not read;
+    tok [R, Q] token index of each padded query; sel [T] the padded positions r * Q + i that are
+    real tokens, in token order; allowed [R, Q, L]."""
+    dev, bs, qs = meta.query_start.device, meta.block_size, meta.query_start
+    n_q = qs[1:] - qs[:-1]  # [R]
+    q_max = max(b - a for a, b in zip(meta.query_start_cpu, meta.query_start_cpu[1:], strict=False))
+    l_max = max(meta.kv_lens_cpu)
+    lo = 0
+    if window is not None:  # keys before every row's first window are never needed
+        firsts = [
+            k - (b - a)
+            for k, a, b in zip(meta.kv_lens_cpu, meta.query_start_cpu, meta.query_start_cpu[1:], strict=False)
+        ]
+        lo = max(0, min(firsts) - window + 1)
+    j = torch.arange(lo, l_max, device=dev)  # key positions [L]
+    table = meta.block_table[:, (j // bs).clamp(max=meta.block_table.shape[1] - 1)]  # [R, L]
+    slots = table.clamp(min=0) * bs + j % bs
+    real = (table >= 0) & (j[None, :] < meta.kv_lens[:, None])  # [R, L]: keys the row may read
+    if window is not None:  # and no older than its first query's window
+        real &= j[None, :] > (meta.kv_lens - n_q)[:, None] - window
+    i = torch.arange(q_max, device=dev)
+    tok = (qs[:-1, None] + i[None, :]).clamp(max=tokens - 1)  # [R, Q]
+    valid_q = i[None, :] < n_q[:, None]
+    pos_q = meta.kv_lens[:, None] - n_q[:, None] + i[None, :]  # [R, Q]
+    allowed = (j[None, None, :] <= pos_q[:, :, None]) & (table[:, None, :] >= 0)  # [R, Q, L]
+    if window is not None:
+        allowed &= j[None, None, :] > pos_q[:, :, None] - window
+    allowed &= valid_q[:, :, None]
+    allowed[:, :, 0] |= ~allowed.any(-1)  # padded queries see one key: no all-masked rows (NaN)
+    lens = [b - a for a, b in zip(meta.query_start_cpu, meta.query_start_cpu[1:], strict=False)]
+    sel = torch.tensor([r * q_max + i for r, n in enumerate(lens) for i in range(n)], device=dev)
+    return slots, ~real[:, :, None, None], tok, sel, allowed
+
+
 @register(
     "gqa_attention",
     "batched",
@@ -29,42 +66,11 @@ def gqa_attention(
     q [T, H, D], caches [N, Hk, D] -> [T, H, D]. Key j of row r is allowed for the query at
     position p iff j < kv_lens[r], j <= p, and j > p - window when windowed.
     """
-    dev, bs = q.device, meta.block_size
-    qs = meta.query_start
-    n_q = qs[1:] - qs[:-1]  # [R]
-    q_max = max(b - a for a, b in zip(meta.query_start_cpu, meta.query_start_cpu[1:], strict=False))
-    l_max = max(meta.kv_lens_cpu)
-    lo = 0
-    if window is not None:  # keys before the first query's window are never needed
-        lo = max(
-            0,
-            min(
-                k - (b - a)
-                for k, a, b in zip(
-                    meta.kv_lens_cpu, meta.query_start_cpu, meta.query_start_cpu[1:], strict=False
-                )
-            )
-            - window
-            + 1,
-        )
-    j = torch.arange(lo, l_max, device=dev)  # key positions [L]
-    table = meta.block_table[:, (j // bs).clamp(max=meta.block_table.shape[1] - 1)]  # [R, L]
-    slots = table.clamp(min=0) * bs + j % bs
-    real = (table >= 0) & (j[None, :] < meta.kv_lens[:, None])  # [R, L]: keys the row may read
-    if window is not None:  # and no older than its first query's window
-        real &= j[None, :] > (meta.kv_lens - n_q)[:, None] - window
-    real = real[:, :, None, None]
-    keys = k_cache[slots].to(q.dtype).masked_fill(~real, 0)  # [R, L, Hk, D]; unused slots may hold
-    vals = v_cache[slots].to(q.dtype).masked_fill(~real, 0)  # anything: zeroed, then masked
-    i = torch.arange(q_max, device=dev)
-    tok = (qs[:-1, None] + i[None, :]).clamp(max=q.shape[0] - 1)  # [R, Q] token index
-    valid_q = i[None, :] < n_q[:, None]
-    pos_q = meta.kv_lens[:, None] - n_q[:, None] + i[None, :]  # [R, Q]
-    allowed = (j[None, None, :] <= pos_q[:, :, None]) & (table[:, None, :] >= 0)  # [R, Q, L]
-    if window is not None:
-        allowed &= j[None, None, :] > pos_q[:, :, None] - window
-    allowed &= valid_q[:, :, None]
-    allowed[:, :, 0] |= ~allowed.any(-1)  # padded queries see one key: no all-masked rows (NaN)
+    layout = meta.memo.get(("gqa", window)) or _layout(meta, window, q.shape[0])
+    meta.memo[("gqa", window)] = layout
+    slots, unread, tok, sel, allowed = layout
+    keys = k_cache[slots].to(q.dtype).masked_fill(unread, 0)  # [R, L, Hk, D]; slots no query may read
+    vals = v_cache[slots].to(q.dtype).masked_fill(unread, 0)  # can hold anything: zeroed, then masked
     qp = q[tok].transpose(1, 2)  # [R, H, Q, D]
     h, hk = q.shape[1], k_cache.shape[1]
     kt, vt = keys.transpose(1, 2), vals.transpose(1, 2)  # [R, Hk, L, D]
@@ -77,4 +83,5 @@ def gqa_attention(
         s = torch.einsum("rhqd,rhld->rhql", qp.float(), kt.float()) * scale
         s = (torch.tanh(s / softcap) * softcap).masked_fill(~allowed[:, None], float("-inf"))
         out = torch.einsum("rhql,rhld->rhqd", torch.softmax(s, -1).to(q.dtype), vt)
-    return out.transpose(1, 2)[valid_q].reshape(q.shape)  # back to [T, H, D] in token order
+    out = out.transpose(1, 2).reshape(-1, h, q.shape[2])  # [R * Q, H, D]
+    return out[sel]  # back to [T, H, D] in token order

@@ -1,4 +1,8 @@
-"""Stacked SwiGLU experts as two grouped GEMMs over the (token, expert) pairs sorted by expert."""
+"""Stacked SwiGLU experts without a loop over experts.
+
+Few (token, expert) pairs (decode at small batch): the pairs' expert weights are gathered and
+applied with two batched matmuls. Many pairs: two grouped GEMMs over the pairs sorted by expert.
+Neither path synchronises with the host."""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from dayzero.kernels.registry import Capabilities, register
+
+GATHER_PAIRS = 16  # up to this many pairs, gather the experts (bounded copy: 16 experts' weights)
 
 
 def moe_experts(
@@ -23,6 +29,12 @@ def moe_experts(
     """
     t, k = ids.shape
     flat = ids.reshape(-1)
+    if t * k <= GATHER_PAIRS:
+        xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [P, Dm, 1], P = T*k pairs
+        g, u = torch.bmm(gate_up[flat], xs).squeeze(-1).chunk(2, dim=-1)  # [P, I]
+        hidden = (F.silu(g.float()) * u.float()).to(x.dtype) if fp32 else F.silu(g) * u
+        y = torch.bmm(down[flat], hidden[:, :, None]).squeeze(-1)  # [P, Dm]
+        return (y.float() * weights.reshape(-1, 1).float()).view(t, k, -1).sum(1).to(x.dtype)
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
     offs = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
     xs = x[order // k]  # [T*k, Dm]

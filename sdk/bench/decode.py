@@ -128,6 +128,39 @@ def time_transformers(
     return batch * (new_tokens - 1) / (tn - t1)
 
 
+def profile_decode(model, cfg, ops, prompt_len: int, vocab: int, steps: int = 8) -> None:
+    """Batch-1 decode steps under torch.profiler: the ops that cost most host and device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = Engine(
+        model,
+        cfg,
+        ops,
+        EngineConfig(
+            kv_cache_bytes=2 << 30,
+            host_cache_bytes=0,
+            block_size=64,
+            max_batch_size=1,
+            max_tokens_per_step=8192,
+        ),
+    )
+    rid = eng.add(
+        np.random.default_rng(0).integers(0, vocab, prompt_len).tolist(),
+        SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True),
+    )
+    while len(eng.requests[rid].token_ids) < 3:
+        eng.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    avg = prof.key_averages()
+    print(avg.table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=40))
+    print(avg.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40))
+    eng.abort(rid)
+
+
 def main(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("dayzero bench decode: needs a CUDA GPU (none visible)")
@@ -135,21 +168,28 @@ def main(args: argparse.Namespace) -> int:
     dev, dtype = torch.device("cuda"), torch.bfloat16
     fam = FAMILIES.get("beam")
     hf = reference_config(fam.spec.spec.reference, scaled_overrides(args.layers, args.experts))
-    cls = reference_class(fam.spec.spec.reference)
+    cls = reference_class(fam.spec.spec.reference) if args.reference else None
     print(
         f"building BeamForCausalLM: {args.layers} layers (1 dense), {args.experts} experts, "
         f"hidden {hf['hidden_size']}"
     )
     torch.manual_seed(0)
-    torch.set_default_dtype(dtype)
-    with torch.device(dev):
-        ref = cls(cls.config_class(**hf)).eval()
-    torch.set_default_dtype(torch.float32)
     cfg = fam.config(hf)
     model, ops = build(fam, cfg, hf, dev, dtype)
-    ckpt = Checkpoint(fam.spec.folder / "<in-memory>", "safetensors", hf, fam)
-    n = sum(1 for _ in checkpoint_tensors(ref))
-    load_weights(model, ckpt, tensors=checkpoint_tensors(ref), count=n)
+    print(f"kernels: {ops.chosen()}")
+    ref = None
+    if cls is not None:
+        torch.set_default_dtype(dtype)
+        with torch.device(dev):
+            ref = cls(cls.config_class(**hf)).eval()
+        torch.set_default_dtype(torch.float32)
+        ckpt = Checkpoint(fam.spec.folder / "<in-memory>", "safetensors", hf, fam)
+        n = sum(1 for _ in checkpoint_tensors(ref))
+        load_weights(model, ckpt, tensors=checkpoint_tensors(ref), count=n)
+    else:  # timing only: random weights of the same shapes, no reference model
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02)
     bw = copy_bandwidth(dev)
     bpt, total, active = bytes_per_token(hf, model, args.prompt_len)
     roofline = bw / bpt
@@ -174,8 +214,14 @@ def main(args: argparse.Namespace) -> int:
         ours = time_ours(eng, b, args.prompt_len, args.new_tokens, hf["vocab_size"])
         del eng
         torch.cuda.empty_cache()
-        theirs = time_transformers(ref, b, args.prompt_len, args.new_tokens, hf["vocab_size"])
+        theirs = (
+            time_transformers(ref, b, args.prompt_len, args.new_tokens, hf["vocab_size"])
+            if ref
+            else float("nan")
+        )
         rows.append((b, ours, theirs))
+    if args.profile:
+        profile_decode(model, cfg, ops, args.prompt_len, hf["vocab_size"])
     print(
         f"{'batch':>5} {'dayzero tok/s':>14} {'transformers tok/s':>19} {'ratio':>6} "
         f"{'dayzero/roofline(b1)':>21}"
