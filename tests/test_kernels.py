@@ -216,19 +216,21 @@ def allowed(first: int, n: int, kv: int, window: int | None) -> torch.Tensor:
 
 
 ATTENTION = {"reference": reference_attention, "batched": batched_attention}
+DECODE_ROWS = [(1, 9), (1, 1), (1, 14), (1, 6)]  # decode only: the batched kernel's matmul path
 
 
+@pytest.mark.parametrize("rows", [ROWS, DECODE_ROWS], ids=["mixed", "decode"])
 @pytest.mark.parametrize("backend", ATTENTION)
 @pytest.mark.parametrize("window", [None, 4, 1], ids=["causal", "window4", "window1"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_gqa_attention_matches_sdpa(seed: int, window: int | None, backend: str) -> None:
+def test_gqa_attention_matches_sdpa(seed: int, window: int | None, backend: str, rows: list) -> None:
     """fp32 kernel vs fp64 SDPA (enable_gqa, explicit boolean mask) on each row's logical sequence; 1e-5."""
     gen = torch.Generator().manual_seed(seed)
-    q, kc, vc, meta, seqs = paged_case(ROWS, window, gen)
+    q, kc, vc, meta, seqs = paged_case(rows, window, gen)
     scale = 0.3
     out = ATTENTION[backend](q, kc, vc, meta, scale, window)
     assert out.shape == q.shape and torch.isfinite(out).all()
-    for r, (n, kv) in enumerate(ROWS):
+    for r, (n, kv) in enumerate(rows):
         a, b = meta.query_start_cpu[r], meta.query_start_cpu[r + 1]
         ks, vs = seqs[r]
         want = F.scaled_dot_product_attention(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dayzero.kernels.ops import PagedMeta
 from dayzero.kernels.registry import Capabilities, register
@@ -74,10 +75,16 @@ def gqa_attention(
     qp = q[tok].transpose(1, 2)  # [R, H, Q, D]
     h, hk = q.shape[1], k_cache.shape[1]
     kt, vt = keys.transpose(1, 2), vals.transpose(1, 2)  # [R, Hk, L, D]
-    if softcap is None:
-        out = F.scaled_dot_product_attention(
-            qp, kt, vt, attn_mask=allowed[:, None], scale=scale, enable_gqa=h != hk
-        )
+    if softcap is None and qp.shape[2] > 1:  # prefill rows: a fused kernel (never cuDNN: it plans per shape)
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+            out = F.scaled_dot_product_attention(
+                qp, kt, vt, attn_mask=allowed[:, None], scale=scale, enable_gqa=h != hk
+            )
+    elif softcap is None:  # decode only: one query per row, plain batched matmuls
+        g = h // hk
+        s = torch.einsum("rkgd,rkld->rkgl", qp.reshape(-1, hk, g, qp.shape[3]).float(), kt.float()) * scale
+        s = s.masked_fill(~allowed[:, :, None, :].transpose(1, 2), float("-inf"))  # [R, Hk, G, L]
+        out = torch.einsum("rkgl,rkld->rkgd", torch.softmax(s, -1).to(q.dtype), vt).reshape(qp.shape)
     else:
         kt, vt = kt.repeat_interleave(h // hk, dim=1), vt.repeat_interleave(h // hk, dim=1)
         s = torch.einsum("rhqd,rhld->rhql", qp.float(), kt.float()) * scale
