@@ -66,18 +66,26 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / float(np.median(times))
 
 
-def bytes_per_token(hf: dict, model: torch.nn.Module, prompt_len: int) -> tuple[float, float, float]:
-    """(bytes read per decode step at batch 1, total params, active params)."""
+def bytes_per_step(
+    hf: dict, model: torch.nn.Module, prompt_len: int, batch: int = 1
+) -> tuple[float, float, float]:
+    """(bytes a decode step at `batch` must read, total params, active params per token).
+
+    Every weight but the embedding table, each expert the batch's tokens use once (expected
+    distinct experts of `batch` tokens picking k of E at random: E (1 - (1 - k/E)^batch)), and
+    each request's KV (window-limited on sliding layers), in bf16."""
     total = sum(p.numel() for p in model.parameters())
     e, k, layers = hf["num_experts"], hf["num_experts_per_tok"], hf["mlp_layer_types"].count("sparse")
     expert = 3 * hf["hidden_size"] * hf["moe_intermediate_size"]
     embed = hf["vocab_size"] * hf["hidden_size"]
     active = total - embed - layers * (e - k) * expert
+    used = e * (1 - (1 - k / e) ** batch)
+    weights = total - embed - layers * (e - used) * expert
     kv = 0
     for kind in hf["layer_types"]:
         seen = min(prompt_len, hf["sliding_window"]) if kind == "sliding_attention" else prompt_len
         kv += 2 * hf["num_key_value_heads"] * hf["head_dim"] * seen * 2
-    return active * 2 + kv, total, active
+    return weights * 2 + batch * kv, total, active
 
 
 def time_ours(eng: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
@@ -191,7 +199,7 @@ def main(args: argparse.Namespace) -> int:
             for p in model.parameters():
                 p.normal_(0, 0.02)
     bw = copy_bandwidth(dev)
-    bpt, total, active = bytes_per_token(hf, model, args.prompt_len)
+    bpt, total, active = bytes_per_step(hf, model, args.prompt_len)
     roofline = bw / bpt
     print(
         f"params {total / 1e9:.2f}B, active {active / 1e9:.2f}B; copy bandwidth {bw / 1e12:.2f} TB/s; "
@@ -224,14 +232,21 @@ def main(args: argparse.Namespace) -> int:
         profile_decode(model, cfg, ops, args.prompt_len, hf["vocab_size"])
     print(
         f"{'batch':>5} {'dayzero tok/s':>14} {'transformers tok/s':>19} {'ratio':>6} "
-        f"{'dayzero/roofline(b1)':>21}"
+        f"{'roofline tok/s':>15} {'dayzero/roofline':>17}"
     )
+    roofs = {}
     for b, ours, theirs in rows:
-        print(f"{b:>5} {ours:>14.1f} {theirs:>19.1f} {ours / theirs:>6.2f} {ours / roofline:>21.3f}")
+        roofs[b] = b * bw / bytes_per_step(hf, model, args.prompt_len, b)[0]
+        print(
+            f"{b:>5} {ours:>14.1f} {theirs:>19.1f} {ours / theirs:>6.2f} "
+            f"{roofs[b]:>15.0f} {ours / roofs[b]:>17.3f}"
+        )
     print(
         "decode_beam "
         + " ".join(f"b{b}={o:.1f}" for b, o, _ in rows)
-        + f" roofline_b1={roofline:.0f} "
+        + " "
+        + " ".join(f"roofline_b{b}={roofs[b]:.0f}" for b, _, _ in rows)
+        + " "
         + " ".join(f"hf_b{b}={t:.1f}" for b, _, t in rows)
     )
     return 0
