@@ -59,7 +59,7 @@ class Need:
 
     op: str
     features: frozenset[str] = frozenset()
-    head_dim: int | None = None
+    head_dims: frozenset[int] = frozenset()  # every head size the model runs the op at
 
 
 class KernelSelectionError(RuntimeError):
@@ -108,8 +108,8 @@ def _missing(k: Kernel, need: Need, device: torch.device, dtype: torch.dtype) ->
         out.append(f"dtype {str(dtype).removeprefix('torch.')}")
     if lacking := need.features - c.features:
         out.append(f"features {', '.join(sorted(lacking))}")
-    if c.head_dims is not None and need.head_dim not in c.head_dims:
-        out.append(f"head size {need.head_dim}")
+    if c.head_dims is not None and (lacking_dims := need.head_dims - c.head_dims):
+        out.append(f"head size {', '.join(map(str, sorted(lacking_dims)))}")
     if c.min_capability is not None and device.type == "cuda":
         cc = torch.cuda.get_device_capability(device)
         if cc < c.min_capability:
@@ -152,12 +152,16 @@ class OpTable:
     def need(self, op: str, features: Iterable[str] = (), head_dim: int | None = None) -> None:
         """Record a need; the union of features over all blocks is what gets selected."""
         prev = self._needs.get(op, Need(op))
-        self._needs[op] = Need(op, prev.features | frozenset(features), head_dim or prev.head_dim)
+        dims = prev.head_dims | ({head_dim} if head_dim else set())
+        self._needs[op] = Need(op, prev.features | frozenset(features), frozenset(dims))
 
     def resolve(self) -> OpTable:
         for op, need in self._needs.items():
             self._chosen[op] = select(need, self.device, self.dtype)
         return self
+
+    def needs(self) -> dict[str, Need]:
+        return dict(self._needs)
 
     def chosen(self) -> dict[str, str]:
         return {op: k.backend for op, k in sorted(self._chosen.items())}

@@ -77,10 +77,10 @@ class LLM:
         self.dtype = parse_dtype(dtype, self.device)
         self.checkpoint = ckpt = open_checkpoint(self.path, family)
         self.config = ckpt.family.config(ckpt.hf, str(ckpt.path))
+        self.tokenizer = load_tokenizer(ckpt.path, ckpt.format)  # before the weights: fail fast
         self.model, self.ops = build(ckpt.family, self.config, ckpt.hf, self.device, self.dtype)
         load_weights(self.model, ckpt, progress=progress)
         self.engine = Engine(self.model, self.config, self.ops, engine or EngineConfig())
-        self.tokenizer = load_tokenizer(ckpt.path, ckpt.format)
         self.load_seconds = time.perf_counter() - t0
 
     def encode(self, prompt: str) -> list[int]:

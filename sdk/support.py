@@ -33,7 +33,7 @@ def device_support(fam: Family, groups: tuple | None = None) -> dict[str, str]:
     out = {}
     for dev in DEVICES:
         missing, backends = [], set()
-        for op, need in ops._needs.items():
+        for op, need in ops.needs().items():
             fits = [
                 k
                 for _, k in KERNELS.items()

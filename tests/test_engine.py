@@ -53,7 +53,7 @@ def test_abort_mid_decode_returns_every_block(llm: LLM) -> None:
         eng.abort(i)
     while eng.has_work():
         eng.step()
-    assert [eng.requests.pop(i).finish_reason for i in ids] == ["abort"] * 3
+    assert [eng.release(i).finish_reason for i in ids] == ["abort"] * 3
     assert free(llm) == before
 
 
@@ -61,9 +61,11 @@ def test_stop_token_finishes_with_stop(llm: LLM) -> None:
     eng = llm.engine
     (greedy,) = eng.generate([[9, 8, 7, 6]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     stop = greedy.token_ids[2]
-    (out,) = eng.generate([[9, 8, 7, 6]], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(stop,)))
-    assert out.finish_reason == "stop"
-    assert out.token_ids == greedy.token_ids[: greedy.token_ids.index(stop) + 1]
+    for ignore_eos in (False, True):  # ignore_eos drops EOS only, never the request's own stop tokens
+        p = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=(stop,), ignore_eos=ignore_eos)
+        (out,) = eng.generate([[9, 8, 7, 6]], p)
+        assert out.finish_reason == "stop"
+        assert out.token_ids == greedy.token_ids[: greedy.token_ids.index(stop) + 1]
 
 
 @pytest.mark.parametrize("seed", SEEDS)

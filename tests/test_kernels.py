@@ -105,7 +105,11 @@ def test_highest_priority_fitting_kernel_wins(scratch_op: str) -> None:
     [
         (caps(priority=9, dtypes=frozenset({torch.bfloat16})), Need("?", frozenset({"f"})), torch.float32),
         (caps(priority=9, features=frozenset({"f"})), Need("?", frozenset({"f", "g"})), torch.float32),
-        (caps(priority=9, head_dims=frozenset({64, 128})), Need("?", frozenset(), 80), torch.float32),
+        (
+            caps(priority=9, head_dims=frozenset({64, 128})),
+            Need("?", frozenset(), frozenset({80})),
+            torch.float32,
+        ),
     ],
     ids=["dtype", "feature", "head_dim"],
 )
@@ -115,7 +119,7 @@ def test_a_kernel_lacking_a_capability_is_skipped(
     """The high-priority kernel lacks one capability of the need; the plain one is picked instead."""
     register(scratch_op, "plain", caps())(fake("plain"))
     register(scratch_op, "special", best)(fake("special"))
-    k = select(Need(scratch_op, need.features, need.head_dim), CPU, dtype)
+    k = select(Need(scratch_op, need.features, need.head_dims), CPU, dtype)
     assert k.backend == "plain"
 
 

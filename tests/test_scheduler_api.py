@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dayzero.sdk.scheduler import CacheGroup, GroupKind, Scheduler, SchedulerError, make_config
+from dayzero.sdk.scheduler import CacheGroup, FinishReason, GroupKind, Scheduler, SchedulerError, make_config
 
 
 def small(**kw) -> Scheduler:
@@ -127,3 +127,14 @@ def test_make_config_keeps_cpp_defaults_and_refuses_unknown_fields():
     assert cfg.chunk_size == 512
     with pytest.raises(TypeError, match="unknown scheduler field 'blocksize'"):
         make_config(groups, device_bytes=1 << 20, blocksize=16)
+
+
+def test_a_stop_token_that_is_also_the_last_allowed_token_finishes_as_stop():
+    for stop_second, reason in ((True, "STOP"), (False, "LENGTH")):
+        s = small()
+        s.submit(1, [1, 2, 3], max_new_tokens=2, stop_ids=[9])
+        answer(s, s.step(), token=4)
+        answer(s, s.step(), token=9 if stop_second else 5)
+        p = s.step()
+        assert p.finished_ids.tolist() == [1]
+        assert FinishReason(int(p.finished_reasons[0])).name == reason

@@ -294,3 +294,13 @@ def test_quantized_beam_lists_the_accepted_formats() -> None:
         refuse_unsupported(
             FAMILIES.get("beam"), {"quantization_config": {"quant_algo": "NVFP4", "quant_method": "modelopt"}}
         )
+
+
+def test_unsupported_rope_scaling_is_refused_not_ignored() -> None:
+    """A Llama 3.1-style config (rope_type llama3) must not silently run as plain RoPE."""
+    hf = llama_hf()
+    hf["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    with pytest.raises(
+        SpecError, match=r"blocks\.attn: rope kind 'llama3' is not supported yet; known: default"
+    ):
+        FAMILIES.get("llama").config(hf)

@@ -452,9 +452,11 @@ bool Scheduler::after_token(std::int32_t slot, std::int32_t fresh) {
       }
     }
   }
-  if (info.prompt_len + info.max_new_tokens <= keep) {
+  // A stop token within the limit is a stop, also when it is the last allowed token.
+  const std::int32_t limit = info.prompt_len + info.max_new_tokens;
+  if (limit < keep || (why == FinishReason::None && limit <= keep)) {
     why = FinishReason::Length;
-    keep = info.prompt_len + info.max_new_tokens;
+    keep = limit;
   }
   if (why == FinishReason::None) return false;
   info.tokens.resize(static_cast<std::size_t>(keep));

@@ -35,6 +35,10 @@ def moe_experts(
         hidden = (F.silu(g.float()) * u.float()).to(x.dtype) if fp32 else F.silu(g) * u
         y = torch.bmm(down[flat], hidden[:, :, None]).squeeze(-1)  # [P, Dm]
         return (y.float() * weights.reshape(-1, 1).float()).view(t, k, -1).sum(1).to(x.dtype)
+    if gate_up.shape[1] % 16 or x.shape[1] % 8:  # grouped GEMM needs 16-byte aligned rows
+        from dayzero.kernels.reference.moe import moe_experts as loop
+
+        return loop(x, gate_up, down, weights, ids, fp32)
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
     offs = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
     xs = x[order // k]  # [T*k, Dm]

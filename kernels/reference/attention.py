@@ -48,7 +48,10 @@ def gqa_attention(
         first = kv_len - (b - a)  # position of the row's first query
         lo = 0 if window is None else max(0, first - window + 1)
         pos_k = torch.arange(lo, kv_len, device=q.device)
-        slots = meta.block_table[r, pos_k // bs].long() * bs + pos_k % bs
+        blocks = meta.block_table[r, pos_k // bs].long()
+        if bool((blocks < 0).any()):
+            raise RuntimeError(f"row {r}: a key in [{lo}, {kv_len}) lies in a block the scheduler freed")
+        slots = blocks * bs + pos_k % bs
         keys = k_cache[slots].to(q.dtype).repeat_interleave(h // hk, dim=1)  # [L, H, D]
         vals = v_cache[slots].to(q.dtype).repeat_interleave(h // hk, dim=1)
         s = torch.einsum("thd,lhd->htl", q[a:b].float(), keys.float()) * scale  # [H, n, L]

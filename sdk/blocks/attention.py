@@ -10,11 +10,13 @@ from torch import nn
 
 from dayzero.kernels.registry import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl
-from dayzero.sdk.spec.schema import BoolV, FloatV, IntV, Strict
+from dayzero.sdk.spec.schema import BoolV, FloatV, IntV, Ref, Strict
+
+ROPE_KINDS = ("default",)
 
 
 class RopeOpts(Strict):
-    kind: Literal["default"] = "default"
+    kind: Literal["default"] | Ref = "default"  # a $symbol lets the config name it (then checked)
     theta: FloatV
     fraction: FloatV = 1.0  # partial RoPE: the first fraction of each head's channels rotate
     neox: bool = True  # rotate-half pairing (else interleaved pairs)
@@ -136,16 +138,21 @@ class GqaAttention(nn.Module):
 def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
     d = int(val(o.head_dim))
     rope = o.rope
+    if rope is not None and (kind := val(rope.kind) or "default") not in ROPE_KINDS:
+        raise ValueError(f"rope kind {kind!r} is not supported yet; known: {', '.join(ROPE_KINDS)}")
     rot = 0 if rope is None else int(d * float(val(rope.fraction)))
     if rope is not None and (rot <= 0 or rot % 2):
         raise ValueError(
             f"rope.fraction gives {rot} rotary channels of head_dim {d}; need an even number > 0"
         )
     qs = o.query_scaling
+    heads, kv_heads = int(val(o.heads)), int(val(o.kv_heads))
+    if kv_heads <= 0 or heads % kv_heads:
+        raise ValueError(f"{heads} query heads do not split into groups over {kv_heads} KV heads")
     return GqaCfg(
         hidden=int(val("$hidden")),
-        heads=int(val(o.heads)),
-        kv_heads=int(val(o.kv_heads)),
+        heads=heads,
+        kv_heads=kv_heads,
         head_dim=d,
         bias=bool(val(o.bias)),
         qk_norm=o.qk_norm,

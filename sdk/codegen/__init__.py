@@ -132,7 +132,11 @@ def _format(name: str, text: str) -> str:
         capture_output=True,
         text=True,
     )
-    return r.stdout if r.returncode == 0 else text
+    if r.returncode != 0:
+        raise RuntimeError(
+            f"codegen formats {name} with ruff (pip install 'ruff==0.17.6'): {r.stderr.strip()}"
+        )
+    return r.stdout
 
 
 SPEC_DOC = Path(__file__).resolve().parents[2] / "docs" / "spec-reference.md"

@@ -14,7 +14,7 @@ from dayzero.kernels.ops import PagedMeta
 class StepContext:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    paged: list[PagedMeta]  # per cache group
+    paged: list[PagedMeta | None]  # per cache group (None: a State group)
     caches: list[torch.Tensor]  # per cache group: [N slots, row] in the cache dtype
     sample_index: torch.Tensor  # [S] token index of each sampling row's last token
 
@@ -26,7 +26,10 @@ def build_context(plan, caches: list[torch.Tensor], block_size: int, device: tor
     row_of_token = torch.from_numpy(np.repeat(np.arange(len(num_tokens)), num_tokens))
     kv_lens = tuple(int(x) for x in plan.kv_lens)
     paged = []
-    for table_np in plan.block_tables:
+    for table_np, cache in zip(plan.block_tables, caches, strict=True):
+        if cache is None:  # State group: no block table
+            paged.append(None)
+            continue
         table = torch.from_numpy(np.asarray(table_np, dtype=np.int64))  # [R, W]
         slots = table[row_of_token, positions // block_size] * block_size + positions % block_size  # [T]
         paged.append(

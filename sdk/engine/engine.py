@@ -92,7 +92,7 @@ class Engine:
         self.pool = KvPool(self.scheduler.layout, config.block_size, self.dtype, self.device)
         self.max_model_len = config.max_model_len or cfg.max_position
         self.requests: dict[int, RequestOutput] = {}
-        self.params: dict[int, SamplingParams] = {}
+        self.params: dict[int, SamplingParams] = {}  # live requests only
         self.generators: dict[int, torch.Generator] = {}
         self._ids = itertools.count()
         self.stats = {"steps": 0, "retracted": 0, "prefill_tokens": 0, "decode_tokens": 0}
@@ -124,7 +124,7 @@ class Engine:
                 np.asarray(prompt_ids, dtype=np.int32),
                 max_new_tokens=params.max_tokens,
                 stop_ids=stops,
-                ignore_eos=params.ignore_eos,
+                ignore_eos=False,  # EOS is already left out of `stops` when ignore_eos
             )
         except SchedulerError as e:
             raise ValueError(str(e)) from None
@@ -141,7 +141,13 @@ class Engine:
                 self.scheduler.abort(rid)
 
     def has_work(self) -> bool:
-        return any(not r.finished for r in self.requests.values())
+        return bool(self.params)
+
+    def release(self, rid: int) -> RequestOutput:
+        """Hand over a finished request's output and forget it."""
+        if rid in self.params:
+            raise ValueError(f"request {rid} is still running")
+        return self.requests.pop(rid)
 
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -157,6 +163,7 @@ class Engine:
                 out.finish_reason = _REASONS.get(reason, "stop")
                 touched[rid] = out
                 self.generators.pop(rid, None)
+                self.params.pop(rid, None)
         self.pool.apply(plan.copies)  # a plan may carry copies (restores) and no rows
         if plan.rows == 0:
             self.pool.apply_after(plan.copies)
@@ -195,4 +202,4 @@ class Engine:
         ids = [self.add(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         while any(not self.requests[i].finished for i in ids):
             self.step()
-        return [self.requests.pop(i) for i in ids]
+        return [self.release(i) for i in ids]

@@ -24,10 +24,13 @@ class KvPool:
         pin = device.type == "cuda"
         self.host = torch.zeros(layout["num_host_pages"] * self.page_bytes, dtype=torch.uint8, pin_memory=pin)
         pages = self.pool[self.state_bytes :]
-        self.block_bytes: list[torch.Tensor] = []  # per group: [num_blocks, block_size * padded_row_bytes]
-        self.views: list[torch.Tensor] = []  # per group: [num_slots, padded row] in dtype
+        # indexed by scheduler group; None for State groups (their memory is the slot region)
+        self.block_bytes: list[torch.Tensor | None] = []  # [num_blocks, block_size * padded_row_bytes]
+        self.views: list[torch.Tensor | None] = []  # [num_slots, padded row] in dtype
         for bpp, padded in zip(layout["blocks_per_page"], layout["padded_row_bytes"], strict=True):
-            if bpp == 0:  # a State group: no paged view
+            if bpp == 0:
+                self.block_bytes.append(None)
+                self.views.append(None)
                 continue
             blocks = pages.view(layout["num_pages"] * bpp, block_size * padded)
             self.block_bytes.append(blocks)

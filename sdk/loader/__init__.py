@@ -61,6 +61,9 @@ def open_checkpoint(path: str | Path, family: str | None = None) -> Checkpoint:
     if not (p / "config.json").exists():
         raise CheckpointError(f"{p}: not a checkpoint folder (no config.json) nor a .gguf file")
     hf = json.loads((p / "config.json").read_text())
+    gen = p / "generation_config.json"  # chat models list their end-of-turn ids here
+    if gen.exists() and (eos := json.loads(gen.read_text()).get("eos_token_id")) is not None:
+        hf["eos_token_id"] = eos
     fam = FAMILIES.get(family) if family else family_for(hf, str(p / "config.json"))
     return Checkpoint(p, "safetensors", hf, fam)
 

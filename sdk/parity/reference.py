@@ -10,7 +10,10 @@ def reference_class(path: str):
     """`transformers.BeamForCausalLM` -> the class (transformers' lazy top-level import)."""
     module, name = path.rsplit(".", 1)
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    return getattr(importlib.import_module(module), name)
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"reference class {path!r} cannot be imported ({e})") from None
 
 
 def reference_config(path: str, overrides: dict) -> dict:

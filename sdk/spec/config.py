@@ -46,7 +46,4 @@ class ModelConfig:
     cache_groups: tuple[CacheGroupCfg, ...]
     max_position: int | None
     eos_token_ids: tuple[int, ...]
-    symbols: tuple[tuple[str, Any], ...]  # every resolved symbol, for the model card and debugging
-
-    def symbol(self, name: str) -> Any:
-        return dict(self.symbols)[name]
+    symbols: tuple[tuple[str, Any], ...]  # every resolved symbol (for inspection and debugging)

@@ -132,6 +132,7 @@ def _rules(moe: bool) -> list[dict]:
     rules.append({"from": f"{m}.down_proj.weight", "to": "layers.{i}.mlp.down"})
     if moe:
         rules.append({"from": f"{m}.gate.weight", "to": "layers.{i}.mlp.router"})
+        rules.append({"from": f"{m}.gate.e_score_correction_bias", "to": "layers.{i}.mlp.correction_bias"})
         for p, part in (("gate_proj", "[{e}][gate]"), ("up_proj", "[{e}][up]")):
             rules.append({"from": f"{m}.experts.{{e}}.{p}.weight", "to": f"layers.{{i}}.mlp.gate_up{part}"})
         rules.append({"from": f"{m}.experts.{{e}}.down_proj.weight", "to": "layers.{i}.mlp.down[{e}]"})
@@ -147,10 +148,16 @@ def _rules(moe: bool) -> list[dict]:
 def write_draft(name: str, hf: dict, out: Path) -> Path:
     from dayzero.sdk.spec.load import load_spec
 
-    out.mkdir(parents=True, exist_ok=True)
     path = out / "spec.yaml"
     if path.exists():
         raise FileExistsError(f"{path} exists; not overwriting it")
-    path.write_text(draft(name, hf))
-    load_spec(path)  # the draft must validate
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".spec.yaml.draft"
+    tmp.write_text(draft(name, hf))
+    try:
+        load_spec(tmp)  # the draft must validate before it takes the real name
+    except Exception:
+        tmp.unlink()
+        raise
+    tmp.rename(path)
     return path

@@ -4,7 +4,9 @@ config (-> `ModelConfig`). Every error names the file, the field path and what w
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
+import inspect
 import operator
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +128,7 @@ def load_spec(path: str | Path) -> LoadedSpec:
         except ValidationError as e:
             _raise_validation(source, f"blocks.{name}", e)
     _check_plan(source, spec, blocks)
+    _check_transforms(source, spec)
     symbols = set(spec.symbols) | set(BUILTINS)
     for where, ref in (r for k, v in raw.items() if k not in LITERAL_SECTIONS for r in _refs(v, k)):
         if ref not in symbols:
@@ -149,6 +152,23 @@ def _rule_blocks(rule: Any) -> list[tuple[str, str]]:
             (f"fallback.{w}", b) for w, b in (_rule_blocks(rule.fallback) if rule.fallback else [])
         ]
     return [("block", rule.block), ("other", rule.other)]
+
+
+def _check_transforms(source: str, spec: Spec) -> None:
+    from dayzero.sdk.loader.mapping import TRANSFORMS
+
+    for wi, fmt in enumerate(spec.weights):
+        for ri, rule in enumerate(fmt.rules):
+            if rule.transform is None:
+                continue
+            path = f"weights.{wi}.rules.{ri}.transform"
+            try:
+                fn = TRANSFORMS.get(rule.transform.kind)
+                inspect.signature(fn).bind(None, **rule.transform.args)
+            except UnknownKeyError as e:
+                raise SpecError(source, f"{path}.kind", str(e)) from None
+            except TypeError as e:
+                raise SpecError(source, f"{path}.args", f"{e} (for {rule.transform.kind})") from None
 
 
 def _check_plan(source: str, spec: Spec, blocks: dict[str, BaseModel]) -> None:
@@ -308,13 +328,15 @@ def _plan(rule: Any, n: int, r: Resolver, role: str) -> list[str]:
     if isinstance(rule, RuleAll):
         return [rule.block] * n
     if isinstance(rule, RuleEvery):
-        every = int(r.value(rule.n))
+        every = r.number(rule.n, int, f"layers.{role}.n")
+        if every <= 0:
+            raise SpecError(r.source, f"layers.{role}.n", f"must be > 0, got {every}")
         out = [rule.block if (i + 1) % every == 0 else rule.other for i in range(n)]
         if rule.last and n:
             out[-1] = rule.block
         return out
     if isinstance(rule, RuleFirst):
-        k = int(r.value(rule.k))
+        k = r.number(rule.k, int, f"layers.{role}.k")
         return [rule.block if i < k else rule.other for i in range(n)]
     assert isinstance(rule, RuleField)
     values = _field(r.hf, rule.field)
@@ -394,7 +416,7 @@ def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "con
     )
     # drop empty groups and renumber the layers' group indices
     renum = {gi: j for j, gi in enumerate(gi for gi in range(len(group_decls)) if members[gi])}
-    layers = [LayerCfg(**{**layer.__dict__, "cache_group": renum[layer.cache_group]}) for layer in layers]
+    layers = [dataclasses.replace(layer, cache_group=renum[layer.cache_group]) for layer in layers]
     vocab = r.number(spec.embedding.vocab, int, "embedding.vocab")
     softcap = r.value(spec.head.softcap)
     eos = r.value(spec.eos_token_ids) if spec.eos_token_ids else None
