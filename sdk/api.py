@@ -34,6 +34,26 @@ def embedded_default() -> Path:
     return files[0]
 
 
+def resolve_model(model: str | Path) -> Path:
+    """A local folder / file as is; otherwise a hub id, fetched through huggingface_hub."""
+    path = Path(model)
+    if path.exists():
+        return path
+    if str(model).count("/") != 1 or str(model).startswith((".", "/")):
+        raise FileNotFoundError(f"{model}: no such checkpoint folder or file")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(
+            snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+        )
+    except Exception as e:
+        raise RuntimeError(
+            f"{model} is not a local path, and fetching it from the hub failed ({type(e).__name__}: {e}); "
+            "without network access, download the checkpoint elsewhere and pass its folder"
+        ) from None
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -72,7 +92,7 @@ class LLM:
         family: str | None = None,
     ) -> None:
         t0 = time.perf_counter()
-        self.path = Path(model) if model else embedded_default()
+        self.path = resolve_model(model) if model else embedded_default()
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype, self.device)
         self.checkpoint = ckpt = open_checkpoint(self.path, family)

@@ -37,6 +37,12 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from dayzero.sdk.server.serve import serve
+
+    return serve(args)
+
+
 def _specs(args: argparse.Namespace) -> int:
     from dayzero.sdk.families import FAMILIES
     from dayzero.sdk.support import device_support
@@ -186,6 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--show-prompt", action="store_true", help="print the prompt before the continuation")
     device_flags(g)
     g.set_defaults(fn=_generate)
+
+    sv = sub.add_parser(
+        "serve", help="an OpenAI-compatible server (no MODEL: the embedded SmolLM2-135M-Instruct)"
+    )
+    from dayzero.sdk.server.serve import add_arguments
+
+    add_arguments(sv)
+    sv.set_defaults(fn=_serve)
 
     s = sub.add_parser("specs", help="list the model families and what they support")
     s.set_defaults(fn=_specs)

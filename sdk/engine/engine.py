@@ -19,6 +19,8 @@ from dayzero.sdk.engine.kv_pool import KvPool
 from dayzero.sdk.scheduler import FinishReason, Scheduler, SchedulerError, make_config
 from dayzero.sdk.spec.config import ModelConfig
 
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,8 +31,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_logprobs: int = 0  # also return this many most likely tokens per step
 
     def __post_init__(self) -> None:
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -45,6 +50,7 @@ class RequestOutput:
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when asked for
     finish_reason: str | None = None  # "stop" | "length" | "abort"
 
     @property
@@ -173,14 +179,19 @@ class Engine:
         self.pool.apply_after(plan.copies)
         sample_ids = plan.req_ids[np.asarray(plan.sample, dtype=bool)].tolist()
         tokens, logprobs = self._sample(logits, sample_ids)
+        tops = self._top_logprobs(logits, sample_ids)
         self.scheduler.feed(plan.req_ids, plan.sample.astype(np.int32), tokens.astype(np.int32))
         prefill = int(np.asarray(plan.num_tokens)[np.asarray(plan.is_prefill, dtype=bool)].sum())
         self.stats["prefill_tokens"] += prefill
         self.stats["decode_tokens"] += plan.num_input_tokens - prefill
-        for rid, tok, lp in zip(sample_ids, tokens.tolist(), logprobs.tolist(), strict=True):
+        for row, (rid, tok, lp) in enumerate(
+            zip(sample_ids, tokens.tolist(), logprobs.tolist(), strict=True)
+        ):
             out = self.requests[rid]
             out.token_ids.append(tok)
             out.logprobs.append(lp)
+            if row in tops:
+                out.top_logprobs.append(tops[row])
             touched[rid] = out
         return list(touched.values())
 
@@ -193,6 +204,18 @@ class Engine:
         gens = [self.generators.get(i) for i in ids]
         tok, lp = self.ops.sample(logits, temp, top_k, top_p, gens)
         return tok.cpu().numpy(), lp.cpu().numpy()
+
+    def _top_logprobs(self, logits: torch.Tensor, ids: list[int]) -> dict[int, list[tuple[int, float]]]:
+        """row -> the k most likely (token, logprob) pairs, for the rows whose request asked."""
+        want = {row: self.params[i].top_logprobs for row, i in enumerate(ids) if self.params[i].top_logprobs}
+        if not want:
+            return {}
+        rows = torch.tensor(list(want), device=logits.device)
+        lp, tok = torch.log_softmax(logits[rows].float(), -1).topk(max(want.values()), dim=-1)
+        lp, tok = lp.cpu().tolist(), tok.cpu().tolist()
+        return {
+            row: list(zip(tok[j][: want[row]], lp[j][: want[row]], strict=True)) for j, row in enumerate(want)
+        }
 
     # ---- offline -------------------------------------------------------------------------
     def generate(

@@ -1,0 +1,446 @@
+"""FastAPI routes of the OpenAI-compatible server.
+
+Each request is tokenized off the engine thread, split into `n` engine requests, and answered
+from their update queues: whole (JSON) or streamed (server-sent events). A client that goes
+away aborts its engine requests at once; user errors are 4xx with an OpenAI-style body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dayzero.sdk.engine.engine import SamplingParams
+from dayzero.sdk.server.async_engine import AsyncEngine, Overloaded, ShuttingDown, Update
+from dayzero.sdk.server.detok import Detokenizer
+from dayzero.sdk.server.metrics import Metrics
+from dayzero.sdk.server.protocol import ChatRequest, CompletionRequest, Sampling, error_body
+
+DISCONNECT_POLL_S = 0.25
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.headers = status, kind, param, headers or {}
+
+
+@dataclass
+class Choice:
+    """One of the `n` answers: its engine request, detokenizer and what it produced."""
+
+    index: int
+    rid: int
+    queue: asyncio.Queue
+    detok: Detokenizer
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish: str | None = None
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: object
+    model_name: str
+    max_model_len: int | None
+    chat_template: str | None
+    metrics: Metrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="dayzero", version="0.1.0")
+    app.state.dz = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
+        state.metrics.requests.labels(f"error_{e.status}").inc()
+        return JSONResponse(
+            error_body(str(e), e.kind, e.param, e.status), status_code=e.status, headers=e.headers
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
+        param = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or None
+        state.metrics.requests.labels("error_400").inc()
+        return JSONResponse(
+            error_body(f"{param or 'body'}: {err['msg']}", param=param, code=400), status_code=400
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(e.detail), code=e.status_code), status_code=e.status_code)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if state.engine.accepting else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "dayzero",
+            "max_model_len": state.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(state, req)
+        prompts = normalise_prompt(req.prompt)
+        if len(prompts) != 1:
+            raise ApiError(
+                400, "one prompt per request is supported (use n for several answers)", param="prompt"
+            )
+        ids = await tokenize(state, prompts[0])
+        return await respond(
+            state,
+            req,
+            request,
+            ids,
+            chat=False,
+            top_logprobs=req.logprobs or 0,
+            want_logprobs=req.logprobs is not None,
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request):
+        check_model(state, req)
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        ids = await apply_template(state, messages)
+        if req.max_completion_tokens is not None and req.max_tokens is None:
+            req.max_tokens = req.max_completion_tokens
+        return await respond(
+            state,
+            req,
+            request,
+            ids,
+            chat=True,
+            top_logprobs=req.top_logprobs or 0,
+            want_logprobs=req.logprobs,
+        )
+
+    return app
+
+
+# ---- request handling ------------------------------------------------------------------------------
+
+
+def check_model(state: ServerState, req: Sampling) -> None:
+    if req.model not in (None, "", state.model_name):
+        raise ApiError(
+            404,
+            f"model {req.model!r} does not exist; this server serves {state.model_name!r}",
+            kind="not_found_error",
+            param="model",
+        )
+
+
+def normalise_prompt(p) -> list[str | list[int]]:
+    if isinstance(p, str):
+        return [p]
+    if p and all(isinstance(x, int) for x in p):
+        return [list(p)]
+    return list(p)
+
+
+async def tokenize(state: ServerState, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, list):
+        return prompt
+    return await asyncio.to_thread(state.tokenizer.encode, prompt, add_special_tokens=True)
+
+
+async def apply_template(state: ServerState, messages: list[dict]) -> list[int]:
+    def render() -> list[int]:
+        try:
+            text = state.tokenizer.apply_chat_template(
+                messages, chat_template=state.chat_template, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as e:  # template errors are about the request's messages
+            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        return state.tokenizer.encode(text, add_special_tokens=False)
+
+    return await asyncio.to_thread(render)
+
+
+def sampling_params(
+    state: ServerState, req: Sampling, prompt_len: int, index: int, top: int
+) -> SamplingParams:
+    limit = state.max_model_len
+    max_tokens = (
+        req.max_tokens if req.max_tokens is not None else (max(1, limit - prompt_len) if limit else 256)
+    )
+    if limit and prompt_len + max_tokens > limit:
+        if prompt_len >= limit:
+            raise ApiError(
+                400,
+                f"the prompt has {prompt_len} tokens; the maximum model length is {limit}",
+                param="prompt",
+            )
+        raise ApiError(
+            400,
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the maximum "
+            f"model length {limit}",
+            param="max_tokens",
+        )
+    seed = None if req.seed is None else req.seed + index
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_k=max(req.top_k, 0),
+            top_p=req.top_p,
+            seed=seed,
+            stop_token_ids=tuple(req.stop_token_ids),
+            ignore_eos=req.ignore_eos,
+            top_logprobs=top,
+        )
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+
+
+async def start_choices(state: ServerState, req: Sampling, ids: list[int], top: int) -> list[Choice]:
+    choices: list[Choice] = []
+    try:
+        for i in range(req.n):
+            params = sampling_params(state, req, len(ids), i, top)
+            rid, q = await state.engine.submit(ids, params)
+            choices.append(Choice(i, rid, q, Detokenizer(state.tokenizer, ids, req.stops())))
+    except Overloaded as e:
+        abort_all(state, choices)
+        raise ApiError(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
+    except ShuttingDown as e:
+        abort_all(state, choices)
+        raise ApiError(503, str(e), kind="service_unavailable", headers={"Retry-After": "5"}) from None
+    except ValueError as e:
+        abort_all(state, choices)
+        raise ApiError(400, str(e)) from None
+    except BaseException:
+        abort_all(state, choices)
+        raise
+    state.metrics.tokens_in.inc(len(ids))
+    return choices
+
+
+def abort_all(state: ServerState, choices: list[Choice]) -> None:
+    for c in choices:
+        if c.finish is None:
+            state.engine.abort(c.rid)
+
+
+def absorb(state: ServerState, c: Choice, u: Update) -> None:
+    """Apply one engine update to a choice; a stop string ends it (and its engine request)."""
+    if u.error:
+        c.finish = "abort"
+        return
+    c.tokens += u.token_ids
+    c.logprobs += u.logprobs
+    c.top += u.top_logprobs
+    state.metrics.tokens_out.inc(len(u.token_ids))
+    c.detok.add(u.token_ids)
+    if c.detok.stopped and c.finish is None:
+        c.finish = "stop"
+        if u.finish_reason is None:
+            state.engine.abort(c.rid)
+    elif u.finish_reason is not None and c.finish is None:
+        c.finish = u.finish_reason
+
+
+async def next_update(c: Choice, request: Request) -> Update | None:
+    """The choice's next update; None when the client has gone away."""
+    while True:
+        try:
+            return await asyncio.wait_for(c.queue.get(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            if await request.is_disconnected():
+                return None
+
+
+async def respond(
+    state: ServerState,
+    req: Sampling,
+    request: Request,
+    ids: list[int],
+    chat: bool,
+    top_logprobs: int,
+    want_logprobs: bool,
+):
+    choices = await start_choices(state, req, ids, top_logprobs)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if req.stream:
+        gen = stream(state, req, request, choices, ids, rid, chat, want_logprobs)
+        return StreamingResponse(gen, media_type="text/event-stream")
+    try:
+        for c in choices:
+            while c.finish is None:
+                u = await next_update(c, request)
+                if u is None:
+                    abort_all(state, choices)
+                    state.metrics.requests.labels("disconnected").inc()
+                    return Response(status_code=499)
+                absorb(state, c, u)
+    except BaseException:
+        abort_all(state, choices)
+        raise
+    state.metrics.requests.labels("ok").inc()
+    body = {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": [whole_choice(state, c, chat, want_logprobs) for c in choices],
+        "usage": usage(ids, choices),
+    }
+    return JSONResponse(body)
+
+
+def usage(ids: list[int], choices: list[Choice]) -> dict:
+    out = sum(len(c.tokens) for c in choices)
+    return {"prompt_tokens": len(ids), "completion_tokens": out, "total_tokens": len(ids) + out}
+
+
+def token_text(state: ServerState, t: int) -> str:
+    return state.tokenizer.decode([t])
+
+
+def logprob_block(state: ServerState, c: Choice, start: int, stop: int, chat: bool) -> dict:
+    toks, lps = c.tokens[start:stop], c.logprobs[start:stop]
+    tops = c.top[start:stop] if c.top else [[] for _ in toks]
+    if chat:
+        return {
+            "content": [
+                {
+                    "token": token_text(state, t),
+                    "logprob": lp,
+                    "bytes": list(token_text(state, t).encode()),
+                    "top_logprobs": [
+                        {
+                            "token": token_text(state, a),
+                            "logprob": b,
+                            "bytes": list(token_text(state, a).encode()),
+                        }
+                        for a, b in top
+                    ],
+                }
+                for t, lp, top in zip(toks, lps, tops, strict=True)
+            ]
+        }
+    return {
+        "tokens": [token_text(state, t) for t in toks],
+        "token_logprobs": lps,
+        "top_logprobs": [{token_text(state, a): b for a, b in top} for top in tops],
+        "text_offset": [],
+    }
+
+
+def whole_choice(state: ServerState, c: Choice, chat: bool, want_logprobs: bool) -> dict:
+    text = c.detok.take(final=True)
+    lp = logprob_block(state, c, 0, len(c.tokens), chat) if want_logprobs else None
+    if chat:
+        return {
+            "index": c.index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": lp,
+            "finish_reason": c.finish,
+        }
+    return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish}
+
+
+async def stream(
+    state: ServerState,
+    req: Sampling,
+    request: Request,
+    choices: list[Choice],
+    ids: list[int],
+    rid: str,
+    chat: bool,
+    want_logprobs: bool,
+) -> AsyncIterator[str]:
+    created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
+
+    def chunk(index: int, text: str, finish: str | None, lp: dict | None, first: bool = False) -> str:
+        if chat:
+            delta = (
+                ({"role": "assistant", "content": text} if first else {"content": text})
+                if text or first
+                else {}
+            )
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        body = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [choice]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    try:
+        if chat:
+            for c in choices:
+                yield chunk(c.index, "", None, None, first=True)
+        pending = {c.index: c for c in choices}
+        while pending:
+            waits = {asyncio.ensure_future(c.queue.get()): c for c in pending.values()}
+            done, rest = await asyncio.wait(
+                waits, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            for f in rest:
+                f.cancel()
+            if not done:
+                if await request.is_disconnected():
+                    raise asyncio.CancelledError
+                continue
+            for f in done:
+                c = waits[f]
+                before = len(c.tokens)
+                absorb(state, c, f.result())
+                text = c.detok.take(final=c.finish is not None)
+                lp = logprob_block(state, c, before, len(c.tokens), chat) if want_logprobs else None
+                if text or c.finish or lp:
+                    yield chunk(c.index, text, c.finish, lp)
+                if c.finish is not None:
+                    del pending[c.index]
+        if req.stream_options and req.stream_options.include_usage:
+            body = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": state.model_name,
+                "choices": [],
+                "usage": usage(ids, choices),
+            }
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+        state.metrics.requests.labels("ok").inc()
+    except (asyncio.CancelledError, GeneratorExit):
+        abort_all(state, choices)
+        state.metrics.requests.labels("disconnected").inc()
+        raise
+    finally:
+        abort_all(state, [c for c in choices if c.finish is None])

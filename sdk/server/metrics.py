@@ -1,0 +1,40 @@
+"""Prometheus metrics of one server (its own registry)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("dayzero_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.ttft = Histogram(
+            "dayzero_time_to_first_token_seconds", "Submission to first token", buckets=LATENCY, registry=r
+        )
+        self.tpot = Histogram(
+            "dayzero_time_per_output_token_seconds",
+            "Mean time between output tokens",
+            buckets=LATENCY,
+            registry=r,
+        )
+        self.running = Gauge("dayzero_requests_running", "Requests the scheduler runs", registry=r)
+        self.waiting = Gauge("dayzero_requests_waiting", "Requests waiting for admission", registry=r)
+        self.blocks = Gauge("dayzero_kv_blocks_used", "KV blocks in use", ["group"], registry=r)
+        self.hit_rate = Gauge(
+            "dayzero_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.tokens_in = Counter("dayzero_prompt_tokens", "Prompt tokens", registry=r)
+        self.tokens_out = Counter("dayzero_generation_tokens", "Generated tokens", registry=r)
+
+    def observe_engine(self, engine) -> None:
+        s = engine.scheduler
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        for g, group in enumerate(engine.groups):
+            self.blocks.labels(group.name).set(s.total_blocks(g) - s.free_blocks(g))
+        st = s.prefix_stats()
+        if st["lookup_tokens"]:
+            self.hit_rate.set(st["hit_tokens"] / st["lookup_tokens"])

@@ -1,0 +1,93 @@
+"""Request schemas of the OpenAI-compatible API (the fields dayzero honours) and error bodies.
+
+Unknown fields are ignored, as OpenAI's server does; fields dayzero does not implement are
+refused with a 400 naming them, rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_N = 16
+# parameters dayzero does not implement, with the values that ask for nothing (accepted)
+UNSUPPORTED: dict[str, tuple] = {
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=100)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self) -> Sampling:
+        extra = self.model_extra or {}
+        for name, neutral in UNSUPPORTED.items():
+            if name in extra and extra[name] not in neutral:
+                raise ValueError(f"parameter {name!r} is not supported by this server")
+        return self
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: only text is supported
+            parts = []
+            for p in self.content:
+                if p.get("type") != "text":
+                    raise ValueError(f"content part of type {p.get('type')!r} is not supported (text only)")
+                parts.append(str(p.get("text", "")))
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+def error_body(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code: int | str | None = None
+) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

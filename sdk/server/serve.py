@@ -1,0 +1,157 @@
+"""`dayzero serve`: load the model, start the engine thread, run uvicorn until SIGTERM/SIGINT.
+
+Shutdown drains: uvicorn stops accepting connections and waits (up to --shutdown-timeout) for
+in-flight requests; then the engine thread stops and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+from pathlib import Path
+
+log = logging.getLogger("dayzero.server")
+
+
+def parse_size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def refuse_unsupported_flags(args: argparse.Namespace) -> None:
+    """Flags this build cannot honour fail at start with the reason, never silently."""
+    if args.tensor_parallel_size != 1:
+        raise ValueError("--tensor-parallel-size > 1 is not supported yet (one device per server)")
+    if args.quantization not in (None, "none"):
+        raise ValueError(f"--quantization {args.quantization}: quantized checkpoints are not supported yet")
+    if args.kv_cache_dtype not in ("auto",):
+        raise ValueError(
+            f"--kv-cache-dtype {args.kv_cache_dtype}: only 'auto' (the model dtype) is supported yet"
+        )
+
+
+def engine_config(args: argparse.Namespace, device: str):
+    import torch
+
+    from dayzero.sdk.engine.engine import EngineConfig
+
+    if args.kv_cache_memory:
+        kv = parse_size(args.kv_cache_memory)
+    elif device == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        kv = int(free - (1 - args.gpu_memory_utilization) * total)  # weights are already resident
+        if kv <= 0:
+            raise ValueError(f"--gpu-memory-utilization {args.gpu_memory_utilization} leaves no KV memory")
+    else:
+        kv = 512 << 20
+    chunk = args.chunked_prefill_size or None
+    return EngineConfig(
+        kv_cache_bytes=kv,
+        host_cache_bytes=parse_size(args.swap_space),
+        max_batch_size=args.max_num_seqs,
+        max_tokens_per_step=max(args.max_num_batched_tokens, chunk or 0),
+        chunk_size=chunk,
+        prefix_cache=args.enable_prefix_caching,
+        max_model_len=args.max_model_len,
+    )
+
+
+def load(args: argparse.Namespace):
+    """(the loaded LLM, the server state) for the command line's model and flags."""
+    refuse_unsupported_flags(args)
+    from dayzero.sdk.api import LLM, default_device
+    from dayzero.sdk.engine.engine import Engine, EngineConfig
+    from dayzero.sdk.server.app import ServerState
+    from dayzero.sdk.server.async_engine import AsyncEngine
+    from dayzero.sdk.server.metrics import Metrics
+
+    device = args.device or default_device()
+    # the engine's KV pool is sized after the weights are in: build the LLM with a placeholder first
+    llm = LLM(
+        args.model,
+        device=device,
+        dtype=args.dtype,
+        engine=EngineConfig(kv_cache_bytes=16 << 20),
+        family=args.family,
+    )
+    cfg = engine_config(args, device)
+    llm.engine = Engine(llm.model, llm.config, llm.ops, cfg)
+    max_len = llm.engine.max_model_len
+    if args.max_model_len and llm.config.max_position and args.max_model_len > llm.config.max_position:
+        raise ValueError(
+            f"--max-model-len {args.max_model_len} exceeds the model's {llm.config.max_position}"
+        )
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    name = args.served_model_name or (str(args.model) if args.model else "SmolLM2-135M-Instruct")
+    metrics = Metrics()
+    state = ServerState(
+        AsyncEngine(llm.engine, args.max_waiting, metrics), llm.tokenizer, name, max_len, template, metrics
+    )
+    return llm, state
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from dayzero.sdk.server.app import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    llm, state = load(args)
+    app = build_app(state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        state.engine.start()
+        log.info(
+            "serving %s on http://%s:%d (load %.1f s)",
+            state.model_name,
+            args.host,
+            args.port,
+            llm.load_seconds,
+        )
+        yield
+        state.engine.accepting = False
+        state.engine.stop()
+
+    app.router.lifespan_context = lifespan
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "model", nargs="?", default=None, help="checkpoint folder, .gguf file or hub id (default: SmolLM2)"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--family", default=None, help="force a family instead of detecting it")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
+    p.add_argument("--chunked-prefill-size", type=int, default=None, help="largest prefill chunk")
+    p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument(
+        "--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default on CPU: 512MiB)"
+    )
+    p.add_argument("--swap-space", default="256MiB", help="host memory for retracted requests")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--chat-template", default=None, help="a jinja2 file replacing the model's chat template")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
