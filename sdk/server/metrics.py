@@ -23,6 +23,9 @@ class Metrics:
         self.running = Gauge("dayzero_requests_running", "Requests the scheduler runs", registry=r)
         self.waiting = Gauge("dayzero_requests_waiting", "Requests waiting for admission", registry=r)
         self.blocks = Gauge("dayzero_kv_blocks_used", "KV blocks in use", ["group"], registry=r)
+        self.cached = Gauge(
+            "dayzero_prefix_cache_blocks", "Blocks held only by the prefix cache (device)", registry=r
+        )
         self.hit_rate = Gauge(
             "dayzero_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", registry=r
         )
@@ -36,5 +39,6 @@ class Metrics:
         for g, group in enumerate(engine.groups):
             self.blocks.labels(group.name).set(s.total_blocks(g) - s.free_blocks(g))
         st = s.prefix_stats()
+        self.cached.set(st["device_entries"])
         if st["lookup_tokens"]:
             self.hit_rate.set(st["hit_tokens"] / st["lookup_tokens"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import signal
 from pathlib import Path
 
 log = logging.getLogger("dayzero.server")
@@ -99,6 +100,8 @@ def serve(args: argparse.Namespace) -> int:
 
     from dayzero.sdk.server.app import build_app
 
+    _DrainingServer = _draining_server_class()
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     llm, state = load(args)
     app = build_app(state)
@@ -125,8 +128,27 @@ def serve(args: argparse.Namespace) -> int:
         log_level="warning",
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
-    uvicorn.Server(config).run()
+    _DrainingServer(config).run()
     return 0
+
+
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's graceful shutdown on SIGTERM/SIGINT, then a normal return (exit status 0);
+        uvicorn itself re-raises the signal after draining, which would end the process with it."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    return DrainingServer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,286 @@
+"""`dayzero serve` on the embedded default, through the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import SEEDS
+from server_fixture import Server
+
+FLAGS = (
+    "--max-num-seqs",
+    "16",
+    "--max-waiting",
+    "24",
+    "--kv-cache-memory",
+    "192MiB",
+    "--max-model-len",
+    "1024",
+)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server(*FLAGS)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_models_health_and_metrics(server, client) -> None:
+    (m,) = client.models.list().data
+    assert m.id == "SmolLM2-135M-Instruct"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert server.metric("dayzero_requests_running") == 0
+
+
+def test_chat_says_paris(client) -> None:
+    r = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert (
+        r.usage.prompt_tokens > 0
+        and r.usage.completion_tokens == r.usage.total_tokens - r.usage.prompt_tokens
+    )
+
+
+def test_streaming_equals_whole_for_completions_and_chat(client) -> None:
+    whole = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=12, temperature=0
+    )
+    parts = list(
+        client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt="The capital of France is",
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(p.choices[0].text for p in parts if p.choices) == whole.choices[0].text
+    assert parts[-1].usage.completion_tokens == whole.usage.completion_tokens == 12
+    assert [p.choices[0].finish_reason for p in parts if p.choices][-1] == "length"
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    chat = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=16, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=16, temperature=0, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+
+
+def test_stop_strings_cut_the_text_and_finish_with_stop(client) -> None:
+    base = (
+        client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt="Count: 1, 2, 3,", max_tokens=16, temperature=0
+        )
+        .choices[0]
+        .text
+    )
+    assert len(base) > 4
+    stop = base[3:5]
+    for stream in (False, True):
+        if stream:
+            parts = list(
+                client.completions.create(
+                    model="SmolLM2-135M-Instruct",
+                    prompt="Count: 1, 2, 3,",
+                    max_tokens=16,
+                    temperature=0,
+                    stop=[stop],
+                    stream=True,
+                )
+            )
+            text, reason = "".join(p.choices[0].text for p in parts), parts[-1].choices[0].finish_reason
+        else:
+            r = client.completions.create(
+                model="SmolLM2-135M-Instruct",
+                prompt="Count: 1, 2, 3,",
+                max_tokens=16,
+                temperature=0,
+                stop=[stop],
+            )
+            text, reason = r.choices[0].text, r.choices[0].finish_reason
+        assert text == base[: base.index(stop)] and reason == "stop"
+
+
+def test_n_choices_and_logprobs(client) -> None:
+    r = client.completions.create(
+        model="SmolLM2-135M-Instruct",
+        prompt="Once upon a time",
+        max_tokens=6,
+        temperature=0.9,
+        seed=3,
+        n=3,
+        logprobs=2,
+    )
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    for c in r.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+        assert all(v <= 0 for v in lp.token_logprobs)
+        assert all(len(t) <= 2 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob - 1e-5 for t in content)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_seeded_sampling_is_reproducible(client, seed: int) -> None:
+    def ask() -> str:
+        return (
+            client.completions.create(
+                model="SmolLM2-135M-Instruct",
+                prompt="My favourite animal is",
+                max_tokens=10,
+                temperature=1.2,
+                top_p=0.95,
+                seed=seed,
+            )
+            .choices[0]
+            .text
+        )
+
+    assert ask() == ask()
+
+
+BAD = [
+    ("/v1/completions", b"{not json", 400),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404),
+    ("/v1/completions", {"prompt": 5}, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400),
+    ("/v1/completions", {"prompt": "word " * 2000, "max_tokens": 4}, 400),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400),
+    ("/v1/completions", {"prompt": [10**9], "max_tokens": 2}, 400),
+    ("/v1/chat/completions", {"messages": []}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+    ("/v1/nothing", {}, 404),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status"), BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_requests_get_openai_style_4xx(server, path: str, body, status: int) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(
+        f"{server.url}{path}", content=content, headers={"content-type": "application/json"}, timeout=30
+    )
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200  # the server is unaffected
+
+
+async def _stream_one(
+    http: httpx.AsyncClient, url: str, prompt: str, cut: int | None, **extra
+) -> tuple[str, str | None, int]:
+    """(text, finish reason, 429 retries); cut: disconnect after that many chunks."""
+    retries = 0
+    while True:
+        async with http.stream(
+            "POST",
+            f"{url}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": True} | extra,
+        ) as r:
+            if r.status_code == 429:
+                retries += 1
+                await asyncio.sleep(float(r.headers.get("retry-after", "1")) * random.random())
+                continue
+            assert r.status_code == 200, await r.aread()
+            text, reason, n = "", None, 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice["text"]
+                reason = choice["finish_reason"] or reason
+                n += 1
+                if cut is not None and n >= cut:
+                    return text, "cut", retries
+            return text, reason, retries
+
+
+def test_load_64_streaming_clients_with_disconnects(server) -> None:
+    prompts = [f"Write a short note about the number {i}." for i in range(8)]
+    expected = {}
+    for p in prompts:
+        c = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"prompt": p, "max_tokens": 24, "temperature": 0},
+            timeout=120,
+        ).json()["choices"][0]
+        expected[p] = (c["text"], c["finish_reason"])
+    rng = random.Random(2026)
+    jobs = [(prompts[i % 8], rng.randint(1, 12) if i % 5 == 0 else None) for i in range(64)]
+
+    async def run() -> list:
+        async with httpx.AsyncClient(timeout=300) as http:
+            return await asyncio.gather(*(_stream_one(http, server.url, p, cut) for p, cut in jobs))
+
+    t0 = time.monotonic()
+    results = asyncio.run(run())
+    elapsed = time.monotonic() - t0
+    done = [(p, r) for (p, _), r in zip(jobs, results, strict=True) if r[1] != "cut"]
+    assert len(done) >= 51  # a client that meant to cut may have got a short answer whole first
+    for p, (text, reason, _) in done:
+        assert (text, reason) == expected[p]  # whole, in order, the same as the non-streamed answer
+    deadline = time.monotonic() + 30
+    while server.metric("dayzero_requests_running") or server.metric("dayzero_requests_waiting"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    used, cached = (
+        server.metric("dayzero_kv_blocks_used", '{group="kv"}'),
+        server.metric("dayzero_prefix_cache_blocks"),
+    )
+    assert used == cached  # every block a request held is free or an unreferenced cache entry
+    print(f"load: 64 clients, 13 cut, {sum(r[2] for r in results)} 429-retries, {elapsed:.1f} s")
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero(server) -> None:
+    async def long_request() -> tuple[str, str | None, int]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await _stream_one(
+                http, server.url, "Tell me a long story.", None, max_tokens=96, ignore_eos=True
+            )
+
+    async def run() -> tuple:
+        task = asyncio.create_task(long_request())
+        await asyncio.sleep(1.0)
+        server.proc.send_signal(signal.SIGTERM)
+        return await task
+
+    text, reason, _ = asyncio.run(run())
+    assert reason == "length" and text  # all 96 tokens arrived after SIGTERM was sent
+    assert server.proc.wait(60) == 0

@@ -1,0 +1,101 @@
+"""API fuzzing: Hypothesis-generated bodies (valid fields with wrong types and values, unknown fields,
+non-JSON) against a live server; no response may be a 5xx, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from server_fixture import Server
+
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-10, 40),
+    st.just(10**12),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "logprobs",
+    "top_logprobs",
+    "ignore_eos",
+    "stream_options",
+    "stop_token_ids",
+    "logit_bias",
+    "max_completion_tokens",
+    "unknown_field",
+]
+MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "system", "assistant", "bot"]),
+        "content": st.one_of(st.text(max_size=20), VALUES),
+    }
+)
+BODIES = st.one_of(
+    st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=6),
+    st.fixed_dictionaries(
+        {"prompt": st.text(max_size=30), "max_tokens": st.integers(-2, 6)},
+        optional={k: VALUES for k in FIELDS[4:12]},
+    ),
+    st.fixed_dictionaries(
+        {"messages": st.lists(MESSAGE, max_size=3), "max_tokens": st.integers(-2, 6)},
+        optional={k: VALUES for k in FIELDS[4:12]},
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--max-num-seqs", "8", "--kv-cache-memory", "128MiB", "--max-model-len", "512")
+    yield s
+    s.stop()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    body=BODIES,
+    raw=st.one_of(st.none(), st.binary(max_size=20)),
+)
+def test_no_body_makes_a_5xx(server, path: str, body: dict, raw: bytes | None) -> None:
+    if isinstance(body.get("max_tokens"), int) or "max_tokens" not in body:
+        body.setdefault("max_tokens", 4)  # keep generations short
+    content = raw if raw is not None else json.dumps(body, allow_nan=True).encode()
+    with httpx.Client(timeout=120) as http:
+        if body.get("stream") is True and raw is None:
+            with http.stream(
+                "POST", f"{server.url}{path}", content=content, headers={"content-type": "application/json"}
+            ) as r:
+                r.read()
+        else:
+            r = http.post(
+                f"{server.url}{path}", content=content, headers={"content-type": "application/json"}
+            )
+    assert r.status_code < 500, (r.status_code, r.text[:500], body)
+    if r.status_code >= 400:
+        assert "error" in r.json()
+
+
+def test_still_serving_after_the_fuzz(server) -> None:
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
