@@ -139,3 +139,20 @@ def test_bad_checkpoint_is_a_clear_error_not_a_traceback(tmp_path):
     assert r.returncode == 2
     assert "not a checkpoint folder" in r.stderr or "no config.json" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_serve_refuses_flags_it_cannot_honour_before_loading():
+    for flags, why in (
+        (["--tensor-parallel-size", "2"], "tensor-parallel-size"),
+        (["--quantization", "nvfp4"], "quantized checkpoints are not supported yet"),
+        (["--kv-cache-dtype", "fp8"], "kv-cache-dtype fp8"),
+    ):
+        r = run("serve", "--port", "1", *flags)
+        assert r.returncode == 2 and why in r.stderr, r.stderr
+
+
+def test_a_hub_id_without_network_says_so(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = run("generate", "someorg/somemodel", "--prompt", "x", "--device", "cpu")
+    assert r.returncode == 2
+    assert "not a local path" in r.stderr and "without network access" in r.stderr

@@ -203,11 +203,26 @@ def test_bad_requests_get_openai_style_4xx(server, path: str, body, status: int)
     assert ok.status_code == 200  # the server is unaffected
 
 
+def test_metrics_count_requests_tokens_and_latencies(server, client) -> None:
+    client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Hello there", max_tokens=5, temperature=0
+    )
+    assert server.metric("dayzero_requests_total", '{outcome="ok"}') >= 1
+    assert server.metric("dayzero_requests_total", '{outcome="error_400"}') >= 1  # from the bad-request tests
+    assert server.metric("dayzero_time_to_first_token_seconds_count") >= 1
+    assert server.metric("dayzero_time_per_output_token_seconds_count") >= 1
+    assert (
+        server.metric("dayzero_prompt_tokens_total") > 0
+        and server.metric("dayzero_generation_tokens_total") > 0
+    )
+
+
 async def _stream_one(
     http: httpx.AsyncClient, url: str, prompt: str, cut: int | None, **extra
-) -> tuple[str, str | None, int]:
-    """(text, finish reason, 429 retries); cut: disconnect after that many chunks."""
-    retries = 0
+) -> tuple[str, str | None, int, float]:
+    """(text, finish reason, 429 retries, seconds to the first chunk); cut: disconnect after that
+    many chunks."""
+    retries, t0 = 0, time.monotonic()
     while True:
         async with http.stream(
             "POST",
@@ -219,17 +234,19 @@ async def _stream_one(
                 await asyncio.sleep(float(r.headers.get("retry-after", "1")) * random.random())
                 continue
             assert r.status_code == 200, await r.aread()
-            text, reason, n = "", None, 0
+            text, reason, n, ttft = "", None, 0, float("nan")
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
+                if n == 0:
+                    ttft = time.monotonic() - t0  # from the first attempt, 429 waits included
                 choice = json.loads(line[6:])["choices"][0]
                 text += choice["text"]
                 reason = choice["finish_reason"] or reason
                 n += 1
                 if cut is not None and n >= cut:
-                    return text, "cut", retries
-            return text, reason, retries
+                    return text, "cut", retries, ttft
+            return text, reason, retries, ttft
 
 
 def test_load_64_streaming_clients_with_disconnects(server) -> None:
@@ -249,12 +266,12 @@ def test_load_64_streaming_clients_with_disconnects(server) -> None:
         async with httpx.AsyncClient(timeout=300) as http:
             return await asyncio.gather(*(_stream_one(http, server.url, p, cut) for p, cut in jobs))
 
-    t0 = time.monotonic()
+    tokens0, t0 = server.metric("dayzero_generation_tokens_total"), time.monotonic()
     results = asyncio.run(run())
     elapsed = time.monotonic() - t0
     done = [(p, r) for (p, _), r in zip(jobs, results, strict=True) if r[1] != "cut"]
     assert len(done) >= 51  # a client that meant to cut may have got a short answer whole first
-    for p, (text, reason, _) in done:
+    for p, (text, reason, _, _) in done:
         assert (text, reason) == expected[p]  # whole, in order, the same as the non-streamed answer
     deadline = time.monotonic() + 30
     while server.metric("dayzero_requests_running") or server.metric("dayzero_requests_waiting"):
@@ -265,7 +282,14 @@ def test_load_64_streaming_clients_with_disconnects(server) -> None:
         server.metric("dayzero_prefix_cache_blocks"),
     )
     assert used == cached  # every block a request held is free or an unreferenced cache entry
-    print(f"load: 64 clients, 13 cut, {sum(r[2] for r in results)} 429-retries, {elapsed:.1f} s")
+    ttfts = sorted(r[3] for _, r in done)
+    tokens = server.metric("dayzero_generation_tokens_total") - tokens0
+    p99 = ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
+    print(
+        f"\nload: 64 streaming clients, {64 - len(done)} cut early, {sum(r[2] for r in results)} 429 "
+        f"retries, {elapsed:.1f} s, {tokens / elapsed:.0f} generated tok/s, TTFT p50 "
+        f"{ttfts[len(ttfts) // 2]:.2f} s p99 {p99:.2f} s"
+    )
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_zero(server) -> None:
@@ -281,6 +305,6 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(server) -> None:
         server.proc.send_signal(signal.SIGTERM)
         return await task
 
-    text, reason, _ = asyncio.run(run())
+    text, reason, _, _ = asyncio.run(run())
     assert reason == "length" and text  # all 96 tokens arrived after SIGTERM was sent
     assert server.proc.wait(60) == 0
