@@ -1,4 +1,4 @@
-# generated from spec.yaml@e73b40533c61, do not edit
+# generated from spec.yaml@d6c0f885b68c, do not edit
 """Llama: the execution-plane model, composed from the block library."""
 
 from __future__ import annotations

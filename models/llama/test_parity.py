@@ -1,4 +1,4 @@
-# generated from spec.yaml@e73b40533c61, do not edit
+# generated from spec.yaml@d6c0f885b68c, do not edit
 """Llama: parity against transformers.LlamaForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then its `shapes` overrides) and each recorded seed writes

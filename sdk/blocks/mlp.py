@@ -100,6 +100,10 @@ class MoE(nn.Module):
         self.shared = SwiGLU(SwigluCfg(h, si, cfg.fp32), ops) if si else None
         self.shared_gate = nn.Parameter(torch.empty(1, h)) if si and cfg.shared_gate else None
 
+    def routed(self) -> tuple[int, float]:
+        """(routed-expert parameters, the fraction of them one token uses)."""
+        return self.gate_up.numel() + self.down.numel(), self.cfg.top_k / self.cfg.experts
+
     @staticmethod
     def parts(cfg: MoeCfg) -> dict[str, dict[str, int]]:
         return {"gate_up": {"gate": cfg.intermediate, "up": cfg.intermediate}} | {

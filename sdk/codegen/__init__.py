@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import jinja2
@@ -54,6 +55,37 @@ def _groups(fam: Family) -> list[dict]:
         )
         out.append({"name": name, "kind": kind, "blocks": blocks})
     return out
+
+
+def _release(fam: Family, groups: list[dict], model_source: str) -> dict | None:
+    """The model card's launch line for the real checkpoint, with what it needs."""
+    rel = fam.spec.spec.release
+    if rel is None:
+        return None
+    from dayzero.sdk.codegen.hardware import needs
+    from dayzero.sdk.parity.reference import reference_config
+    from dayzero.sdk.spec.load import resolve
+
+    decls = tuple(GroupDecl(g["name"], g["kind"], tuple(g["blocks"])) for g in groups)
+    cfg = resolve(
+        fam.spec, reference_config(fam.spec.spec.reference, dict(rel.config)), decls, "release config"
+    )
+    module = types.ModuleType(f"dayzero.models.{fam.name}.model")  # the model as rendered now
+    exec(compile(model_source, f"models/{fam.name}/model.py", "exec"), module.__dict__)
+    n = needs(module, cfg, rel.format)
+    flags = ([f"--quantization {rel.format}"] if rel.format != "bf16" else []) + (
+        [f"--tensor-parallel-size {n.gpus}"] if n.gpus > 1 else []
+    )
+    missing = ([f"{rel.format} checkpoints"] if rel.format != "bf16" else []) + (
+        ["tensor parallelism"] if n.gpus > 1 else []
+    )
+    return {
+        "command": " ".join(["dayzero serve", rel.checkpoint, *flags]),
+        "needs": n.line(rel.format),
+        "status": f"not served yet: needs {' and '.join(missing)} (refused at start until then)"
+        if missing
+        else "",
+    }
 
 
 def _describe(opts) -> str:
@@ -108,13 +140,16 @@ def render(fam: Family) -> dict[str, str]:
         "plan_mlp": _plan_text(spec.layers.mlp),
         "residual": f"{residual.kind}{', depth-scaled' if residual.depth_scaled else ''}",
         "head": f"tie={spec.head.tie}, softcap={spec.head.softcap}",
+        "parity_shapes": 1 + len(spec.shapes),
         "support": support_matrix(
             fam, tuple(GroupDecl(g["name"], g["kind"], tuple(g["blocks"])) for g in groups)
         ),
     }
+    model_py = env.get_template("model.py.j2").render(ctx)
+    ctx["release"] = _release(fam, groups, model_py)
     out = {
         "__init__.py": f'{header}\n"""{spec.title} (generated; the source of truth is spec.yaml)."""\n',
-        "model.py": env.get_template("model.py.j2").render(ctx),
+        "model.py": model_py,
         "cache.py": env.get_template("cache.py.j2").render(ctx),
         "README.md": env.get_template("README.md.j2").render(ctx),
         "test_parity.py": env.get_template("test_parity.py.j2").render(ctx),

@@ -33,6 +33,7 @@ LITERAL_SECTIONS = (
     "tiny",
     "shapes",
     "quantization",
+    "release",
 )
 
 

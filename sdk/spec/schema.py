@@ -133,6 +133,15 @@ class Quantization(Strict):
     formats: list[Literal["fp8_block", "mxfp4", "nvfp4"]] = []
 
 
+class Release(Strict):
+    """The real checkpoint a model card's launch command serves: its hub id, the HF-config
+    fields that differ from the reference config class's defaults, and its weight format."""
+
+    checkpoint: str
+    config: dict[str, Any] = {}
+    format: Literal["bf16", "fp8_block", "mxfp4", "nvfp4"] = "bf16"
+
+
 class Mtp(Strict):
     kind: Literal["nextn", "qwen_mtp"]
     layers: IntV = 1
@@ -158,6 +167,7 @@ class Spec(Strict):
     weights: list[WeightFormat] = Field(min_length=1)
     quantization: Quantization = Quantization()
     mtp: Mtp | None = None
+    release: Release | None = None
     max_position: IntV | None = None
     eos_token_ids: Ref | None = None
 
