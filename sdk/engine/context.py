@@ -25,6 +25,11 @@ def build_context(plan, caches: list[torch.Tensor], block_size: int, device: tor
     positions = torch.from_numpy(np.asarray(plan.positions, dtype=np.int64))
     row_of_token = torch.from_numpy(np.repeat(np.arange(len(num_tokens)), num_tokens))
     kv_lens = tuple(int(x) for x in plan.kv_lens)
+    # row-level tensors are the same for every group: made (and copied to the device) once
+    query_start = torch.from_numpy(qs.astype(np.int64)).to(device)
+    kv_lens_dev = torch.tensor(kv_lens, device=device)
+    positions_dev = positions.to(device)
+    qs_cpu = tuple(int(x) for x in qs)
     paged = []
     for table_np, cache in zip(plan.block_tables, caches, strict=True):
         if cache is None:  # State group: no block table
@@ -34,20 +39,20 @@ def build_context(plan, caches: list[torch.Tensor], block_size: int, device: tor
         slots = table[row_of_token, positions // block_size] * block_size + positions % block_size  # [T]
         paged.append(
             PagedMeta(
-                query_start=torch.from_numpy(qs.astype(np.int64)).to(device),
-                kv_lens=torch.tensor(kv_lens, device=device),
-                positions=positions.to(device),
+                query_start=query_start,
+                kv_lens=kv_lens_dev,
+                positions=positions_dev,
                 block_table=table.to(device),
                 slots=slots.to(device),
                 block_size=block_size,
-                query_start_cpu=tuple(int(x) for x in qs),
+                query_start_cpu=qs_cpu,
                 kv_lens_cpu=kv_lens,
             )
         )
     sample_rows = np.nonzero(np.asarray(plan.sample))[0]
     return StepContext(
         input_ids=torch.from_numpy(np.asarray(plan.input_ids, dtype=np.int64)).to(device),
-        positions=positions.to(device),
+        positions=positions_dev,
         paged=paged,
         caches=caches,
         sample_index=torch.from_numpy((qs[sample_rows + 1] - 1).astype(np.int64)).to(device),

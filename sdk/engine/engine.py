@@ -103,9 +103,6 @@ class Engine:
         self._ids = itertools.count()
         self.stats = {"steps": 0, "retracted": 0, "prefill_tokens": 0, "decode_tokens": 0}
 
-    def scheduler_groups(self):
-        return self.groups
-
     # ---- requests ------------------------------------------------------------------------
     def add(
         self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), req_id: int | None = None

@@ -317,7 +317,7 @@ def run_parity(
     # 5./6. forced retraction: KV memory for about two requests, with and without host memory
     for label, host in (("retraction (host)", 64 << 20), ("retraction (recompute)", 0)):
         need = max(map(len, prompts)) + new_tokens
-        per_token = sum(g.bytes_per_token for g in eng.scheduler_groups())
+        per_token = sum(g.bytes_per_token for g in eng.groups)
         block = 8
         budget = per_token * block * (2 * math.ceil(need / block) + 2)
         e = ours.engine(
