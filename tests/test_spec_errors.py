@@ -91,7 +91,7 @@ CASES: list[tuple[str, Callable[[dict], None], str, tuple[str, ...]]] = [
     ("unknown_weights_format", set_in("weights", 1, "format", value="pytorch"), "weights.1.format",
      ("'safetensors'", "'gguf'")),
     ("duplicate_weights_format", dup_weights, "weights",
-     ("weights: each format may appear once", "['safetensors', 'gguf', 'safetensors']")),
+     ("each format may appear once", "['safetensors', 'gguf', 'safetensors']")),
     ("uppercase_family", set_in("family", value="Llama"), "family", ("should match pattern", "[a-z]")),
     ("unknown_quantization", set_in("quantization", value={"formats": ["int4"]}), "quantization.formats.0",
      ("'fp8_block'", "'mxfp4'", "'nvfp4'")),

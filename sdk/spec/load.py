@@ -62,15 +62,12 @@ _BRANCHES = {
     "str",
     "constrained-str",
     "list[str]",
-    "function-after[_one_rule_set_per_format()]",
 }
 
 
 def _loc(loc: tuple) -> str:
     """A field path without pydantic's union-branch names (`heads.int` -> `heads`)."""
-    return ".".join(
-        str(x) for x in loc if str(x) not in _BRANCHES and not str(x).startswith("function-after")
-    )
+    return ".".join(str(x) for x in loc if str(x) not in _BRANCHES)
 
 
 def _raise_validation(source: str, prefix: str, err: ValidationError) -> None:
@@ -85,8 +82,6 @@ def _raise_validation(source: str, prefix: str, err: ValidationError) -> None:
     rest = len({_loc(e["loc"]) for e in errors}) - 1
     more = f" (and {rest} more)" if rest else ""
     path = f"{prefix}{'.' if prefix and first else ''}{first}"
-    if not first and "weights" in msg:
-        path = f"{prefix}{'.' if prefix else ''}weights"
     raise SpecError(source, path, f"{msg}{more}") from None
 
 

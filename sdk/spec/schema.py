@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 Ref = Annotated[str, StringConstraints(pattern=r"^\$[A-Za-z_][A-Za-z0-9_]*$")]
 IntV = int | Ref
@@ -171,9 +171,10 @@ class Spec(Strict):
     max_position: IntV | None = None
     eos_token_ids: Ref | None = None
 
-    @model_validator(mode="after")
-    def _one_rule_set_per_format(self) -> Spec:
-        formats = [w.format for w in self.weights]
+    @field_validator("weights")
+    @classmethod
+    def _one_rule_set_per_format(cls, weights: list[WeightFormat]) -> list[WeightFormat]:
+        formats = [w.format for w in weights]
         if len(set(formats)) != len(formats):
-            raise ValueError(f"weights: each format may appear once, got {formats}")
-        return self
+            raise ValueError(f"each format may appear once, got {formats}")
+        return weights
