@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, Sampl
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import load_weights, open_checkpoint
 from dayzero.sdk.loader.tokenizer import load_tokenizer
+from dayzero.sdk.spec.config import ModelConfig
 
 
 def embedded_default() -> Path:
@@ -87,7 +89,7 @@ class LLM:
         model: str | Path | None = None,
         device: str | None = None,
         dtype: str | None = None,
-        engine: EngineConfig | None = None,
+        engine: EngineConfig | Callable[[ModelConfig], EngineConfig] | None = None,
         progress: bool = True,
         family: str | None = None,
     ) -> None:
@@ -100,6 +102,8 @@ class LLM:
         self.tokenizer = load_tokenizer(ckpt.path, ckpt.format)  # before the weights: fail fast
         self.model, self.ops = build(ckpt.family, self.config, ckpt.hf, self.device, self.dtype)
         load_weights(self.model, ckpt, progress=progress)
+        if callable(engine):  # sized once the weights are resident (free device memory is known)
+            engine = engine(self.config)
         self.engine = Engine(self.model, self.config, self.ops, engine or EngineConfig())
         self.load_seconds = time.perf_counter() - t0
 

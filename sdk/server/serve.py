@@ -65,27 +65,19 @@ def load(args: argparse.Namespace):
     """(the loaded LLM, the server state) for the command line's model and flags."""
     refuse_unsupported_flags(args)
     from dayzero.sdk.api import LLM, default_device
-    from dayzero.sdk.engine.engine import Engine, EngineConfig
     from dayzero.sdk.server.app import ServerState
     from dayzero.sdk.server.async_engine import AsyncEngine
     from dayzero.sdk.server.metrics import Metrics
 
     device = args.device or default_device()
-    # the engine's KV pool is sized after the weights are in: build the LLM with a placeholder first
-    llm = LLM(
-        args.model,
-        device=device,
-        dtype=args.dtype,
-        engine=EngineConfig(kv_cache_bytes=16 << 20),
-        family=args.family,
-    )
-    cfg = engine_config(args, device)
-    llm.engine = Engine(llm.model, llm.config, llm.ops, cfg)
+
+    def sized(cfg):  # called by LLM once the weights are resident
+        if args.max_model_len and cfg.max_position and args.max_model_len > cfg.max_position:
+            raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's {cfg.max_position}")
+        return engine_config(args, device)
+
+    llm = LLM(args.model, device=device, dtype=args.dtype, engine=sized, family=args.family)
     max_len = llm.engine.max_model_len
-    if args.max_model_len and llm.config.max_position and args.max_model_len > llm.config.max_position:
-        raise ValueError(
-            f"--max-model-len {args.max_model_len} exceeds the model's {llm.config.max_position}"
-        )
     template = Path(args.chat_template).read_text() if args.chat_template else None
     name = args.served_model_name or (str(args.model) if args.model else "SmolLM2-135M-Instruct")
     metrics = Metrics()
