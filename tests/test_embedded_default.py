@@ -2,8 +2,8 @@
 
 dayzero dequantizes the GGUF itself (gguf package + the llama spec's GGUF rules, including the
 q/k row un-permutation); transformers loads the same file its own way. Greedy decoding in fp32
-must agree token for token, and the prefill logits within 1e-3 (two independent dequantize +
-forward paths over 30 layers).
+must agree token for token, and the prefill logits within 1e-4, the parity suite's fp32 tolerance
+(measured: 0.0 on this machine, logits up to 29 in magnitude).
 """
 
 from __future__ import annotations
@@ -66,19 +66,9 @@ def test_greedy_matches_transformers_on_the_same_gguf(ours: LLM, reference) -> N
 
 
 def test_prefill_logits_match_transformers(ours: LLM, reference) -> None:
-    from dayzero.sdk.engine.context import build_context
-
     prompt = ours.encode(PROMPTS[3])
-    eng = ours.engine
-    rid = eng.add(prompt, SamplingParams(max_tokens=1, temperature=0))
-    plan = eng.scheduler.step()
-    ctx = build_context(plan, eng.pool.views, eng.config.block_size, eng.device)
-    ctx.sample_index = torch.arange(len(prompt))
+    (got,) = ours.engine.prompt_logits([prompt])
     with torch.inference_mode():
-        got = ours.model(ctx)
         want = reference(torch.tensor([prompt])).logits[0].float()
-    eng.scheduler.feed(plan.req_ids, plan.sample.astype("int32"), got[-1:].argmax(-1).int().numpy())
-    eng.abort(rid)
-    while eng.has_work():
-        eng.step()
-    assert (got - want).abs().max().item() <= 1e-3
+    assert (got - want).abs().max().item() <= 1e-4
+    assert not ours.engine.has_work()

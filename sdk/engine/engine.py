@@ -214,6 +214,38 @@ class Engine:
             row: list(zip(tok[j][: want[row]], lp[j][: want[row]], strict=True)) for j, row in enumerate(want)
         }
 
+    @torch.inference_mode()
+    def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Logits at every position of every prompt ([len, V] fp32 each), all prefilled in one
+        step (the step's token budget and batch size must hold them); the requests then end."""
+        if self.has_work():
+            raise RuntimeError("prompt_logits needs an idle engine")
+        ids = [self.add(p, SamplingParams(max_tokens=1, temperature=0)) for p in prompts]
+        plan = self.scheduler.step()
+        if plan.rows != len(prompts) or plan.num_input_tokens != sum(map(len, prompts)):
+            for i in ids:
+                self.abort(i)
+            while self.has_work():
+                self.step()
+            raise ValueError("the prompts do not fit in one step (max_tokens_per_step / max_batch_size)")
+        self.pool.apply(plan.copies)
+        ctx = build_context(plan, self.pool.views, self.config.block_size, self.device)
+        ctx.sample_index = torch.arange(plan.num_input_tokens, device=self.device)
+        logits = self.model(ctx)  # [T, V]
+        self.pool.apply_after(plan.copies)
+        last = ctx.sample_index.new_tensor(plan.query_start[1:].astype("int64") - 1)
+        self.scheduler.feed(
+            plan.req_ids, plan.sample.astype(np.int32), logits[last].argmax(-1).int().cpu().numpy()
+        )
+        for i in ids:
+            self.abort(i)
+        while self.has_work():
+            self.step()
+        for i in ids:
+            self.release(i)
+        qs = plan.query_start.tolist()
+        return [logits[qs[r] : qs[r + 1]] for r in range(len(prompts))]
+
     # ---- offline -------------------------------------------------------------------------
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]

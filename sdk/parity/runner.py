@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from dayzero.sdk.api import default_device, parse_dtype
-from dayzero.sdk.engine.context import build_context
 from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import Checkpoint, load_weights, open_checkpoint
@@ -143,15 +142,7 @@ class Ours:
     def prefill_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """All prompts prefilled in one step; logits at every position of every prompt."""
         eng = self.engine(max_tokens_per_step=sum(map(len, prompts)), max_batch_size=len(prompts))
-        for i, p in enumerate(prompts):
-            eng.add(p, SamplingParams(max_tokens=1, temperature=0), req_id=i)
-        plan = eng.scheduler.step()
-        assert plan.rows == len(prompts), "parity: every prompt must prefill in one step"
-        ctx = build_context(plan, eng.pool.views, eng.config.block_size, eng.device)
-        ctx.sample_index = torch.arange(plan.num_input_tokens, device=eng.device)
-        logits = self.model(ctx)
-        qs = plan.query_start.tolist()
-        return [logits[qs[r] : qs[r + 1]] for r in range(len(prompts))]
+        return eng.prompt_logits(prompts)
 
 
 def _agreement(outs: list[RequestOutput], ref: list[tuple[list[int], list[float]]]) -> tuple[float, float]:
