@@ -6,6 +6,7 @@ selected: an op this device cannot run fails here, before any weight is read.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass
 from functools import cached_property
@@ -92,17 +93,24 @@ def kernel_needs(cfg: ModelConfig, ops: OpTable) -> OpTable:
     return ops
 
 
+@contextlib.contextmanager
+def born_as(device: torch.device, dtype: torch.dtype):
+    """Modules made inside get their parameters on `device` in `dtype` directly."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def build(fam: Family, cfg: ModelConfig, hf: dict, device: torch.device, dtype: torch.dtype):
     """The generated model for cfg, parameters uninitialised (the loader writes them)."""
     refuse_unsupported(fam, hf)
     ops = kernel_needs(cfg, OpTable(device, dtype)).resolve()
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # parameters are born in the model dtype: no fp32 copy of a big model
-    try:
-        with torch.device(device):
-            model = fam.module("model").Model(cfg, ops)
-    finally:
-        torch.set_default_dtype(previous)
+    with born_as(device, dtype):  # no fp32 copy of a big model
+        model = fam.module("model").Model(cfg, ops)
     for m in model.modules():
         for name in getattr(m, "fp32_params", ()):
             p = getattr(m, name, None)

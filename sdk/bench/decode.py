@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
-from dayzero.sdk.families import FAMILIES, build
+from dayzero.sdk.families import FAMILIES, born_as, build
 from dayzero.sdk.loader import Checkpoint, load_weights
 from dayzero.sdk.parity.reference import reference_class, reference_config
 
@@ -187,10 +187,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"kernels: {ops.chosen()}")
     ref = None
     if cls is not None:
-        torch.set_default_dtype(dtype)
-        with torch.device(dev):
+        with born_as(dev, dtype):
             ref = cls(cls.config_class(**hf)).eval()
-        torch.set_default_dtype(torch.float32)
         ckpt = Checkpoint(fam.spec.folder / "<in-memory>", "safetensors", hf, fam)
         n = sum(1 for _ in checkpoint_tensors(ref))
         load_weights(model, ckpt, tensors=checkpoint_tensors(ref), count=n)

@@ -336,24 +336,16 @@ def logprob_block(state: ServerState, c: Choice, start: int, stop: int, chat: bo
     toks, lps = c.tokens[start:stop], c.logprobs[start:stop]
     tops = c.top[start:stop] if c.top else [[] for _ in toks]
     if chat:
-        return {
-            "content": [
-                {
-                    "token": token_text(state, t),
-                    "logprob": lp,
-                    "bytes": list(token_text(state, t).encode()),
-                    "top_logprobs": [
-                        {
-                            "token": token_text(state, a),
-                            "logprob": b,
-                            "bytes": list(token_text(state, a).encode()),
-                        }
-                        for a, b in top
-                    ],
-                }
-                for t, lp, top in zip(toks, lps, tops, strict=True)
-            ]
-        }
+
+        def entry(t: int, lp: float) -> dict:
+            text = token_text(state, t)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        content = [
+            entry(t, lp) | {"top_logprobs": [entry(a, b) for a, b in top]}
+            for t, lp, top in zip(toks, lps, tops, strict=True)
+        ]
+        return {"content": content}
     return {
         "tokens": [token_text(state, t) for t in toks],
         "token_logprobs": lps,
