@@ -6,6 +6,6 @@ Sizes (per-token row, window) are resolved from the HF config when a model is bu
 from dayzero.sdk.engine.geometry import GroupDecl
 
 CACHE_GROUPS = (
-    GroupDecl(name="kv_swa", kind="sliding", blocks=("sliding",)),
-    GroupDecl(name="kv", kind="paged", blocks=("full",)),
+    GroupDecl(name="kv_swa", kind="sliding", members=("sliding.kv",)),
+    GroupDecl(name="kv", kind="paged", members=("full.kv",)),
 )

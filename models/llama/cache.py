@@ -5,4 +5,4 @@ Sizes (per-token row, window) are resolved from the HF config when a model is bu
 
 from dayzero.sdk.engine.geometry import GroupDecl
 
-CACHE_GROUPS = (GroupDecl(name="kv", kind="paged", blocks=("attn",)),)
+CACHE_GROUPS = (GroupDecl(name="kv", kind="paged", members=("attn.kv",)),)

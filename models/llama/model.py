@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dayzero.kernels.registry import OpTable
-from dayzero.sdk.blocks import Embedding, LMHead, Residual, RMSNorm
+from dayzero.sdk.blocks import Embedding, LMHead, RMSNorm, Streams, residual
 from dayzero.sdk.blocks.attention import GqaAttention
 from dayzero.sdk.blocks.mlp import SwiGLU
 from dayzero.sdk.engine.context import StepContext
@@ -22,28 +22,31 @@ class Layer(nn.Module):
 
     def __init__(self, cfg: LayerCfg, ops: OpTable) -> None:
         super().__init__()
-        self.attn_res = Residual(cfg.attn_res, ops)
-        self.attn = ATTENTION[cfg.attn_kind](cfg.attn, ops, cfg.cache_group, cfg.cache_offset)
-        self.mlp_res = Residual(cfg.mlp_res, ops)
+        self.attn_res = residual(cfg.attn_res, ops)
+        self.attn = ATTENTION[cfg.attn_kind](cfg.attn, ops, cfg.caches)
+        self.mlp_res = residual(cfg.mlp_res, ops)
         self.mlp = MLP[cfg.mlp_kind](cfg.mlp, ops)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        x = self.attn_res.post(x, self.attn(self.attn_res.pre(x), ctx))  # [T, Dm]
-        return self.mlp_res.post(x, self.mlp(self.mlp_res.pre(x)))  # [T, Dm]
+        h, carry = self.attn_res.pre(x)  # x: [T, Dm], or [T, N, Dm] with N residual streams
+        x = self.attn_res.post(x, self.attn(h, ctx), carry)
+        h, carry = self.mlp_res.pre(x)
+        return self.mlp_res.post(x, self.mlp(h), carry)
 
 
 class Model(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: OpTable) -> None:
         super().__init__()
         self.embed = Embedding(cfg.embedding, ops)
+        self.streams = Streams(cfg.streams)
         self.layers = nn.ModuleList(Layer(layer, ops) for layer in cfg.layers)
         self.norm = RMSNorm(cfg.final_norm, ops)
         self.head = LMHead(cfg.head, ops, self.embed)
 
     def forward(self, ctx: StepContext, capture: list[torch.Tensor] | None = None) -> torch.Tensor:
-        x = self.embed(ctx.input_ids)  # [T, Dm]
+        x = self.streams.open(self.embed(ctx.input_ids))  # [T, Dm] or [T, N, Dm]
         for layer in self.layers:
             x = layer(x, ctx)
             if capture is not None:
                 capture.append(x)
-        return self.head(self.norm(x[ctx.sample_index]))  # [S, V] fp32
+        return self.head(self.norm(self.streams.close(x[ctx.sample_index])))  # [S, V] fp32

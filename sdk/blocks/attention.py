@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dayzero.kernels.registry import OpTable
-from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl
+from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl, StaticCache
 from dayzero.sdk.spec.schema import BoolV, FloatV, IntV, Ref, Strict
 
 ROPE_KINDS = ("default",)
@@ -77,10 +77,10 @@ class GqaAttention(nn.Module):
     y = o W_o (+ b_o)                                   [T, Dm]
     """
 
-    def __init__(self, cfg: GqaCfg, ops: OpTable, cache_group: int, cache_offset: int) -> None:
+    def __init__(self, cfg: GqaCfg, ops: OpTable, caches: tuple[tuple[int, int], ...]) -> None:
         super().__init__()
         self.cfg, self.ops = cfg, ops
-        self.group, self.offset = cache_group, cache_offset
+        ((self.group, self.offset),) = caches  # one part: K and V
         h, hk, d = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.split = [h * d, hk * d, hk * d] + ([h * d] if cfg.output_gate != "none" else [])
         self.in_proj = nn.Parameter(torch.empty(sum(self.split), cfg.hidden))
@@ -184,13 +184,15 @@ def _gqa_needs(c: GqaCfg):
     return needs
 
 
-def _gqa_cache(c: GqaCfg) -> CacheDecl:
+def _gqa_cache(c: GqaCfg) -> tuple[CacheDecl, ...]:
     row = 2 * c.kv_heads * c.head_dim
-    return CacheDecl("sliding", row, c.window) if c.window else CacheDecl("paged", row)
+    return (CacheDecl("kv", "sliding", row, c.window) if c.window else CacheDecl("kv", "paged", row),)
 
 
-def _gqa_static_cache(o: GqaOpts) -> tuple[str, str]:
-    return ("paged", "") if o.window is None else ("sliding", str(o.window))
+def _gqa_static_cache(o: GqaOpts) -> tuple[StaticCache, ...]:
+    if o.window is None:
+        return (StaticCache("kv", "paged", "", "kv"),)
+    return (StaticCache("kv", "sliding", str(o.window), "kv_swa"),)
 
 
 BLOCKS.add(

@@ -21,12 +21,27 @@ Role = Literal["attention", "mlp"]
 
 @dataclass(frozen=True)
 class CacheDecl:
-    """What one attention layer keeps per token: `row` elements (all of its tensors) in a
-    paged group of `kind`; layers with equal (kind, window) share one scheduler cache group."""
+    """One part of what an attention layer keeps.
 
-    kind: Literal["paged", "sliding"]
+    paged / sliding: `row` elements per token (all of the part's tensors), in the model dtype;
+    state: `row` bytes per request (a fixed-size recurrent state). Layers whose parts share
+    (kind, window) and a codegen sharing key share one scheduler cache group."""
+
+    part: str
+    kind: Literal["paged", "sliding", "state"]
     row: int
     window: int | None = None
+
+
+@dataclass(frozen=True)
+class StaticCache:
+    """A cache part as codegen sees it, before any HF config: parts with equal (kind, key)
+    share a group, named `name` (suffixed when several groups would take the same name)."""
+
+    part: str
+    kind: Literal["paged", "sliding", "state"]
+    key: str
+    name: str
 
 
 @dataclass(frozen=True)
@@ -37,9 +52,10 @@ class BlockDef:
     resolve: Callable[[Any, Callable[[Any], Any]], Any]  # (options, value-of) -> frozen config
     module: type
     needs: Callable[[Any], list[tuple[str, frozenset[str], int | None]]]
-    cache: Callable[[Any], CacheDecl] | None = None
-    # codegen: (cache kind, sharing key) from the unresolved options; equal keys share a group
-    static_cache: Callable[[Any], tuple[str, str]] | None = None
+    # attention kinds: the parts a layer keeps (resolved), and as codegen sees them (unresolved),
+    # in the same order; the module receives one (group, offset) per part in that order
+    cache: Callable[[Any], tuple[CacheDecl, ...]] | None = None
+    static_cache: Callable[[Any], tuple[StaticCache, ...]] | None = None
     doc: str = ""
 
 

@@ -29,16 +29,27 @@ class RMSNorm(nn.Module):
 
 
 @dataclass(frozen=True)
+class HyperCfg:
+    streams: int  # N
+    sinkhorn_iters: int
+    eps: float  # floor on pre / comb weights and on Sinkhorn sums
+    norm_eps: float  # the unweighted RMS norm over the flattened streams
+
+
+@dataclass(frozen=True)
 class ResidualCfg:
-    """One residual add around f. kind prenorm: x + f(n(x)); sandwich: x + post(f(n(x))).
-    add_index k > 0 (depth-scaled): x * sqrt((k - 1) / k) + y / sqrt(k)."""
+    """One residual add around f. kind prenorm: x + f(n(x)); sandwich: x + post(f(n(x)));
+    hyper: see HyperResidual. add_index k > 0 (depth-scaled): x * sqrt((k - 1) / k) + y / sqrt(k)."""
 
     kind: str
     norm: NormCfg
     add_index: int = 0
+    hyper: HyperCfg | None = None
 
 
 class Residual(nn.Module):
+    """`h, carry = pre(x)` is the block's input; `post(x, f(h), carry)` the next residual state."""
+
     def __init__(self, cfg: ResidualCfg, ops: OpTable) -> None:
         super().__init__()
         self.cfg = cfg
@@ -47,15 +58,82 @@ class Residual(nn.Module):
         k = cfg.add_index
         self.scales = (math.sqrt((k - 1) / k), 1 / math.sqrt(k)) if k else None
 
-    def pre(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x)
+    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.norm(x), None
 
-    def post(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def post(self, x: torch.Tensor, y: torch.Tensor, carry: None = None) -> torch.Tensor:
         if self.post_norm is not None:
             y = self.post_norm(y)
         if self.scales is None:
             return x + y
         return y * self.scales[1] + x * self.scales[0]
+
+
+class HyperResidual(nn.Module):
+    """Manifold-constrained hyper-connections: the residual is N streams X [T, N, D].
+
+    z = rmsnorm(flatten(X)) W^T  (fp32, no weight)                    [T, (2 + N) N]
+    pre  = sigmoid(a_pre z_pre + b_pre) + eps                         [T, N]
+    post = 2 sigmoid(a_post z_post + b_post)                          [T, N]
+    C = softmax_rows(a_comb z_comb + b_comb) + eps                    [T, N, N]
+        then Sinkhorn: columns, then (rows, columns) x (iters - 1), each / (sum + eps)
+    block input h = norm(sum_i pre_i X_i)                             [T, D]
+    next X_j = post_j f(h) + sum_i C_ij X_i                           [T, N, D]
+    """
+
+    fp32_params = ("base", "scale")
+
+    def __init__(self, cfg: ResidualCfg, ops: OpTable) -> None:
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        hc, n, d = cfg.hyper, cfg.hyper.streams, cfg.norm.dim
+        self.norm = RMSNorm(cfg.norm, ops)
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * d))
+        self.base = nn.Parameter(torch.empty((2 + n) * n))
+        self.scale = nn.Parameter(torch.empty(3))
+        self.hc = hc
+
+    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        hc, n = self.hc, self.hc.streams
+        flat = x.reshape(x.shape[0], -1).float()  # [T, N D]
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + hc.norm_eps)
+        z = self.ops.linear(flat, self.fn.float())  # [T, (2 + N) N]
+        zp, zq, zc = z.split([n, n, n * n], dim=-1)
+        bp, bq, bc = self.base.float().split([n, n, n * n])
+        sp, sq, sc = self.scale.float().unbind(0)
+        pre = torch.sigmoid(zp * sp + bp) + hc.eps  # [T, N]
+        post = 2 * torch.sigmoid(zq * sq + bq)  # [T, N]
+        comb = torch.softmax(zc.view(-1, n, n) * sc + bc.view(n, n), dim=-1) + hc.eps  # [T, N, N]
+        comb = comb / (comb.sum(-2, keepdim=True) + hc.eps)
+        for _ in range(hc.sinkhorn_iters - 1):
+            comb = comb / (comb.sum(-1, keepdim=True) + hc.eps)
+            comb = comb / (comb.sum(-2, keepdim=True) + hc.eps)
+        h = (pre[..., None] * x).sum(1).to(x.dtype)  # [T, D]
+        return self.norm(h), (post, comb)
+
+    def post(self, x: torch.Tensor, y: torch.Tensor, carry: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        post, comb = carry
+        mixed = torch.matmul(comb.to(x.dtype).transpose(-1, -2), x)  # [T, N, D]: sum_i C_ij X_i
+        return post.to(x.dtype)[..., None] * y[:, None, :] + mixed
+
+
+def residual(cfg: ResidualCfg, ops: OpTable) -> nn.Module:
+    return HyperResidual(cfg, ops) if cfg.kind == "hyper" else Residual(cfg, ops)
+
+
+class Streams(nn.Module):
+    """The residual stream(s) around the decoder stack: with N > 1 (hyper-connections) the
+    embedding is copied into N streams [T, N, D] and they are averaged before the final norm."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def open(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.n == 1 else x[:, None, :].expand(-1, self.n, -1).contiguous()
+
+    def close(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.n == 1 else x.mean(dim=1)
 
 
 @dataclass(frozen=True)

@@ -37,24 +37,26 @@ def _env() -> jinja2.Environment:
 
 
 def _groups(fam: Family) -> list[dict]:
+    """Cache parts with equal (kind, sharing key) share a group, in order of first use."""
     loaded = fam.spec
     used = [b for _, b in _rule_blocks(loaded.spec.layers.attention)]
-    by_key: dict[tuple[str, str], list[str]] = {}
+    by_key: dict[tuple[str, str], dict] = {}
     for name in dict.fromkeys(used):
         opts = loaded.blocks[name]
-        by_key.setdefault(BLOCKS.get(opts.kind).static_cache(opts), []).append(name)
-    sliding = [k for k in by_key if k[0] == "sliding"]
-    out = []
-    for (kind, key), blocks in by_key.items():
-        name = (
-            "kv"
-            if kind == "paged"
-            else "kv_swa"
-            if len(sliding) == 1
-            else f"kv_swa_{sliding.index((kind, key))}"
-        )
-        out.append({"name": name, "kind": kind, "blocks": blocks})
+        for part in BLOCKS.get(opts.kind).static_cache(opts):
+            g = by_key.setdefault((part.kind, part.key), {"name": part.name, "kind": part.kind, "members": []})
+            g["members"].append(f"{name}.{part.part}")
+    out = list(by_key.values())
+    for g in out:  # several groups wanting one name: number them
+        same = [h for h in out if h["name"] == g["name"]]
+        if len(same) > 1:
+            for i, h in enumerate(same):
+                h["name"] = f"{h['name']}_{i}"
     return out
+
+
+def _decls(groups: list[dict]) -> tuple[GroupDecl, ...]:
+    return tuple(GroupDecl(g["name"], g["kind"], tuple(g["members"])) for g in groups)
 
 
 def _release(fam: Family, groups: list[dict], model_source: str) -> dict | None:
@@ -66,9 +68,8 @@ def _release(fam: Family, groups: list[dict], model_source: str) -> dict | None:
     from dayzero.sdk.parity.reference import reference_config
     from dayzero.sdk.spec.load import resolve
 
-    decls = tuple(GroupDecl(g["name"], g["kind"], tuple(g["blocks"])) for g in groups)
     cfg = resolve(
-        fam.spec, reference_config(fam.spec.spec.reference, dict(rel.config)), decls, "release config"
+        fam.spec, reference_config(fam.spec.spec.reference, dict(rel.config)), _decls(groups), "release config"
     )
     module = types.ModuleType(f"dayzero.models.{fam.name}.model")  # the model as rendered now
     exec(compile(model_source, f"models/{fam.name}/model.py", "exec"), module.__dict__)
@@ -141,9 +142,7 @@ def render(fam: Family) -> dict[str, str]:
         "residual": f"{residual.kind}{', depth-scaled' if residual.depth_scaled else ''}",
         "head": f"tie={spec.head.tie}, softcap={spec.head.softcap}",
         "parity_shapes": 1 + len(spec.shapes),
-        "support": support_matrix(
-            fam, tuple(GroupDecl(g["name"], g["kind"], tuple(g["blocks"])) for g in groups)
-        ),
+        "support": support_matrix(fam, _decls(groups)),
     }
     model_py = env.get_template("model.py.j2").render(ctx)
     ctx["release"] = _release(fam, groups, model_py)

@@ -22,6 +22,7 @@ class Needs:
     active: int  # read per token: all but the unused routed experts and the embedding table
     weight_bytes: dict[str, float]
     kv_bytes_per_token: int
+    state_bytes: int  # fixed-size recurrent state per request (linear attention), as kept
     sliding_kv: bool
     gpus: int  # for the release format, a power of two
 
@@ -32,7 +33,8 @@ class Needs:
             f"{self.weight_bytes[fmt] / 1e9:.1f} GB in {fmt}"
             + (f" ({self.weight_bytes['bf16'] / 1e9:.1f} GB in bf16); " if fmt != "bf16" else "; ")
             + f"KV {self.kv_bytes_per_token / 1024:.0f} KiB per token in bf16{sw}; "
-            f"{self.gpus} x {GPU_NAME} at tensor-parallel size {self.gpus}"
+            + (f"recurrent state {self.state_bytes / 2**20:.1f} MiB per request; " if self.state_bytes else "")
+            + f"{self.gpus} x {GPU_NAME} at tensor-parallel size {self.gpus}"
         )
 
 
@@ -47,8 +49,8 @@ def needs(model_module, cfg, fmt: str) -> Needs:
         p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("embed")
     )
     weight = {f: (total - matrices) * 2 + matrices * b for f, b in MATRIX_BYTES.items()}
-    kv = sum(g.row for g in cfg.cache_groups) * 2
+    kv = sum(g.row for g in cfg.cache_groups if g.kind != "state") * 2
+    state = sum(g.row for g in cfg.cache_groups if g.kind == "state")
     gpus = 2 ** math.ceil(math.log2(max(1.0, weight[fmt] / (GPU_BYTES * USABLE))))
-    return Needs(
-        total, int(total - embed - unused), weight, kv, any(g.window for g in cfg.cache_groups), gpus
-    )
+    sliding = any(g.window for g in cfg.cache_groups)
+    return Needs(total, int(total - embed - unused), weight, kv, state, sliding, gpus)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -11,15 +11,36 @@ from dayzero.kernels.ops import PagedMeta
 
 
 @dataclass
+class StateMeta:
+    """The rows' fixed-size states (linear attention): one slot per running request.
+
+    pool [num_slots, slot_bytes] uint8 (a layer views its byte range in its own dtypes);
+    slots [R] the slot of each row; fresh[r]: the row starts at position 0, so its state is
+    the initial (zero) state, not whatever the slot held before."""
+
+    pool: torch.Tensor
+    slots: torch.Tensor
+    slots_cpu: tuple[int, ...]
+    fresh_cpu: tuple[bool, ...]
+    query_start_cpu: tuple[int, ...]
+
+
+@dataclass
 class StepContext:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     paged: list[PagedMeta | None]  # per cache group (None: a State group)
-    caches: list[torch.Tensor]  # per cache group: [N slots, row] in the cache dtype
+    caches: list[torch.Tensor | None]  # per cache group: [N slots, row] in the cache dtype (None: State)
     sample_index: torch.Tensor  # [S] token index of each sampling row's last token
+    state: StateMeta | None = None  # when the model has a State group
+    # step-scoped values one layer hands to a later one (e.g. a sparse-attention selection
+    # that following layers reuse); cleared with the context
+    shared: dict = field(default_factory=dict)
 
 
-def build_context(plan, caches: list[torch.Tensor], block_size: int, device: torch.device) -> StepContext:
+def build_context(
+    plan, caches: list[torch.Tensor | None], block_size: int, device: torch.device, state_pool=None
+) -> StepContext:
     num_tokens = np.asarray(plan.num_tokens)
     qs = np.asarray(plan.query_start)
     positions = torch.from_numpy(np.asarray(plan.positions, dtype=np.int64))
@@ -50,10 +71,22 @@ def build_context(plan, caches: list[torch.Tensor], block_size: int, device: tor
             )
         )
     sample_rows = np.nonzero(np.asarray(plan.sample))[0]
+    state = None
+    if state_pool is not None and state_pool.numel():
+        slots = tuple(int(x) for x in plan.state_slots)
+        first = np.asarray(plan.kv_lens) - num_tokens  # position of each row's first token
+        state = StateMeta(
+            pool=state_pool,
+            slots=torch.tensor(slots, dtype=torch.int64, device=device),
+            slots_cpu=slots,
+            fresh_cpu=tuple(bool(f == 0) for f in first),
+            query_start_cpu=qs_cpu,
+        )
     return StepContext(
         input_ids=torch.from_numpy(np.asarray(plan.input_ids, dtype=np.int64)).to(device),
         positions=positions_dev,
         paged=paged,
         caches=caches,
         sample_index=torch.from_numpy((qs[sample_rows + 1] - 1).astype(np.int64)).to(device),
+        state=state,
     )

@@ -68,6 +68,9 @@ class EngineConfig:
     chunk_size: int | None = None  # default: max_tokens_per_step
     prefix_cache: bool = True
     max_model_len: int | None = None  # default: the model's max_position
+    # recurrent-state snapshots kept for prefix-cache hits (models with a State cache group);
+    # default: one per batch slot
+    snapshot_slots: int | None = None
 
 
 _REASONS = {
@@ -94,6 +97,9 @@ class Engine:
         if config.chunk_size:
             fields["chunk_size"] = config.chunk_size
         self.groups = scheduler_groups(cfg, self.dtype.itemsize)
+        if any(g.kind == "state" for g in cfg.cache_groups):
+            snaps = config.snapshot_slots
+            fields["snapshot_slots"] = config.max_batch_size if snaps is None else snaps
         self.scheduler = Scheduler(make_config(self.groups, **fields))
         self.pool = KvPool(self.scheduler.layout, config.block_size, self.dtype, self.device)
         self.max_model_len = config.max_model_len or cfg.max_position
@@ -171,7 +177,7 @@ class Engine:
         if plan.rows == 0:
             self.pool.apply_after(plan.copies)
             return list(touched.values())
-        ctx = build_context(plan, self.pool.views, self.config.block_size, self.device)
+        ctx = build_context(plan, self.pool.views, self.config.block_size, self.device, self.pool.slots)
         logits = self.model(ctx)  # [S, V] fp32
         self.pool.apply_after(plan.copies)
         sample_ids = plan.req_ids[np.asarray(plan.sample, dtype=bool)].tolist()
@@ -229,7 +235,7 @@ class Engine:
                 self.step()
             raise ValueError("the prompts do not fit in one step (max_tokens_per_step / max_batch_size)")
         self.pool.apply(plan.copies)
-        ctx = build_context(plan, self.pool.views, self.config.block_size, self.device)
+        ctx = build_context(plan, self.pool.views, self.config.block_size, self.device, self.pool.slots)
         ctx.sample_index = torch.arange(plan.num_input_tokens, device=self.device)
         logits = self.model(ctx)  # [T, V]
         self.pool.apply_after(plan.copies)

@@ -12,17 +12,21 @@ from dayzero.sdk.spec.config import ModelConfig
 
 @dataclass(frozen=True)
 class GroupDecl:
-    """A cache group as codegen declares it: the attention blocks whose layers share it."""
+    """A cache group as codegen declares it: the attention-block cache parts (`block.part`)
+    whose layers share it."""
 
     name: str
-    kind: Literal["paged", "sliding"]
-    blocks: tuple[str, ...]
+    kind: Literal["paged", "sliding", "state"]
+    members: tuple[str, ...]
 
 
 def scheduler_groups(cfg: ModelConfig, elem_bytes: int) -> list[CacheGroup]:
     """One scheduler group per resolved cache group; rows padded to ROW_ALIGN bytes."""
     out = []
     for g in cfg.cache_groups:
+        if g.kind == "state":  # row is already bytes per request
+            out.append(CacheGroup(g.name, GroupKind.State, state_bytes=-(-g.row // ROW_ALIGN) * ROW_ALIGN))
+            continue
         row = -(-g.row * elem_bytes // ROW_ALIGN) * ROW_ALIGN
         if g.kind == "sliding":
             out.append(CacheGroup(g.name, GroupKind.SlidingWindow, bytes_per_token=row, window=g.window))

@@ -20,16 +20,17 @@ class LayerCfg:
     mlp: Any
     attn_res: ResidualCfg
     mlp_res: ResidualCfg
-    cache_group: int
-    cache_offset: int  # elements into the group's per-token row
+    caches: tuple[tuple[int, int], ...]  # per cache part of the attention block: (group, offset)
+    # offset: elements into the group's per-token row (paged), bytes into the request's slot (state)
 
 
 @dataclass(frozen=True)
 class CacheGroupCfg:
-    """One scheduler cache group: `row` elements per token, summed over its `layers`."""
+    """One scheduler cache group: `row` elements per token summed over its `layers` (paged,
+    sliding), or `row` bytes per request (state)."""
 
     name: str
-    kind: Literal["paged", "sliding"]
+    kind: Literal["paged", "sliding", "state"]
     window: int | None
     row: int
     layers: tuple[int, ...]
@@ -42,6 +43,7 @@ class ModelConfig:
     embedding: EmbeddingCfg
     layers: tuple[LayerCfg, ...]
     final_norm: NormCfg
+    streams: int  # residual streams (hyper-connections); 1 = one plain residual stream
     head: HeadCfg
     cache_groups: tuple[CacheGroupCfg, ...]
     max_position: int | None

@@ -16,12 +16,13 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from dayzero.sdk.blocks import BLOCKS
-from dayzero.sdk.blocks.norm import EmbeddingCfg, HeadCfg, NormCfg, ResidualCfg
+from dayzero.sdk.blocks.norm import EmbeddingCfg, HeadCfg, HyperCfg, NormCfg, ResidualCfg
 from dayzero.sdk.registry import UnknownKeyError
 from dayzero.sdk.spec.config import CacheGroupCfg, LayerCfg, ModelConfig
 from dayzero.sdk.spec.schema import RuleAll, RuleEvery, RuleField, RuleFirst, Spec, Symbol
 
 BUILTINS = ("hidden", "norm_eps", "norm_weight_in_fp32")
+STATE_ALIGN = 256  # bytes; a state part starts aligned in the request's slot
 # sections whose strings are never symbol references
 LITERAL_SECTIONS = (
     "family",
@@ -335,23 +336,44 @@ def _plan(rule: Any, n: int, r: Resolver, role: str) -> list[str]:
         k = r.number(rule.k, int, f"layers.{role}.k")
         return [rule.block if i < k else rule.other for i in range(n)]
     assert isinstance(rule, RuleField)
-    values = _field(r.hf, rule.field)
-    if values is _MISSING or values is None:
-        if rule.fallback is None:
-            raise SpecError(
-                r.source, rule.field, f"missing (layer plan of {role}) and the spec has no fallback"
-            )
-        return _plan(rule.fallback, n, r, role)
-    if not isinstance(values, list) or len(values) < n:
-        raise SpecError(r.source, rule.field, f"expected a list of at least {n} layer kinds, got {values!r}")
+    fields = [rule.field] if isinstance(rule.field, str) else rule.field
+    columns = []
+    for f in fields:
+        values = _field(r.hf, f)
+        if values is _MISSING or values is None:
+            if rule.fallback is None:
+                raise SpecError(r.source, f, f"missing (layer plan of {role}) and the spec has no fallback")
+            return _plan(rule.fallback, n, r, role)
+        if not isinstance(values, list) or len(values) < n:
+            raise SpecError(r.source, f, f"expected a list of at least {n} layer kinds, got {values!r}")
+        columns.append(values[:n])
     out = []
-    for i, v in enumerate(values[:n]):
+    for i, vs in enumerate(zip(*columns, strict=True)):
+        v = "+".join(map(str, vs))
         if v not in rule.map:
             raise SpecError(
-                r.source, f"{rule.field}.{i}", f"unknown layer kind {v!r}; known: {', '.join(rule.map)}"
+                r.source,
+                " + ".join(f"{f}.{i}" for f in fields),
+                f"unknown layer kind {v!r}; known: {', '.join(rule.map)}",
             )
         out.append(rule.map[v])
     return out
+
+
+def _hyper(spec: Spec, r: Resolver) -> HyperCfg | None:
+    res = spec.residual
+    if res.kind != "hyper":
+        return None
+    where = "residual"
+    cfg = HyperCfg(
+        streams=r.number(res.streams, int, f"{where}.streams"),
+        sinkhorn_iters=r.number(res.sinkhorn_iters, int, f"{where}.sinkhorn_iters"),
+        eps=r.number(res.eps, float, f"{where}.eps"),
+        norm_eps=r.number(spec.norm.eps, float, "norm.eps"),
+    )
+    if cfg.streams < 1 or cfg.sinkhorn_iters < 1:
+        raise SpecError(r.source, where, f"needs streams >= 1 and sinkhorn_iters >= 1, got {cfg}")
+    return cfg
 
 
 def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "config.json") -> ModelConfig:
@@ -371,26 +393,34 @@ def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "con
                 if isinstance(e, SpecError):
                     raise
                 raise SpecError(spath, f"blocks.{name}", f"{e} (with {source})") from None
-    group_of = {b: gi for gi, g in enumerate(group_decls) for b in g.blocks}
+    group_of = {m: gi for gi, g in enumerate(group_decls) for m in g.members}
     rows = [0] * len(group_decls)
     members: list[list[int]] = [[] for _ in group_decls]
     windows: list[int | None] = [None] * len(group_decls)
+    hyper = _hyper(spec, r)
     layers = []
     for i in range(n):
         a, m = attn_plan[i], mlp_plan[i]
-        decl = BLOCKS.get(loaded.blocks[a].kind).cache(resolved[a])
-        if a not in group_of:
-            raise SpecError(
-                spath, f"blocks.{a}", "has no cache group in the generated geometry; run `dayzero codegen`"
-            )
-        g = group_of[a]
-        if decl.kind != group_decls[g].kind:
-            raise SpecError(spath, f"blocks.{a}.window", f"resolves to a {decl.kind} cache with {source}")
-        if members[g] and windows[g] != decl.window:
-            raise SpecError(spath, f"blocks.{a}.window", f"cache group {group_decls[g].name} mixes windows")
-        windows[g] = decl.window
-        offset, rows[g] = rows[g], rows[g] + decl.row
-        members[g].append(i)
+        caches = []
+        for decl in BLOCKS.get(loaded.blocks[a].kind).cache(resolved[a]):
+            key = f"{a}.{decl.part}"
+            if key not in group_of:
+                raise SpecError(
+                    spath, f"blocks.{a}", f"cache part {key} has no group in the generated geometry; "
+                    "run `dayzero codegen`"
+                )
+            g = group_of[key]
+            if decl.kind != group_decls[g].kind:
+                raise SpecError(spath, f"blocks.{a}.window", f"resolves to a {decl.kind} cache with {source}")
+            if members[g] and windows[g] != decl.window:
+                raise SpecError(spath, f"blocks.{a}.window", f"cache group {group_decls[g].name} mixes windows")
+            windows[g] = decl.window
+            # state parts are bytes in the request's slot: keep every part aligned for any dtype view
+            size = -(-decl.row // STATE_ALIGN) * STATE_ALIGN if decl.kind == "state" else decl.row
+            caches.append((g, rows[g]))
+            rows[g] += size
+            if i not in members[g]:
+                members[g].append(i)
         k = 2 * (i + 1) if spec.residual.depth_scaled else 0
         layers.append(
             LayerCfg(
@@ -399,10 +429,9 @@ def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "con
                 attn=resolved[a],
                 mlp_kind=loaded.blocks[m].kind,
                 mlp=resolved[m],
-                attn_res=ResidualCfg(spec.residual.kind, norm, k),
-                mlp_res=ResidualCfg(spec.residual.kind, norm, k + 1 if k else 0),
-                cache_group=g,
-                cache_offset=offset,
+                attn_res=ResidualCfg(spec.residual.kind, norm, k, hyper),
+                mlp_res=ResidualCfg(spec.residual.kind, norm, k + 1 if k else 0, hyper),
+                caches=tuple(caches),
             )
         )
     groups = tuple(
@@ -412,7 +441,9 @@ def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "con
     )
     # drop empty groups and renumber the layers' group indices
     renum = {gi: j for j, gi in enumerate(gi for gi in range(len(group_decls)) if members[gi])}
-    layers = [dataclasses.replace(layer, cache_group=renum[layer.cache_group]) for layer in layers]
+    layers = [
+        dataclasses.replace(layer, caches=tuple((renum[g], off) for g, off in layer.caches)) for layer in layers
+    ]
     vocab = r.number(spec.embedding.vocab, int, "embedding.vocab")
     softcap = r.value(spec.head.softcap)
     eos = r.value(spec.eos_token_ids) if spec.eos_token_ids else None
@@ -426,6 +457,7 @@ def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "con
         embedding=EmbeddingCfg(vocab, hidden),
         layers=tuple(layers),
         final_norm=norm,
+        streams=hyper.streams if hyper else 1,
         head=HeadCfg(
             vocab, hidden, bool(r.value(spec.head.tie)), None if softcap is None else float(softcap)
         ),

@@ -42,10 +42,11 @@ class RuleAll(Strict):
 
 
 class RuleField(Strict):
-    """Per-layer kinds from a list field of the HF config, each value mapped to a block."""
+    """Per-layer kinds from a list field of the HF config, each value mapped to a block. With
+    several fields, layer i's key joins their i-th values with `+` (`indexed_attention+shared`)."""
 
     rule: Literal["field"]
-    field: str
+    field: str | list[str]
     map: dict[str, str]
     fallback: RuleEvery | RuleFirst | RuleAll | None = Field(default=None, discriminator="rule")
 
@@ -80,10 +81,16 @@ class LayerPlan(Strict):
 
 class Residual(Strict):
     """prenorm: x + f(norm(x)). sandwich: x + post_norm(f(norm(x))). depth_scaled: the k-th
-    residual add (k = 2, 3, ... counting both adds of every layer) is r * sqrt((k-1)/k) + f / sqrt(k)."""
+    residual add (k = 2, 3, ... counting both adds of every layer) is r * sqrt((k-1)/k) + f / sqrt(k).
+    hyper: manifold-constrained hyper-connections over `streams` residual streams (see
+    `dayzero.sdk.blocks.norm.HyperResidual`); the embedding is copied into every stream and the
+    streams are averaged before the final norm."""
 
-    kind: Literal["prenorm", "sandwich"]
+    kind: Literal["prenorm", "sandwich", "hyper"]
     depth_scaled: bool = False
+    streams: IntV = 1  # hyper
+    sinkhorn_iters: IntV = 20  # hyper
+    eps: FloatV = 1e-6  # hyper: floor added to the pre and comb weights and Sinkhorn sums
 
 
 class Norm(Strict):
