@@ -39,6 +39,7 @@ class PagedMeta:
 
 declare_op("embedding", "ids [T] -> weight[ids] [T, Dm]")
 declare_op("linear", "x [.., K] @ w[N, K]^T (+ b) -> [.., N]", features={"bias"})
+declare_op("layer_norm", "(x - mean) / sqrt(var + eps) * w + b over the last dim")
 declare_op("rms_norm", "x / rms(x) * w over the last dim, in fp32", features={"weight_in_fp32"})
 declare_op(
     "rope", "rotate the first rotary_dim channels of [T, H, D] by position", features={"partial", "neox"}
@@ -49,14 +50,37 @@ declare_op(
     "causal attention of q [T, H, D] over the paged K/V of each row -> [T, H, D]",
     features={"causal", "sliding_window", "softcap"},
 )
-declare_op("swiglu", "act(gate) * up, optionally in fp32", features={"fp32"})
+declare_op("cache_write", "write rows [T, W] into their cache slots of a [N, W] cache view")
+declare_op(
+    "mla_attention",
+    "latent attention: q (nope [T, H, Dn], rope [T, H, Dr]) over the paged latent + rope key -> [T, H, Dv]",
+    features={"causal", "select"},
+)
+declare_op(
+    "dsa_index",
+    "lightning indexer: per-token scores over the row's cached index keys -> top-k positions [T, K]",
+)
+declare_op(
+    "kpool_index",
+    "pooled indexer: scores over pooled groups of cached keys -> top groups (+ tail) positions [T, K]",
+    features={"tail"},
+)
+declare_op("short_conv", "causal depthwise conv over each row, continuing its state; silu", features={"silu"})
+declare_op(
+    "kda_recurrence",
+    "Kimi delta attention over each row, continuing its fp32 state -> [T, H, Dv]",
+    features={"chunked"},
+)
+declare_op("swiglu", "act(gate) * up, optionally in fp32", features={"fp32", "limit"})
 declare_op(
     "moe_route",
     "router logits [T, E] -> (weights [T, k], expert ids [T, k])",
     features={"sigmoid", "softmax", "correction_bias", "grouped", "renormalize"},
 )
 declare_op(
-    "moe_experts", "sum_k w_k * expert_{id_k}(x) over stacked SwiGLU experts -> [T, Dm]", features={"fp32"}
+    "moe_experts",
+    "sum_k w_k * expert_{id_k}(x) over stacked SwiGLU experts -> [T, Dm]",
+    features={"fp32", "limit"},
 )
 declare_op("softcap", "cap * tanh(x / cap), in fp32")
 declare_op(

@@ -29,15 +29,26 @@ class NotSupportedYet(RuntimeError):
 
 @dataclass
 class Family:
+    """A spec and its generated package: `models/<f>/` is family `<f>`; a variant architecture
+    of a family lives in `models/<f>/<v>/` as family `<f>_<v>`."""
+
     name: str
     spec_path: Path
 
     @cached_property
     def spec(self) -> LoadedSpec:
-        return load_spec(self.spec_path)
+        loaded = load_spec(self.spec_path)
+        if loaded.spec.family != self.name:
+            raise SpecError(str(self.spec_path), "family", f"must be {self.name!r} (its folder)")
+        return loaded
+
+    @property
+    def folder(self) -> str:
+        """The package folder relative to models/ (e.g. `glm53/flash`)."""
+        return self.spec_path.parent.relative_to(MODELS_DIR).as_posix()
 
     def module(self, part: str = "model"):
-        return importlib.import_module(f"dayzero.models.{self.name}.{part}")
+        return importlib.import_module(f"dayzero.models.{self.folder.replace('/', '.')}.{part}")
 
     def config(self, hf: dict, source: str = "config.json") -> ModelConfig:
         return resolve(self.spec, hf, self.module("cache").CACHE_GROUPS, source)
@@ -45,8 +56,9 @@ class Family:
 
 def _discover() -> Registry[Family]:
     reg: Registry[Family] = Registry("model family")
-    for spec in sorted(MODELS_DIR.glob("*/spec.yaml")):
-        reg.add(spec.parent.name, Family(spec.parent.name, spec))
+    for spec in sorted([*MODELS_DIR.glob("*/spec.yaml"), *MODELS_DIR.glob("*/*/spec.yaml")]):
+        name = spec.parent.relative_to(MODELS_DIR).as_posix().replace("/", "_")
+        reg.add(name, Family(name, spec))
     return reg
 
 
@@ -68,8 +80,6 @@ def family_for(hf: dict, source: str = "config.json") -> Family:
 
 def refuse_unsupported(fam: Family, hf: dict) -> None:
     spec = fam.spec.spec
-    if spec.mtp is not None:
-        raise NotSupportedYet(f"{fam.name}: the MTP head ({spec.mtp.kind}) is not supported yet")
     q = hf.get("quantization_config")
     if q:
         method = q.get("quant_method") or q.get("quant_algo") or "?"

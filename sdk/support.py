@@ -59,6 +59,8 @@ def support_matrix(fam: Family, groups: tuple | None = None) -> list[tuple[str, 
     for q in spec.quantization.formats:
         rows.append((f"quantized checkpoints: {q}", "not supported yet"))
     if spec.mtp is not None:
-        rows.append((f"MTP head ({spec.mtp.kind})", "not supported yet"))
+        rows.append(
+            (f"MTP head ({spec.mtp.kind})", "tensors set aside at load; speculative decoding not supported yet")
+        )
     rows += [(f"device: {d}", s) for d, s in device_support(fam, groups).items()]
     return rows

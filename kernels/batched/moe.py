@@ -7,8 +7,7 @@ Neither path synchronises with the host."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-
+from dayzero.kernels.reference.basic import swiglu
 from dayzero.kernels.registry import Capabilities, register
 
 GATHER_PAIRS = 16  # up to this many pairs, gather the experts (bounded copy: 16 experts' weights)
@@ -21,6 +20,7 @@ def moe_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     fp32: bool = False,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """The reference's math (kernels/reference/moe.py) without a loop over experts.
 
@@ -32,18 +32,18 @@ def moe_experts(
     if t * k <= GATHER_PAIRS:
         xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [P, Dm, 1], P = T*k pairs
         g, u = torch.bmm(gate_up[flat], xs).squeeze(-1).chunk(2, dim=-1)  # [P, I]
-        hidden = (F.silu(g.float()) * u.float()).to(x.dtype) if fp32 else F.silu(g) * u
+        hidden = swiglu(g, u, fp32, limit)
         y = torch.bmm(down[flat], hidden[:, :, None]).squeeze(-1)  # [P, Dm]
         return (y.float() * weights.reshape(-1, 1).float()).view(t, k, -1).sum(1).to(x.dtype)
     if gate_up.shape[1] % 16 or x.shape[1] % 8:  # grouped GEMM needs 16-byte aligned rows
         from dayzero.kernels.reference.moe import moe_experts as loop
 
-        return loop(x, gate_up, down, weights, ids, fp32)
+        return loop(x, gate_up, down, weights, ids, fp32, limit)
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
     offs = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
     xs = x[order // k]  # [T*k, Dm]
     g, u = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [T*k, I]
-    hidden = (F.silu(g.float()) * u.float()).to(x.dtype) if fp32 else F.silu(g) * u
+    hidden = swiglu(g, u, fp32, limit)
     y = torch._grouped_mm(hidden, down.transpose(1, 2), offs=offs)  # [T*k, Dm]
     out = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)
     out[order] = y.float() * weights.reshape(-1)[order, None].float()
@@ -57,7 +57,7 @@ if hasattr(torch, "_grouped_mm"):  # torch >= 2.8; CUDA: bf16 on compute capabil
         Capabilities(
             devices=frozenset({"cuda"}),
             dtypes=frozenset({torch.bfloat16}),
-            features=frozenset({"fp32"}),
+            features=frozenset({"fp32", "limit"}),
             min_capability=(9, 0),
             priority=10,
         ),

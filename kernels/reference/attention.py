@@ -8,6 +8,23 @@ from dayzero.kernels.ops import PagedMeta
 from dayzero.kernels.registry import register
 
 
+def row_slots(meta: PagedMeta, r: int, lo: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key positions [L] = lo..kv_len-1, their cache slots [L]) of row r; a position in a block
+    the scheduler freed is an error, never a silent read of someone else's KV."""
+    bs = meta.block_size
+    pos_k = torch.arange(lo, kv_len, device=meta.block_table.device)
+    blocks = meta.block_table[r, pos_k // bs].long()
+    if bool((blocks < 0).any()):
+        raise RuntimeError(f"row {r}: a key in [{lo}, {kv_len}) lies in a block the scheduler freed")
+    return pos_k, blocks * bs + pos_k % bs
+
+
+@register("cache_write", "reference")
+def cache_write(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """cache[slots[t]] = rows[t]; rows [T, W] (or [T, ..]), cache [N, W]."""
+    cache[slots] = rows.reshape(rows.shape[0], -1).to(cache.dtype)
+
+
 @register("kv_write", "reference")
 def kv_write(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
@@ -38,7 +55,6 @@ def gqa_attention(
     """
     out = torch.empty_like(q)
     h, hk = q.shape[1], k_cache.shape[1]
-    bs = meta.block_size
     qs = meta.query_start_cpu
     for r in range(len(qs) - 1):
         a, b = qs[r], qs[r + 1]
@@ -47,11 +63,7 @@ def gqa_attention(
         kv_len = meta.kv_lens_cpu[r]
         first = kv_len - (b - a)  # position of the row's first query
         lo = 0 if window is None else max(0, first - window + 1)
-        pos_k = torch.arange(lo, kv_len, device=q.device)
-        blocks = meta.block_table[r, pos_k // bs].long()
-        if bool((blocks < 0).any()):
-            raise RuntimeError(f"row {r}: a key in [{lo}, {kv_len}) lies in a block the scheduler freed")
-        slots = blocks * bs + pos_k % bs
+        pos_k, slots = row_slots(meta, r, lo, kv_len)
         keys = k_cache[slots].to(q.dtype).repeat_interleave(h // hk, dim=1)  # [L, H, D]
         vals = v_cache[slots].to(q.dtype).repeat_interleave(h // hk, dim=1)
         s = torch.einsum("thd,lhd->htl", q[a:b].float(), keys.float()) * scale  # [H, n, L]

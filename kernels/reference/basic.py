@@ -18,6 +18,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+@register("layer_norm", "reference")
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
 @register("rms_norm", "reference")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * w, the statistic in fp32.
@@ -53,8 +58,11 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, neox:
 
 
 @register("swiglu", "reference")
-def swiglu(gate: torch.Tensor, up: torch.Tensor, fp32: bool = False) -> torch.Tensor:
-    """silu(gate) * up; with fp32 the activation and product run in fp32 and are cast back."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, fp32: bool = False, limit: float | None = None) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) (no clamp without a limit); with fp32 the
+    activation and product run in fp32 and are cast back."""
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     if fp32:
         return (F.silu(gate.float()) * up.float()).to(gate.dtype)
     return F.silu(gate) * up

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dayzero.kernels.reference.basic import swiglu
 from dayzero.kernels.registry import register
 
 
@@ -49,8 +50,10 @@ def moe_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     fp32: bool = False,
+    limit: float | None = None,
 ) -> torch.Tensor:
-    """out[t] = sum_k weights[t, k] * down_e(silu(g) * u), [g; u] = gate_up_e x[t], e = ids[t, k].
+    """out[t] = sum_k weights[t, k] * down_e(swiglu(g, u)), [g; u] = gate_up_e x[t], e = ids[t, k]
+    (swiglu as the `swiglu` op, with its optional fp32 and limit).
 
     x [T, Dm], gate_up [E, 2I, Dm], down [E, Dm, I], weights/ids [T, k] -> [T, Dm].
     """
@@ -58,7 +61,7 @@ def moe_experts(
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
-        h = (F.silu(g.float()) * u.float()).to(x.dtype) if fp32 else F.silu(g) * u
+        h = swiglu(g, u, fp32, limit)
         y = F.linear(h, down[e]) * weights[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out

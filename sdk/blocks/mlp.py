@@ -17,6 +17,7 @@ class SwigluOpts(Strict):
     kind: Literal["swiglu"]
     intermediate: IntV
     fp32: BoolV = False  # activation and product in fp32
+    limit: FloatV | None = None  # clamp: gate <= limit, |up| <= limit
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,12 @@ class SwigluCfg:
     hidden: int
     intermediate: int
     fp32: bool
+    limit: float | None = None
 
 
 class SwiGLU(nn.Module):
-    """y = W_down (silu(x W_gate) * (x W_up)); [gate; up] is one fused projection."""
+    """y = W_down (silu(g) * u), g = x W_gate, u = x W_up; [gate; up] is one fused projection.
+    With a limit: g <- min(g, limit), u <- clamp(u, -limit, limit) before the product."""
 
     def __init__(self, cfg: SwigluCfg, ops: OpTable) -> None:
         super().__init__()
@@ -41,7 +44,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.ops.linear(x, self.gate_up).chunk(2, dim=-1)  # [T, I] each
-        return self.ops.linear(self.ops.swiglu(gate, up, self.cfg.fp32), self.down)
+        return self.ops.linear(self.ops.swiglu(gate, up, self.cfg.fp32, self.cfg.limit), self.down)
 
 
 class MoeOpts(Strict):
@@ -58,6 +61,7 @@ class MoeOpts(Strict):
     shared_intermediate: IntV = 0  # 0: no shared expert
     shared_gate: bool = False  # sigmoid(x w_g) scales the shared expert
     fp32: BoolV = False  # expert activations in fp32
+    limit: FloatV | None = None  # SwiGLU clamp of routed and shared experts (see swiglu)
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class MoeCfg:
     shared_intermediate: int
     shared_gate: bool
     fp32: bool
+    limit: float | None = None
 
 
 class MoE(nn.Module):
@@ -84,6 +89,8 @@ class MoE(nn.Module):
     pick top_k by s + b_corr (bias only selects), within the topk_groups best of `groups`
     groups (group score = sum of its top-2); w = s[picked] (/ sum when renormalize)
     y = routed_scale * sum_k w_k SwiGLU_{e_k}(x)  (+ [sigmoid(x w_g)] SwiGLU_shared(x))
+    (sigmoid + correction bias + groups is DeepSeek's `noaux_tc` selection; every SwiGLU takes
+    the block's limit)
     """
 
     fp32_params = ("router", "correction_bias")  # routing stays fp32 in every model dtype
@@ -97,7 +104,7 @@ class MoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down = nn.Parameter(torch.empty(e, h, i))
         si = cfg.shared_intermediate
-        self.shared = SwiGLU(SwigluCfg(h, si, cfg.fp32), ops) if si else None
+        self.shared = SwiGLU(SwigluCfg(h, si, cfg.fp32, cfg.limit), ops) if si else None
         self.shared_gate = nn.Parameter(torch.empty(1, h)) if si and cfg.shared_gate else None
 
     def routed(self) -> tuple[int, float]:
@@ -116,7 +123,7 @@ class MoE(nn.Module):
         w, ids = ops.moe_route(
             logits, c.top_k, c.score, self.correction_bias, c.groups, c.topk_groups, c.renormalize
         )
-        y = ops.moe_experts(x, self.gate_up, self.down, w, ids, c.fp32)
+        y = ops.moe_experts(x, self.gate_up, self.down, w, ids, c.fp32, c.limit)
         if c.routed_scale != 1.0:
             y = y * c.routed_scale
         if self.shared is not None:
@@ -127,8 +134,15 @@ class MoE(nn.Module):
         return y
 
 
+def _limit(o, val) -> float | None:
+    v = None if o.limit is None else val(o.limit)
+    if v is not None and float(v) <= 0:
+        raise ValueError(f"limit must be > 0, got {v}")
+    return None if v is None else float(v)
+
+
 def _resolve_swiglu(o: SwigluOpts, val) -> SwigluCfg:
-    return SwigluCfg(int(val("$hidden")), int(val(o.intermediate)), bool(val(o.fp32)))
+    return SwigluCfg(int(val("$hidden")), int(val(o.intermediate)), bool(val(o.fp32)), _limit(o, val))
 
 
 def _resolve_moe(o: MoeOpts, val) -> MoeCfg:
@@ -146,6 +160,7 @@ def _resolve_moe(o: MoeOpts, val) -> MoeCfg:
         shared_intermediate=int(val(o.shared_intermediate) or 0),
         shared_gate=o.shared_gate,
         fp32=bool(val(o.fp32)),
+        limit=_limit(o, val),
     )
     if c.experts % c.groups or c.topk_groups > c.groups:
         raise ValueError(f"{c.experts} experts do not split into {c.groups} groups with top {c.topk_groups}")
@@ -156,8 +171,12 @@ def _resolve_moe(o: MoeOpts, val) -> MoeCfg:
     return c
 
 
+def _act_features(c) -> frozenset[str]:
+    return frozenset(({"fp32"} if c.fp32 else set()) | ({"limit"} if c.limit is not None else set()))
+
+
 def _swiglu_needs(c: SwigluCfg):
-    return [("linear", frozenset(), None), ("swiglu", frozenset({"fp32"} if c.fp32 else ()), None)]
+    return [("linear", frozenset(), None), ("swiglu", _act_features(c), None)]
 
 
 def _moe_needs(c: MoeCfg):
@@ -166,11 +185,10 @@ def _moe_needs(c: MoeCfg):
     needs = [
         ("linear", frozenset(), None),
         ("moe_route", frozenset(route), None),
-        ("moe_experts", frozenset({"fp32"} if c.fp32 else ()), None),
+        ("moe_experts", _act_features(c), None),
     ]
-    return needs + (
-        _swiglu_needs(SwigluCfg(c.hidden, c.shared_intermediate, c.fp32)) if c.shared_intermediate else []
-    )
+    shared = SwigluCfg(c.hidden, c.shared_intermediate, c.fp32, c.limit)
+    return needs + (_swiglu_needs(shared) if c.shared_intermediate else [])
 
 
 BLOCKS.add(

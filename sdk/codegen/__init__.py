@@ -71,8 +71,8 @@ def _release(fam: Family, groups: list[dict], model_source: str) -> dict | None:
     cfg = resolve(
         fam.spec, reference_config(fam.spec.spec.reference, dict(rel.config)), _decls(groups), "release config"
     )
-    module = types.ModuleType(f"dayzero.models.{fam.name}.model")  # the model as rendered now
-    exec(compile(model_source, f"models/{fam.name}/model.py", "exec"), module.__dict__)
+    module = types.ModuleType(f"{fam.name}.model")  # the model as rendered now
+    exec(compile(model_source, f"models/{fam.folder}/model.py", "exec"), module.__dict__)
     n = needs(module, cfg, rel.format)
     flags = ([f"--quantization {rel.format}"] if rel.format != "bf16" else []) + (
         [f"--tensor-parallel-size {n.gpus}"] if n.gpus > 1 else []
@@ -117,6 +117,7 @@ def render(fam: Family) -> dict[str, str]:
         "header": header,
         "header_md": f"<!-- generated from spec.yaml@{loaded.hash}, do not edit -->",
         "family": spec.family,
+        "folder": fam.folder,
         "title": spec.title,
         "reference": spec.reference,
         "architectures": spec.architectures,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ from dayzero.sdk.loader import gguf_io, safetensors_io
 from dayzero.sdk.loader.mapping import Mapping, StrictWriter, WeightError
 from dayzero.sdk.loader.safetensors_io import CheckpointError
 from dayzero.sdk.spec.load import Resolver
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Checkpoint", "CheckpointError", "WeightError", "load_weights", "open_checkpoint"]
 
@@ -74,8 +77,9 @@ def load_weights(
     progress: bool = True,
     tensors: Iterator[tuple[str, torch.Tensor]] | None = None,
     count: int | None = None,
-) -> None:
-    """Stream every checkpoint tensor into the model through the spec's rules; strict.
+) -> int:
+    """Stream every checkpoint tensor into the model through the spec's rules; strict. Returns
+    how many MTP-layer tensors were set aside (the spec's `mtp` patterns).
 
     `tensors` (with `count`) replaces reading ckpt's files: weights already in memory, in the
     checkpoint's naming (the decode benchmark hands over the reference model's this way)."""
@@ -84,10 +88,18 @@ def load_weights(
     if fmt is None:
         raise CheckpointError(f"family {fam.name} has no weight rules for {ckpt.format}")
     resolver = Resolver(fam.spec, ckpt.hf, str(ckpt.path))
-    mapping, writer = Mapping(fmt, resolver.value), StrictWriter(model)
+    mtp = fam.spec.spec.mtp
+    n = int(resolver.value(fam.spec.spec.layers.count))
+    mtp_layers = range(n, n + int(resolver.value(mtp.layers))) if mtp else range(0)
+    mapping, writer = Mapping(fmt, resolver.value, mtp_layers), StrictWriter(model)
+    aside = 0
     total = count if tensors is not None else ckpt.count()
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for name, tensor in tensors if tensors is not None else ckpt.tensors():
+        if mapping.is_mtp(name):
+            aside += 1
+            bar.update(1)
+            continue
         target = mapping.target(name)
         if target is not None:
             writer.write(name, target, tensor)
@@ -95,3 +107,6 @@ def load_weights(
         bar.update(1)
     bar.close()
     writer.finish()
+    if aside:
+        log.info("%d MTP tensor(s) set aside: the MTP runtime (speculative decoding) is not built yet", aside)
+    return aside

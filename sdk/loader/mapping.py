@@ -44,7 +44,7 @@ _PLACEHOLDER = re.compile(r"\\\{([ie])\\\}")
 
 
 class Mapping:
-    def __init__(self, fmt: WeightFormat, value: Callable) -> None:
+    def __init__(self, fmt: WeightFormat, value: Callable, mtp_layers: range = range(0)) -> None:
         self.rules = []
         for rule in fmt.rules:
             skip = bool(value(rule.unless)) if rule.unless else False
@@ -56,6 +56,11 @@ class Mapping:
                 tf = (lambda f, a: lambda w: f(w, **a))(fn, args)
             self.rules.append((pattern, rule.to, tf, skip))
         self.ignore = list(fmt.ignore)
+        self.mtp = [p.replace("{mtp}", str(i)) for p in fmt.mtp for i in mtp_layers]
+
+    def is_mtp(self, name: str) -> bool:
+        """A tensor of an MTP layer: set aside for the MTP runtime (checked before the rules)."""
+        return any(fnmatch.fnmatchcase(name, p) for p in self.mtp)
 
     def target(self, name: str) -> Target | None:
         """Where a checkpoint tensor goes; None when deliberately ignored."""

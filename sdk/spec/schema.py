@@ -133,6 +133,9 @@ class WeightFormat(Strict):
     format: Literal["safetensors", "gguf"]
     rules: list[WeightRule]
     ignore: list[str] = []
+    # tensors of the MTP (NextN) layers, set aside for the MTP runtime: globs in which `{mtp}`
+    # stands for each MTP layer index (count .. count + mtp.layers - 1); counted, never loaded
+    mtp: list[str] = []
     config: dict[str, str] = {}  # gguf: HF field -> metadata key ({arch} expands)
 
 

@@ -1,0 +1,118 @@
+"""Reference linear-attention ops: the short causal convolution and Kimi delta attention (KDA).
+
+Both continue each row's fixed-size state from its slot (zeros when the row starts at position
+0) and leave the state after the row's last token in the slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dayzero.kernels.registry import register
+
+
+def _rows(meta):
+    qs = meta.query_start_cpu
+    for r in range(len(qs) - 1):
+        if qs[r + 1] > qs[r]:
+            yield meta.slots_cpu[r], meta.fresh_cpu[r], qs[r], qs[r + 1]
+
+
+@register("short_conv", "reference")
+def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, meta) -> torch.Tensor:
+    """y[t, c] = silu(sum_{i < K} w[c, i] * x[t - K + 1 + i, c]), continuing the row's state.
+
+    x [T, C]; weight [C, 1, K] (computed in its dtype, fp32 in practice); state [slots, C, K - 1]
+    holds each row's last K - 1 inputs. Returns [T, C] in x's dtype.
+    """
+    out = torch.empty_like(x)
+    k = weight.shape[-1]
+    for slot, fresh, a, b in _rows(meta):
+        prev = torch.zeros_like(state[slot]) if fresh else state[slot]  # [C, K - 1]
+        seq = torch.cat((prev.to(x.dtype), x[a:b].t()), dim=1)  # [C, K - 1 + n]
+        y = F.conv1d(seq[None].to(weight.dtype), weight, groups=seq.shape[0])[0]  # [C, n]
+        out[a:b] = F.silu(y).t().to(x.dtype)
+        state[slot] = seq[:, seq.shape[1] - (k - 1) :].to(state.dtype)
+    return out
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def kda_steps(q, k, v, g, beta, s):
+    """Token by token. q, k [H, n, Dk] (q scaled), v [H, n, Dv], g [H, n, Dk], beta [H, n],
+    s [H, Dk, Dv] (all fp32) -> (o [H, n, Dv], final s)."""
+    out = torch.empty_like(v)
+    for i in range(q.shape[1]):
+        s = s * g[:, i, :, None].exp()
+        delta = (v[:, i] - torch.einsum("hk,hkv->hv", k[:, i], s)) * beta[:, i, None]
+        s = s + k[:, i, :, None] * delta[:, None, :]
+        out[:, i] = torch.einsum("hk,hkv->hv", q[:, i], s)
+    return out, s
+
+
+def kda_chunks(q, k, v, g, beta, s, chunk: int = 64):
+    """The same recurrence, `chunk` tokens at a time (WY form). Within a chunk, with cumulative
+    log decays G_i = sum_{l <= i} g_l and D_ij = exp(G_i - G_j) (per key channel):
+        T = (I - A)^-1, A_ij = -beta_i <k_i, D_ij k_j> for j < i
+        u = T (beta v),  w = T (beta k exp(G))
+        v'_i = u_i - w_i s,   o_i = (q_i exp(G_i)) s + sum_{j <= i} <q_i, D_ij k_j> v'_j
+        s <- exp(G_last) s + sum_j (k_j exp(G_last - G_j))^T v'_j
+    Same arguments and result as `kda_steps`."""
+    h, n, dk = k.shape
+    pad = (-n) % chunk
+    if pad:  # zero k, beta and g: padded tokens neither decay nor update the state
+        q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+    nc = (n + pad) // chunk
+    q, k, v, g = (x.reshape(h, nc, chunk, x.shape[-1]) for x in (q, k, v, g))
+    beta = beta.reshape(h, nc, chunk, 1)
+    gc = g.cumsum(2)  # [H, N, C, Dk]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    strict = lower.tril(-1)
+    decay = (gc[:, :, :, None, :] - gc[:, :, None, :, :]).masked_fill(~lower[..., None], float("-inf")).exp()
+    a = -(beta * torch.einsum("hnik,hnjk,hnijk->hnij", k, k, decay)).masked_fill(~strict, 0)
+    eye = torch.eye(chunk, device=q.device)
+    t = torch.linalg.solve_triangular(eye - a, eye.expand_as(a), upper=False)  # [H, N, C, C]
+    u = t @ (beta * v)
+    w = t @ (beta * k * gc.exp())
+    qk = torch.einsum("hnik,hnjk,hnijk->hnij", q, k, decay).masked_fill(~lower, 0)
+    out = torch.empty_like(v)
+    for c in range(nc):
+        vp = u[:, c] - w[:, c] @ s  # [H, C, Dv]
+        out[:, c] = (q[:, c] * gc[:, c].exp()) @ s + qk[:, c] @ vp
+        last = gc[:, c, -1]  # [H, Dk]
+        s = s * last.exp()[..., None] + (k[:, c] * (last[:, None] - gc[:, c]).exp()).transpose(1, 2) @ vp
+    return out.reshape(h, nc * chunk, -1)[:, :n], s
+
+
+@register("kda_recurrence", "reference")
+def kda_recurrence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    meta,
+    chunked: bool = True,
+) -> torch.Tensor:
+    """Kimi delta attention (the gated delta rule with a per-channel forget gate), in fp32.
+
+    q_t, k_t <- l2norm(q_t), l2norm(k_t); q_t <- q_t / sqrt(Dk)
+    S_t = diag(exp(g_t)) S_{t-1};  S_t += k_t (beta_t (v_t - k_t^T S_t))^T;  o_t = q_t^T S_t
+    q, k [T, H, Dk], v [T, H, Dv], g [T, H, Dk] (log decays), beta [T, H]; state [slots, H, Dk, Dv]
+    fp32. Rows with more than one token use the chunked form when `chunked`. -> [T, H, Dv] in v's dtype.
+    """
+    out = torch.empty_like(v)
+    scale = q.shape[-1] ** -0.5
+    for slot, fresh, a, b in _rows(meta):
+        qr, kr = _l2norm(q[a:b].float()) * scale, _l2norm(k[a:b].float())
+        args = [x.transpose(0, 1) for x in (qr, kr, v[a:b].float(), g[a:b].float(), beta[a:b].float())]
+        s0 = torch.zeros_like(state[slot]) if fresh else state[slot]
+        o, s = (kda_chunks if chunked and b - a > 1 else kda_steps)(*args, s0)
+        out[a:b] = o.transpose(0, 1).to(v.dtype)
+        state[slot] = s
+    return out

@@ -1,0 +1,144 @@
+"""Kimi delta attention (KDA): linear attention with a per-channel forget gate and a fixed-size state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from dayzero.kernels.registry import OpTable
+from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl, StaticCache
+from dayzero.sdk.spec.schema import FloatV, IntV, Strict
+
+
+class KdaOpts(Strict):
+    kind: Literal["kda"]
+    heads: IntV
+    head_dim: IntV
+    conv_kernel: IntV = 4
+    gate_lower_bound: FloatV | None = None  # the "safe gate": g = lb * sigmoid(exp(A) (f + dt))
+    norm_eps: FloatV = 1e-6  # the gated output RMS norm
+
+
+@dataclass(frozen=True)
+class KdaCfg:
+    hidden: int
+    heads: int
+    head_dim: int
+    conv_kernel: int
+    gate_lower_bound: float | None
+    norm_eps: float
+
+
+class KdaAttention(nn.Module):
+    """Kimi delta attention over each request's recurrent state.
+
+    [q; k; v] = silu(causal_conv_K(x [W_q; W_k; W_v]))               [T, H, D] each
+    f = (x W_fa) W_fb + dt_bias                                       [T, H, D] fp32
+    g = lb * sigmoid(exp(A_log)_h f)  or  -exp(A_log)_h softplus(f)   (log forget gate)
+    beta = sigmoid(x W_b)                                             [T, H]
+    S_t = diag(exp(g_t)) S_{t-1} + k_t beta_t (v_t - k_t^T diag(exp(g_t)) S_{t-1})^T, o_t = q_t^T S_t
+          (q, k l2-normalised, q / sqrt(D); S [H, D, D] fp32)
+    o <- rmsnorm_D(o) w_o * sigmoid((x W_ga) W_gb)   (fp32);   y = o W_o
+    The state (conv inputs and S) lives in the request's state slot: chunked prefill, prefix
+    hits (a snapshot at a block boundary) and retraction all continue the same recurrence.
+    """
+
+    fp32_params = ("conv", "dt_bias", "A_log")
+
+    def __init__(self, cfg: KdaCfg, ops: OpTable, caches: tuple[tuple[int, int], ...]) -> None:
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        (_, self.conv_off), (_, self.state_off) = caches
+        h, d, dm = cfg.heads, cfg.head_dim, cfg.hidden
+        c = h * d
+        self.in_proj = nn.Parameter(torch.empty(3 * c, dm))  # [q; k; v]
+        self.conv = nn.Parameter(torch.empty(3 * c, 1, cfg.conv_kernel))  # depthwise
+        self.f_a = nn.Parameter(torch.empty(d, dm))
+        self.f_b = nn.Parameter(torch.empty(c, d))
+        self.dt_bias = nn.Parameter(torch.empty(c))
+        self.A_log = nn.Parameter(torch.empty(h))
+        self.b_proj = nn.Parameter(torch.empty(h, dm))
+        self.g_a = nn.Parameter(torch.empty(d, dm))
+        self.g_b = nn.Parameter(torch.empty(c, d))
+        self.o_norm = nn.Parameter(torch.empty(d))
+        self.o_proj = nn.Parameter(torch.empty(dm, c))
+
+    @staticmethod
+    def parts(cfg: KdaCfg) -> dict[str, dict[str, int]]:
+        c = cfg.heads * cfg.head_dim
+        return {"in_proj": {"q": c, "k": c, "v": c}, "conv": {"q": c, "k": c, "v": c}}
+
+    def _state(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of this layer's conv inputs [slots, 3C, K - 1] and recurrent state [slots, H, D, D]."""
+        c, pool = self.cfg, ctx.state.pool
+        ch, k = 3 * c.heads * c.head_dim, c.conv_kernel - 1
+        n_conv = ch * k * self.in_proj.element_size()
+        conv = pool[:, self.conv_off : self.conv_off + n_conv].view(self.in_proj.dtype).view(-1, ch, k)
+        n_s = c.heads * c.head_dim * c.head_dim * 4
+        rec = pool[:, self.state_off : self.state_off + n_s].view(torch.float32)
+        return conv, rec.view(-1, c.heads, c.head_dim, c.head_dim)
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        c, ops, t = self.cfg, self.ops, x.shape[0]
+        h, d = c.heads, c.head_dim
+        conv_state, rec_state = self._state(ctx)
+        qkv = ops.short_conv(ops.linear(x, self.in_proj), self.conv, conv_state, ctx.state)  # [T, 3C]
+        q, k, v = (z.reshape(t, h, d) for z in qkv.chunk(3, dim=-1))
+        f = ops.linear(ops.linear(x, self.f_a), self.f_b).float() + self.dt_bias.float()
+        f = f.view(t, h, d)
+        a = self.A_log.float().exp()[None, :, None]
+        if c.gate_lower_bound is not None:
+            g = c.gate_lower_bound * torch.sigmoid(a * f)
+        else:
+            g = -a * torch.nn.functional.softplus(f, threshold=20.0)
+        beta = torch.sigmoid(ops.linear(x, self.b_proj))  # [T, H]
+        o = ops.kda_recurrence(q, k, v, g, beta, rec_state, ctx.state)  # [T, H, D]
+        gate = ops.linear(ops.linear(x, self.g_a), self.g_b).view(t, h, d)
+        o = ops.rms_norm(o.float(), self.o_norm.float(), c.norm_eps, True) * torch.sigmoid(gate.float())
+        return ops.linear(o.to(x.dtype).reshape(t, -1), self.o_proj)
+
+
+def _resolve(o: KdaOpts, val) -> KdaCfg:
+    lb = None if o.gate_lower_bound is None else val(o.gate_lower_bound)
+    cfg = KdaCfg(
+        hidden=int(val("$hidden")),
+        heads=int(val(o.heads)),
+        head_dim=int(val(o.head_dim)),
+        conv_kernel=int(val(o.conv_kernel)),
+        gate_lower_bound=None if lb is None else float(lb),
+        norm_eps=float(val(o.norm_eps)),
+    )
+    if cfg.conv_kernel < 2:
+        raise ValueError(f"conv_kernel must be >= 2, got {cfg.conv_kernel}")
+    return cfg
+
+
+def _needs(c: KdaCfg):
+    return [
+        ("linear", frozenset(), None),
+        ("short_conv", frozenset({"silu"}), None),
+        ("kda_recurrence", frozenset({"chunked"}), None),
+        ("rms_norm", frozenset({"weight_in_fp32"}), None),
+    ]
+
+
+def _cache(c: KdaCfg) -> tuple[CacheDecl, ...]:
+    ch = 3 * c.heads * c.head_dim
+    # conv inputs are kept in the model dtype: sized for the widest (fp32); the state in fp32
+    return (
+        CacheDecl("conv", "state", ch * (c.conv_kernel - 1) * 4),
+        CacheDecl("recurrent", "state", c.heads * c.head_dim * c.head_dim * 4),
+    )
+
+
+def _static_cache(_o: KdaOpts) -> tuple[StaticCache, ...]:
+    return StaticCache("conv", "state", "", "state"), StaticCache("recurrent", "state", "", "state")
+
+
+BLOCKS.add(
+    "kda",
+    BlockDef("kda", "attention", KdaOpts, _resolve, KdaAttention, _needs, _cache, _static_cache, KdaAttention.__doc__),
+)
