@@ -1,4 +1,4 @@
-# generated from spec.yaml@d19e97f39603, do not edit
+# generated from spec.yaml@74da02532e89, do not edit
 """GLM-5.3: the execution-plane model, composed from the block library."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-# generated from spec.yaml@d19e97f39603, do not edit
+# generated from spec.yaml@74da02532e89, do not edit
 """GLM-5.3: parity against transformers.GlmMoeDsaForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then its `shapes` overrides) and each recorded seed writes
@@ -87,7 +87,7 @@ SHAPES = [
         "index_topk": 96,
         "index_head_dim": 32,
         "index_n_heads": 4,
-        "index_topk_pattern": "FFSF",
+        "index_topk_pattern": "FSFSS",
         "max_position_embeddings": 512,
         "n_shared_experts": 2,
         "norm_topk_prob": False,

@@ -27,6 +27,14 @@ OUTPUTS = ("__init__.py", "model.py", "cache.py", "README.md", "test_parity.py")
 PARITY_SEEDS_PER_SHAPE = 2
 
 
+def merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, nested mappings merged (a shape may override one sub-config field)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def _env() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),
@@ -132,7 +140,7 @@ def render(fam: Family) -> dict[str, str]:
         )
         + (" (depth-scaled adds)." if residual.depth_scaled else "."),
         "groups": groups,
-        "shapes": repr([dict(spec.tiny)] + [dict(spec.tiny) | s for s in spec.shapes]),
+        "shapes": repr([dict(spec.tiny)] + [merge(dict(spec.tiny), s) for s in spec.shapes]),
         "seeds_per_shape": PARITY_SEEDS_PER_SHAPE,
         "blocks": [
             {"role": BLOCKS.get(o.kind).role, "name": n, "kind": o.kind, "options": _describe(o)}

@@ -165,14 +165,7 @@ class Engine:
         plan = self.scheduler.step()
         self.stats["steps"] += 1
         self.stats["retracted"] += len(plan.retracted_ids)
-        touched: dict[int, RequestOutput] = {}
-        for rid, reason in zip(plan.finished_ids.tolist(), plan.finished_reasons.tolist(), strict=True):
-            if rid in self.requests:
-                out = self.requests[rid]
-                out.finish_reason = _REASONS.get(reason, "stop")
-                touched[rid] = out
-                self.generators.pop(rid, None)
-                self.params.pop(rid, None)
+        touched = self._finished(plan)
         self.pool.apply(plan.copies)  # a plan may carry copies (restores) and no rows
         if plan.rows == 0:
             self.pool.apply_after(plan.copies)
@@ -198,6 +191,18 @@ class Engine:
             touched[rid] = out
         return list(touched.values())
 
+    def _finished(self, plan) -> dict[int, RequestOutput]:
+        """Mark the requests this plan reports finished; they are no longer live."""
+        touched: dict[int, RequestOutput] = {}
+        for rid, reason in zip(plan.finished_ids.tolist(), plan.finished_reasons.tolist(), strict=True):
+            if rid in self.requests:
+                out = self.requests[rid]
+                out.finish_reason = _REASONS.get(reason, "stop")
+                touched[rid] = out
+                self.generators.pop(rid, None)
+                self.params.pop(rid, None)
+        return touched
+
     def _sample(self, logits: torch.Tensor, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         ps = [self.params[i] for i in ids]
         dev = logits.device
@@ -222,35 +227,44 @@ class Engine:
 
     @torch.inference_mode()
     def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """Logits at every position of every prompt ([len, V] fp32 each), all prefilled in one
-        step (the step's token budget and batch size must hold them); the requests then end."""
+        """Logits at every position of every prompt ([len, V] fp32 each), the prompts prefilled
+        together (in one step, or in block-aligned chunks when the model keeps a recurrent
+        state); the requests then end. The KV memory must hold them all (no retraction)."""
         if self.has_work():
             raise RuntimeError("prompt_logits needs an idle engine")
         ids = [self.add(p, SamplingParams(max_tokens=1, temperature=0)) for p in prompts]
-        plan = self.scheduler.step()
-        if plan.rows != len(prompts) or plan.num_input_tokens != sum(map(len, prompts)):
+        got: dict[int, list[torch.Tensor]] = {i: [] for i in ids}
+        done = lambda i: sum(x.shape[0] for x in got[i]) == len(self.requests[i].prompt_ids)  # noqa: E731
+        try:
+            while not all(done(i) for i in ids):
+                plan = self.scheduler.step()
+                self._finished(plan)
+                if len(plan.retracted_ids):
+                    raise ValueError("the prompts do not fit in KV memory together (a request was retracted)")
+                self.pool.apply(plan.copies)
+                if plan.rows == 0:
+                    self.pool.apply_after(plan.copies)
+                    continue
+                ctx = build_context(plan, self.pool.views, self.config.block_size, self.device, self.pool.slots)
+                ctx.sample_index = torch.arange(plan.num_input_tokens, device=self.device)
+                logits = self.model(ctx)  # [T, V]
+                self.pool.apply_after(plan.copies)
+                qs = plan.query_start.tolist()
+                for r, rid in enumerate(plan.req_ids.tolist()):
+                    got[rid].append(logits[qs[r] : qs[r + 1]])
+                sample = np.asarray(plan.sample, dtype=bool)
+                last = ctx.sample_index.new_tensor(np.asarray(qs[1:], dtype=np.int64)[sample] - 1)
+                self.scheduler.feed(
+                    plan.req_ids, plan.sample.astype(np.int32), logits[last].argmax(-1).int().cpu().numpy()
+                )
+        finally:
             for i in ids:
                 self.abort(i)
             while self.has_work():
                 self.step()
-            raise ValueError("the prompts do not fit in one step (max_tokens_per_step / max_batch_size)")
-        self.pool.apply(plan.copies)
-        ctx = build_context(plan, self.pool.views, self.config.block_size, self.device, self.pool.slots)
-        ctx.sample_index = torch.arange(plan.num_input_tokens, device=self.device)
-        logits = self.model(ctx)  # [T, V]
-        self.pool.apply_after(plan.copies)
-        last = ctx.sample_index.new_tensor(plan.query_start[1:].astype("int64") - 1)
-        self.scheduler.feed(
-            plan.req_ids, plan.sample.astype(np.int32), logits[last].argmax(-1).int().cpu().numpy()
-        )
-        for i in ids:
-            self.abort(i)
-        while self.has_work():
-            self.step()
-        for i in ids:
-            self.release(i)
-        qs = plan.query_start.tolist()
-        return [logits[qs[r] : qs[r + 1]] for r in range(len(prompts))]
+            for i in ids:
+                self.release(i)
+        return [torch.cat(got[i]) for i in ids]
 
     # ---- offline -------------------------------------------------------------------------
     def generate(

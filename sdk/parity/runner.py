@@ -309,10 +309,12 @@ def run_parity(
     for label, host in (("retraction (host)", 64 << 20), ("retraction (recompute)", 0)):
         need = max(map(len, prompts)) + new_tokens
         per_token = sum(g.bytes_per_token for g in eng.groups)
-        block = 8
-        budget = per_token * block * (2 * math.ceil(need / block) + 2)
+        block, batch = 8, len(prompts)
+        state = sum(g.state_bytes for g in eng.groups) * 2 * batch  # a slot + a snapshot per request
+        budget = per_token * block * (2 * math.ceil(need / block) + 2) + state
         e = ours.engine(
             kv_cache_bytes=budget,
+            max_batch_size=batch,
             host_cache_bytes=host,
             block_size=block,
             prefix_cache=False,
