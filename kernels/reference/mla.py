@@ -40,7 +40,7 @@ def mla_attention(
         k[j, h] = [w_k[h] c_j ; k_r[j]]        v[j, h] = w_v[h] c_j
         s[t, h, j] = scale * <[q_nope[t, h] ; q_rope[t, h]], k[j, h]>
         allowed iff j <= p_t and (select is None or j in select[t])
-        out[t, h] = sum_j softmax_j(s)[j] v[j, h]      (scores and softmax fp32)
+        out[t, h] = sum_j softmax_j(s)[j] v[j, h]      (scores and softmax fp32; 0 if none allowed)
     q_nope [T, H, Dn], q_rope [T, H, Dr] (Dr may be 0) -> [T, H, Dv].
     """
     lat = w_k.shape[-1]
@@ -59,8 +59,8 @@ def mla_attention(
         if select is not None:
             allowed &= (select[a:b, :, None] == pos_k[None, None, :]).any(1)
         s = s.masked_fill(~allowed[None], float("-inf"))
-        p = torch.softmax(s, dim=-1).to(q_nope.dtype)
-        out[a:b] = torch.einsum("htj,jhd->thd", p, v)
+        p = torch.softmax(s, dim=-1).masked_fill(~allowed.any(-1)[None, :, None], 0.0)  # none allowed: 0
+        out[a:b] = torch.einsum("htj,jhd->thd", p.to(q_nope.dtype), v)
     return out
 
 

@@ -1,4 +1,4 @@
-# generated from spec.yaml@102e10611415, do not edit
+# generated from spec.yaml@4d94decab04e, do not edit
 """GLM-5.3-Flash: parity against transformers.Glm5NextForConditionalGeneration on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then its `shapes` overrides) and each recorded seed writes
@@ -120,7 +120,6 @@ SHAPES = [
             "pad_token_id": 0,
             "max_position_embeddings": 512,
             "index_kpool": 8,
-            "index_kpool_always_select_tail": False,
             "n_shared_experts": 2,
             "norm_topk_prob": False,
             "routed_scaling_factor": 1.0,

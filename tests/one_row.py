@@ -1,0 +1,40 @@
+"""A one-request step context for running a single attention block outside the engine.
+
+The request's T tokens are all new (a prefill from position 0) and sit in one cache block per
+group, so a block can be compared with a reference module on the same hidden states.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dayzero.kernels.ops import PagedMeta
+from dayzero.sdk.engine.context import StateMeta, StepContext
+
+
+def context(t: int, groups) -> StepContext:
+    """groups: the model's CacheGroupCfg list (paged rows in elements, state rows in bytes)."""
+    pos = torch.arange(t)
+    meta = PagedMeta(
+        query_start=torch.tensor([0, t]),
+        kv_lens=torch.tensor([t]),
+        positions=pos,
+        block_table=torch.zeros(1, 1, dtype=torch.int64),
+        slots=pos.clone(),
+        block_size=t,
+        query_start_cpu=(0, t),
+        kv_lens_cpu=(t,),
+    )
+    state_bytes = sum(g.row for g in groups if g.kind == "state")
+    state = None
+    if state_bytes:
+        pool = torch.zeros(1, state_bytes + 256, dtype=torch.uint8)
+        state = StateMeta(pool, torch.zeros(1, dtype=torch.int64), (0,), (True,), (0, t))
+    return StepContext(
+        input_ids=torch.zeros(t, dtype=torch.int64),
+        positions=pos,
+        paged=[None if g.kind == "state" else meta for g in groups],
+        caches=[None if g.kind == "state" else torch.zeros(t, g.row) for g in groups],
+        sample_index=torch.tensor([t - 1]),
+        state=state,
+    )
