@@ -60,7 +60,10 @@ def support_matrix(fam: Family, groups: tuple | None = None) -> list[tuple[str, 
         rows.append((f"quantized checkpoints: {q}", "not supported yet"))
     if spec.mtp is not None:
         rows.append(
-            (f"MTP head ({spec.mtp.kind})", "tensors set aside at load; speculative decoding not supported yet")
+            (
+                f"MTP head ({spec.mtp.kind})",
+                "tensors set aside at load; speculative decoding not supported yet",
+            )
         )
     rows += [(f"device: {d}", s) for d, s in device_support(fam, groups).items()]
     return rows

@@ -285,3 +285,27 @@ def test_embedded_default_gguf_config() -> None:
     assert cfg.head.tie is True
     assert len(cfg.layers) == 30
     assert cfg.layers[0].attn.head_dim == 64
+
+
+def test_mtp_layer_tensors_are_set_aside_and_others_still_fail(tmp_path: Path) -> None:
+    """GLM-5.3's NextN layer sits after the decoder layers: its tensors match the spec's `mtp`
+    patterns and are counted, never loaded; a tensor of a layer past the MTP layers is an error."""
+    ckpt = write_tiny("glm53", tmp_path / "ckpt", seed=0)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    tensors = load_file(ckpt / "model.safetensors")
+    extra = {
+        f"model.layers.{n}.eh_proj.weight": torch.randn(cfg["hidden_size"], 2 * cfg["hidden_size"]),
+        f"model.layers.{n}.enorm.weight": torch.ones(cfg["hidden_size"]),
+        f"model.layers.{n}.self_attn.kv_b_proj.weight": torch.randn(4, 4),
+    }
+    save_file(tensors | extra, ckpt / "model.safetensors")
+    c = open_checkpoint(ckpt)
+    model, _ = build(c.family, c.family.config(c.hf), c.hf, torch.device("cpu"), torch.float32)
+    assert load_weights(model, c, progress=False) == len(extra)
+    save_file(
+        tensors | {f"model.layers.{n + 1}.enorm.weight": torch.ones(cfg["hidden_size"])},
+        ckpt / "model.safetensors",
+    )
+    with pytest.raises(WeightError, match=rf"model\.layers\.{n + 1}\.enorm\.weight"):
+        load_weights(model, open_checkpoint(ckpt), progress=False)

@@ -58,7 +58,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, neox:
 
 
 @register("swiglu", "reference")
-def swiglu(gate: torch.Tensor, up: torch.Tensor, fp32: bool = False, limit: float | None = None) -> torch.Tensor:
+def swiglu(
+    gate: torch.Tensor, up: torch.Tensor, fp32: bool = False, limit: float | None = None
+) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit) (no clamp without a limit); with fp32 the
     activation and product run in fp32 and are cast back."""
     if limit is not None:

@@ -61,7 +61,7 @@ def kda_chunks(q, k, v, g, beta, s, chunk: int = 64):
         v'_i = u_i - w_i s,   o_i = (q_i exp(G_i)) s + sum_{j <= i} <q_i, D_ij k_j> v'_j
         s <- exp(G_last) s + sum_j (k_j exp(G_last - G_j))^T v'_j
     Same arguments and result as `kda_steps`."""
-    h, n, dk = k.shape
+    h, n, _ = k.shape
     pad = (-n) % chunk
     if pad:  # zero k, beta and g: padded tokens neither decay nor update the state
         q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))

@@ -1,4 +1,4 @@
-# generated from spec.yaml@0505fd392444, do not edit
+# generated from spec.yaml@df8f36dcfcfc, do not edit
 """Reflection Beam: the execution-plane model, composed from the block library."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-# generated from spec.yaml@0505fd392444, do not edit
+# generated from spec.yaml@df8f36dcfcfc, do not edit
 """Reflection Beam: parity against transformers.BeamForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then its `shapes` overrides) and each recorded seed writes

@@ -1,53 +1,40 @@
-"""`dayzero bench decode`: decode tokens/s on a GPU for a scaled Reflection Beam config.
+"""`dayzero bench decode`: decode tokens/s on a GPU for a family's scaled config.
 
-The config keeps BeamConfig()'s hidden size and head shapes with fewer layers (the first dense)
-and fewer experts. Random bf16 weights are made once, in transformers' BeamForCausalLM on the
-GPU, and handed to dayzero through the spec's weight rules, so both run the same weights in the
-same process. Each batch decodes after a prompt of --prompt-len random tokens.
-
-Roofline: bytes a decode step must read at batch 1 (every weight except the embedding table
-and the experts a token does not use, plus the KV it attends to) over the device-to-device copy
-bandwidth measured in the same run (bytes read + written).
+The config is the reference config class's defaults (the real model's widths and head shapes)
+with the spec's `bench` overrides (fewer layers and experts, so it fits one GPU), plus `--set`.
+Random bf16 weights are made once, in the reference class on the GPU, and handed to dayzero
+through the spec's weight rules (under their checkpoint names), so both run the same weights in
+the same process. Each batch decodes after a prompt of --prompt-len random tokens.
+Roofline: bytes a decode step must read (every weight except the embedding table and the
+experts no token of the batch uses, plus each request's cache: KV rows and latent / index keys
+it attends to, recurrent state read and written) over the device-to-device copy bandwidth
+measured in the same run (bytes read + written).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
+from dayzero.sdk.blocks.mlp import MoE
+from dayzero.sdk.codegen import merge
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.families import FAMILIES, born_as, build
 from dayzero.sdk.loader import Checkpoint, load_weights
 from dayzero.sdk.parity.reference import reference_class, reference_config
 
 
-def scaled_overrides(layers: int, experts: int) -> dict:
-    return {
-        "num_hidden_layers": layers,
-        "num_experts": experts,
-        "mlp_layer_types": ["dense"] + ["sparse"] * (layers - 1),
-    }
-
-
 def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The in-memory reference model under its checkpoint names (stacked experts split per
-    expert, as save_pretrained writes them)."""
-    for name, t in model.state_dict().items():
-        if name.endswith("experts.gate_up_proj"):
-            base, half = name.removesuffix("gate_up_proj"), t.shape[1] // 2
-            for e in range(t.shape[0]):
-                yield f"{base}{e}.gate_proj.weight", t[e, :half]
-                yield f"{base}{e}.up_proj.weight", t[e, half:]
-        elif name.endswith("experts.down_proj"):
-            base = name.removesuffix("down_proj")
-            for e in range(t.shape[0]):
-                yield f"{base}{e}.down_proj.weight", t[e]
-        else:
-            yield name, t
+    """The in-memory reference model under its checkpoint names (transformers' own reversal of
+    its load-time conversions: stacked experts split per expert, renamed tensors...)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    yield from revert_weight_conversion(model, model.state_dict()).items()
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
@@ -67,25 +54,29 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
 
 
 def bytes_per_step(
-    hf: dict, model: torch.nn.Module, prompt_len: int, batch: int = 1
+    cfg, model: torch.nn.Module, prompt_len: int, batch: int = 1
 ) -> tuple[float, float, float]:
     """(bytes a decode step at `batch` must read, total params, active params per token).
-
     Every weight but the embedding table, each expert the batch's tokens use once (expected
     distinct experts of `batch` tokens picking k of E at random: E (1 - (1 - k/E)^batch)), and
-    each request's KV (window-limited on sliding layers), in bf16."""
+    each request's cache: paged rows over min(prompt, window) positions and recurrent state
+    read and written, in bf16."""
     total = sum(p.numel() for p in model.parameters())
-    e, k, layers = hf["num_experts"], hf["num_experts_per_tok"], hf["mlp_layer_types"].count("sparse")
-    expert = 3 * hf["hidden_size"] * hf["moe_intermediate_size"]
-    embed = hf["vocab_size"] * hf["hidden_size"]
-    active = total - embed - layers * (e - k) * expert
-    used = e * (1 - (1 - k / e) ** batch)
-    weights = total - embed - layers * (e - used) * expert
-    kv = 0
-    for kind in hf["layer_types"]:
-        seen = min(prompt_len, hf["sliding_window"]) if kind == "sliding_attention" else prompt_len
-        kv += 2 * hf["num_key_value_heads"] * hf["head_dim"] * seen * 2
-    return weights * 2 + batch * kv, total, active
+    embed = model.embed.weight.numel()
+    weights = active = total - embed
+    for m in model.modules():
+        if isinstance(m, MoE):
+            e, k = m.cfg.experts, m.cfg.top_k
+            expert = m.gate_up[0].numel() + m.down[0].numel()
+            active -= (e - k) * expert
+            weights -= (e - e * (1 - (1 - k / e) ** batch)) * expert
+    cache = 0
+    for g in cfg.cache_groups:
+        if g.kind == "state":
+            cache += 2 * g.row
+        else:
+            cache += g.row * 2 * (min(prompt_len, g.window) if g.window else prompt_len)
+    return weights * 2 + batch * cache, total, active
 
 
 def time_ours(eng: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
@@ -123,7 +114,8 @@ def time_transformers(
             max_new_tokens=n,
             min_new_tokens=n,
             do_sample=False,
-            cache_implementation="static",
+            # a static cache where the model has one (stateful linear-attention models do not)
+            **({} if getattr(ref, "_is_stateful", False) else {"cache_implementation": "static"}),
             disable_compile=True,
             eos_token_id=None,
             pad_token_id=0,
@@ -174,13 +166,12 @@ def main(args: argparse.Namespace) -> int:
         print("dayzero bench decode: needs a CUDA GPU (none visible)")
         return 2
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    fam = FAMILIES.get("beam")
-    hf = reference_config(fam.spec.spec.reference, scaled_overrides(args.layers, args.experts))
-    cls = reference_class(fam.spec.spec.reference) if args.reference else None
-    print(
-        f"building BeamForCausalLM: {args.layers} layers (1 dense), {args.experts} experts, "
-        f"hidden {hf['hidden_size']}"
-    )
+    fam = FAMILIES.get(args.family)
+    spec = fam.spec.spec
+    overrides = merge(dict(spec.bench), json.loads(args.set) if args.set else {})
+    hf = reference_config(spec.reference, overrides)
+    cls = reference_class(spec.reference) if args.reference else None
+    print(f"building {spec.reference.rsplit('.', 1)[1]} with {json.dumps(overrides)}")
     torch.manual_seed(0)
     cfg = fam.config(hf)
     model, ops = build(fam, cfg, hf, dev, dtype)
@@ -197,7 +188,7 @@ def main(args: argparse.Namespace) -> int:
             for p in model.parameters():
                 p.normal_(0, 0.02)
     bw = copy_bandwidth(dev)
-    bpt, total, active = bytes_per_step(hf, model, args.prompt_len)
+    bpt, total, active = bytes_per_step(cfg, model, args.prompt_len)
     roofline = bw / bpt
     print(
         f"params {total / 1e9:.2f}B, active {active / 1e9:.2f}B; copy bandwidth {bw / 1e12:.2f} TB/s; "
@@ -217,30 +208,30 @@ def main(args: argparse.Namespace) -> int:
                 max_tokens_per_step=8192,
             ),
         )
-        ours = time_ours(eng, b, args.prompt_len, args.new_tokens, hf["vocab_size"])
+        ours = time_ours(eng, b, args.prompt_len, args.new_tokens, cfg.embedding.vocab)
         del eng
         torch.cuda.empty_cache()
         theirs = (
-            time_transformers(ref, b, args.prompt_len, args.new_tokens, hf["vocab_size"])
+            time_transformers(ref, b, args.prompt_len, args.new_tokens, cfg.embedding.vocab)
             if ref
             else float("nan")
         )
         rows.append((b, ours, theirs))
     if args.profile:
-        profile_decode(model, cfg, ops, args.prompt_len, hf["vocab_size"])
+        profile_decode(model, cfg, ops, args.prompt_len, cfg.embedding.vocab)
     print(
         f"{'batch':>5} {'dayzero tok/s':>14} {'transformers tok/s':>19} {'ratio':>6} "
         f"{'roofline tok/s':>15} {'dayzero/roofline':>17}"
     )
     roofs = {}
     for b, ours, theirs in rows:
-        roofs[b] = b * bw / bytes_per_step(hf, model, args.prompt_len, b)[0]
+        roofs[b] = b * bw / bytes_per_step(cfg, model, args.prompt_len, b)[0]
         print(
             f"{b:>5} {ours:>14.1f} {theirs:>19.1f} {ours / theirs:>6.2f} "
             f"{roofs[b]:>15.0f} {ours / roofs[b]:>17.3f}"
         )
     print(
-        "decode_beam "
+        f"decode_{fam.name} "
         + " ".join(f"b{b}={o:.1f}" for b, o, _ in rows)
         + " "
         + " ".join(f"roofline_b{b}={roofs[b]:.0f}" for b, _, _ in rows)

@@ -140,5 +140,15 @@ def _static_cache(_o: KdaOpts) -> tuple[StaticCache, ...]:
 
 BLOCKS.add(
     "kda",
-    BlockDef("kda", "attention", KdaOpts, _resolve, KdaAttention, _needs, _cache, _static_cache, KdaAttention.__doc__),
+    BlockDef(
+        "kda",
+        "attention",
+        KdaOpts,
+        _resolve,
+        KdaAttention,
+        _needs,
+        _cache,
+        _static_cache,
+        KdaAttention.__doc__,
+    ),
 )

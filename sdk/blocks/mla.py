@@ -225,7 +225,9 @@ def _resolve(o: MlaOpts, val) -> MlaCfg:
         if not q_lora:
             raise ValueError("a sparse-attention indexer reads the q latent: it needs q_lora > 0")
         if ix.topk <= 0 or (ix.kind == "kpool" and (ix.pool <= 0 or ix.topk % ix.pool)):
-            raise ValueError(f"indexer topk {ix.topk} must be > 0 (and a multiple of pool {ix.pool} for kpool)")
+            raise ValueError(
+                f"indexer topk {ix.topk} must be > 0 (and a multiple of pool {ix.pool} for kpool)"
+            )
         if rope_dim > ix.head_dim:
             raise ValueError(f"rope_dim {rope_dim} exceeds the indexer head_dim {ix.head_dim}")
     return MlaCfg(
@@ -284,6 +286,14 @@ def _static_cache(o: MlaOpts) -> tuple[StaticCache, ...]:
 BLOCKS.add(
     "mla",
     BlockDef(
-        "mla", "attention", MlaOpts, _resolve, MlaAttention, _needs, _cache, _static_cache, MlaAttention.__doc__
+        "mla",
+        "attention",
+        MlaOpts,
+        _resolve,
+        MlaAttention,
+        _needs,
+        _cache,
+        _static_cache,
+        MlaAttention.__doc__,
     ),
 )

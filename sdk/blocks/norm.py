@@ -111,7 +111,9 @@ class HyperResidual(nn.Module):
         h = (pre[..., None] * x).sum(1).to(x.dtype)  # [T, D]
         return self.norm(h), (post, comb)
 
-    def post(self, x: torch.Tensor, y: torch.Tensor, carry: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def post(
+        self, x: torch.Tensor, y: torch.Tensor, carry: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
         post, comb = carry
         mixed = torch.matmul(comb.to(x.dtype).transpose(-1, -2), x)  # [T, N, D]: sum_i C_ij X_i
         return post.to(x.dtype)[..., None] * y[:, None, :] + mixed

@@ -52,7 +52,9 @@ def _groups(fam: Family) -> list[dict]:
     for name in dict.fromkeys(used):
         opts = loaded.blocks[name]
         for part in BLOCKS.get(opts.kind).static_cache(opts):
-            g = by_key.setdefault((part.kind, part.key), {"name": part.name, "kind": part.kind, "members": []})
+            g = by_key.setdefault(
+                (part.kind, part.key), {"name": part.name, "kind": part.kind, "members": []}
+            )
             g["members"].append(f"{name}.{part.part}")
     out = list(by_key.values())
     for g in out:  # several groups wanting one name: number them
@@ -77,7 +79,10 @@ def _release(fam: Family, groups: list[dict], model_source: str) -> dict | None:
     from dayzero.sdk.spec.load import resolve
 
     cfg = resolve(
-        fam.spec, reference_config(fam.spec.spec.reference, dict(rel.config)), _decls(groups), "release config"
+        fam.spec,
+        reference_config(fam.spec.spec.reference, dict(rel.config)),
+        _decls(groups),
+        "release config",
     )
     module = types.ModuleType(f"{fam.name}.model")  # the model as rendered now
     exec(compile(model_source, f"models/{fam.folder}/model.py", "exec"), module.__dict__)

@@ -33,7 +33,11 @@ class Needs:
             f"{self.weight_bytes[fmt] / 1e9:.1f} GB in {fmt}"
             + (f" ({self.weight_bytes['bf16'] / 1e9:.1f} GB in bf16); " if fmt != "bf16" else "; ")
             + f"KV {self.kv_bytes_per_token / 1024:.0f} KiB per token in bf16{sw}; "
-            + (f"recurrent state {self.state_bytes / 2**20:.1f} MiB per request; " if self.state_bytes else "")
+            + (
+                f"recurrent state {self.state_bytes / 2**20:.1f} MiB per request; "
+                if self.state_bytes
+                else ""
+            )
             + f"{self.gpus} x {GPU_NAME} at tensor-parallel size {self.gpus}"
         )
 

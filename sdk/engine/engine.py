@@ -245,7 +245,9 @@ class Engine:
                 if plan.rows == 0:
                     self.pool.apply_after(plan.copies)
                     continue
-                ctx = build_context(plan, self.pool.views, self.config.block_size, self.device, self.pool.slots)
+                ctx = build_context(
+                    plan, self.pool.views, self.config.block_size, self.device, self.pool.slots
+                )
                 ctx.sample_index = torch.arange(plan.num_input_tokens, device=self.device)
                 logits = self.model(ctx)  # [T, V]
                 self.pool.apply_after(plan.copies)

@@ -74,7 +74,9 @@ def write_tiny(family: str, out: str | Path, seed: int = 0, overrides: dict | No
     spec = fam.spec.spec
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    fields = dict(spec.tiny) | dict(overrides or {})
+    from dayzero.sdk.codegen import merge
+
+    fields = merge(dict(spec.tiny), dict(overrides or {}))
     special = write_tokenizer(out, int(fields.get("vocab_size", 512)))
     cls = reference_class(spec.reference)
     torch.manual_seed(seed)

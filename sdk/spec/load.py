@@ -35,6 +35,7 @@ LITERAL_SECTIONS = (
     "shapes",
     "quantization",
     "release",
+    "bench",
 )
 
 
@@ -406,14 +407,17 @@ def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "con
             key = f"{a}.{decl.part}"
             if key not in group_of:
                 raise SpecError(
-                    spath, f"blocks.{a}", f"cache part {key} has no group in the generated geometry; "
-                    "run `dayzero codegen`"
+                    spath,
+                    f"blocks.{a}",
+                    f"cache part {key} has no group in the generated geometry; run `dayzero codegen`",
                 )
             g = group_of[key]
             if decl.kind != group_decls[g].kind:
                 raise SpecError(spath, f"blocks.{a}.window", f"resolves to a {decl.kind} cache with {source}")
             if members[g] and windows[g] != decl.window:
-                raise SpecError(spath, f"blocks.{a}.window", f"cache group {group_decls[g].name} mixes windows")
+                raise SpecError(
+                    spath, f"blocks.{a}.window", f"cache group {group_decls[g].name} mixes windows"
+                )
             windows[g] = decl.window
             # state parts are bytes in the request's slot: keep every part aligned for any dtype view
             size = -(-decl.row // STATE_ALIGN) * STATE_ALIGN if decl.kind == "state" else decl.row
@@ -442,7 +446,8 @@ def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "con
     # drop empty groups and renumber the layers' group indices
     renum = {gi: j for j, gi in enumerate(gi for gi in range(len(group_decls)) if members[gi])}
     layers = [
-        dataclasses.replace(layer, caches=tuple((renum[g], off) for g, off in layer.caches)) for layer in layers
+        dataclasses.replace(layer, caches=tuple((renum[g], off) for g, off in layer.caches))
+        for layer in layers
     ]
     vocab = r.number(spec.embedding.vocab, int, "embedding.vocab")
     softcap = r.value(spec.head.softcap)

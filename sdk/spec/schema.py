@@ -178,6 +178,8 @@ class Spec(Strict):
     quantization: Quantization = Quantization()
     mtp: Mtp | None = None
     release: Release | None = None
+    # `dayzero bench decode`: HF-config overrides scaling the real model to one GPU
+    bench: dict[str, Any] = {}
     max_position: IntV | None = None
     eos_token_ids: Ref | None = None
 

@@ -1,0 +1,122 @@
+"""KDA (short conv + delta rule) and hyper-connections against the transformers modules, and the
+chunked / stepwise / continued-state forms of the recurrence against each other."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import SEEDS
+from one_row import context
+
+from dayzero.kernels.reference.linear_attention import kda_chunks, kda_steps, short_conv
+from dayzero.sdk.engine.context import StateMeta
+
+CPU = torch.device("cpu")
+TOL = 1e-5
+
+
+def _inputs(seed: int, h: int = 3, n: int = 37, dk: int = 8, dv: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(h, n, dk, generator=g), dim=-1) * dk**-0.5
+    k = torch.nn.functional.normalize(torch.randn(h, n, dk, generator=g), dim=-1)
+    v = torch.randn(h, n, dv, generator=g)
+    decay = -torch.rand(h, n, dk, generator=g) * 0.5  # log forget gates in (-0.5, 0]
+    beta = torch.rand(h, n, generator=g)
+    s0 = torch.randn(h, dk, dv, generator=g) * 0.3
+    return q, k, v, decay, beta, s0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("chunk", [1, 4, 16, 64])
+def test_chunked_delta_rule_equals_the_steps(seed: int, chunk: int) -> None:
+    args = _inputs(seed)
+    o1, s1 = kda_steps(*args)
+    o2, s2 = kda_chunks(*args, chunk=chunk)
+    assert (o1 - o2).abs().max().item() < TOL
+    assert (s1 - s2).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_delta_rule_continued_from_its_state_equals_one_pass(seed: int) -> None:
+    q, k, v, g, b, s0 = _inputs(seed)
+    whole, s_whole = kda_chunks(q, k, v, g, b, s0, chunk=8)
+    cut = [0, 5, 6, 21, 37]  # uneven pieces, one of a single token
+    s, parts = s0, []
+    for a, z in itertools.pairwise(cut):
+        o, s = (kda_steps if z - a == 1 else kda_chunks)(
+            q[:, a:z], k[:, a:z], v[:, a:z], g[:, a:z], b[:, a:z], s
+        )
+        parts.append(o)
+    assert (torch.cat(parts, dim=1) - whole).abs().max().item() < TOL
+    assert (s - s_whole).abs().max().item() < TOL
+
+
+def _state_meta(pool: torch.Tensor, rows: list[tuple[int, int]], fresh: list[bool]) -> StateMeta:
+    qs = [0]
+    for a, z in rows:
+        qs.append(qs[-1] + z - a)
+    slots = tuple(range(len(rows)))
+    return StateMeta(pool, torch.tensor(slots), slots, tuple(fresh), tuple(qs))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("kernel", [2, 4])
+def test_short_conv_continues_its_state(seed: int, kernel: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    c, n = 6, 13
+    x = torch.randn(n, c, generator=g)
+    w = torch.randn(c, 1, kernel, generator=g)
+    want = torch.nn.functional.silu(
+        torch.nn.functional.conv1d(x.t()[None], w, padding=kernel - 1, groups=c)[0, :, :n]
+    ).t()
+    state = torch.randn(1, c, kernel - 1, generator=g)  # garbage from an earlier occupant
+    got = []
+    for i, (a, z) in enumerate([(0, 4), (4, 5), (5, 13)]):
+        meta = _state_meta(None, [(a, z)], [i == 0])
+        got.append(short_conv(x[a:z], w, state, meta))
+    assert (torch.cat(got) - want).abs().max().item() < TOL
+
+
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory):
+    from dayzero.sdk.loader import open_checkpoint
+    from dayzero.sdk.parity.runner import Ours, Reference
+    from dayzero.sdk.parity.tiny import write_tiny
+
+    ckpt = open_checkpoint(write_tiny("glm53_flash", tmp_path_factory.mktemp("flash") / "ckpt", seed=3))
+    return Ours(ckpt, CPU, torch.float32), Reference(ckpt, CPU, torch.float32)
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_kda_layer_matches_the_reference(flash, seed: int) -> None:
+    ours, ref = flash
+    t = 70  # more than one 64-token chunk of the reference's chunked form
+    layer, ref_attn = ours.model.layers[0].attn, ref.model.model.language_model.layers[0].self_attn
+    x = torch.randn(t, ours.cfg.embedding.dim, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        got = layer(x, context(t, ours.cfg.cache_groups))
+        want = ref_attn(x[None])
+    assert (got - want[0]).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_hyper_connections_match_the_reference(flash, seed: int) -> None:
+    ours, ref = flash
+    res = ours.model.layers[1].attn_res
+    ref_hc = ref.model.model.language_model.layers[1].attn_hc
+    ref_norm = ref.model.model.language_model.layers[1].input_layernorm
+    g = torch.Generator().manual_seed(seed)
+    n, d = res.hc.streams, ours.cfg.embedding.dim
+    x = torch.randn(9, n, d, generator=g)
+    y = torch.randn(9, d, generator=g)
+    with torch.no_grad():
+        h, carry = res.pre(x)
+        got = res.post(x, y, carry)
+        post, comb, collapsed = ref_hc(x[None])
+        want = post[0].unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb[0].transpose(-1, -2), x)
+    assert (h - ref_norm(collapsed[0])).abs().max().item() < TOL
+    assert (got - want).abs().max().item() < TOL
+    # the mixing matrix is (nearly) doubly stochastic after Sinkhorn
+    assert torch.allclose(carry[1].sum(-2), torch.ones(9, n), atol=1e-3)
