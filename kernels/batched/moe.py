@@ -7,6 +7,7 @@ Neither path synchronises with the host."""
 from __future__ import annotations
 
 import torch
+
 from dayzero.kernels.reference.basic import swiglu
 from dayzero.kernels.registry import Capabilities, register
 
