@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU bring-up on the lent H200 (see docs/benchmarks.md): build dayzero against the machine's
-# torch, run Beam parity in fp32 and bf16 on CUDA, then `dayzero bench decode`.
+# torch, run parity on CUDA for medium random checkpoints, then `dayzero bench decode`.
+#   PARITY: "family:dtype ..." (dtype fp32 | bf16); BENCH: "family ..."; empty skips the part.
 # Wheels for packages the machine lacks (transformers 5.23, pydantic) travel in .whl/.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -15,18 +16,34 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 DZ="python3 -m dayzero.sdk.cli"
 TMP=$(mktemp -d)
-MED='{"hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 16,
- "num_key_value_heads": 4, "head_dim": 64, "moe_intermediate_size": 512, "num_experts": 32,
- "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "sliding_window": 64, "vocab_size": 4096}'
-$DZ tiny beam "$TMP/medium" --seed 3 --set "$MED" >/dev/null
-PARITY=${PARITY:-"tiny-fp32 tiny-bf16 medium-fp32 medium-bf16"}
+# medium random checkpoints: hidden 1024, a few layers, real head shapes scaled down
+declare -A MEDIUM=(
+  [beam]='{"hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 16,
+   "num_key_value_heads": 4, "head_dim": 64, "moe_intermediate_size": 512, "num_experts": 32,
+   "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "sliding_window": 64, "vocab_size": 4096}'
+  [glm53]='{"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 512, "num_hidden_layers": 6,
+   "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 384, "kv_lora_rank": 256,
+   "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "n_routed_experts": 32,
+   "num_experts_per_tok": 4, "first_k_dense_replace": 1, "index_topk": 128, "index_head_dim": 64,
+   "index_n_heads": 8, "index_topk_pattern": "FFSFFS", "vocab_size": 4096}'
+  [glm53_flash]='{"text_config": {"hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 512,
+   "num_hidden_layers": 8, "layer_types": null, "indexer_types": null, "mlp_layer_types": null,
+   "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 384, "kv_lora_rank": 256,
+   "qk_nope_head_dim": 64, "v_head_dim": 64, "n_routed_experts": 32, "num_experts_per_tok": 4,
+   "index_topk": 128, "index_head_dim": 64, "index_n_heads": 8, "linear_num_heads": 8, "linear_head_dim": 64,
+   "vocab_size": 4096}}'
+)
+PARITY=${PARITY-"glm53:fp32 glm53:bf16 glm53_flash:fp32 glm53_flash:bf16"}
 for which in $PARITY; do
-  size=${which%-*}; dtype=${which#*-}; [ "$dtype" = bf16 ] && dtype=bfloat16 || dtype=float32
-  [ "$size" = tiny ] && args="beam" || args="--checkpoint $TMP/medium --seed 3"
-  spec="$which:$args --device cuda --dtype $dtype"
-  echo "== parity ${spec%%:*}"
-  $DZ parity ${spec#*:} 2>&1 | grep -v "Loading weights" | tee -a "$OUT/parity.log"
+  fam=${which%:*}; dtype=${which#*:}; [ "$dtype" = bf16 ] && dtype=bfloat16 || dtype=float32
+  [ -d "$TMP/$fam" ] || $DZ tiny "$fam" "$TMP/$fam" --seed 3 --set "${MEDIUM[$fam]}" >/dev/null
+  echo "== parity $fam medium $dtype"
+  $DZ parity --checkpoint "$TMP/$fam" --seed 3 --device cuda --dtype $dtype 2>&1 \
+    | grep -v "Loading weights\|falling back" | tee -a "$OUT/parity.log"
 done
-echo "== bench decode"
-$DZ bench decode --layers 8 --experts 64 --batches 1,32 --prompt-len 512 --new-tokens 64 2>&1 \
-  | grep -v "loading weights" | tee "$OUT/bench.log"
+for fam in ${BENCH-glm53_flash}; do
+  echo "== bench decode $fam"
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    $DZ bench decode --family "$fam" --batches ${BATCHES:-1,8,32} --prompt-len 512 --new-tokens 64 2>&1 \
+    | grep -v "loading weights\|falling back" | tee -a "$OUT/bench.log"
+done
