@@ -45,5 +45,5 @@ for fam in ${BENCH-glm53_flash}; do
   echo "== bench decode $fam"
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
     $DZ bench decode --family "$fam" --batches ${BATCHES:-1,8,32} --prompt-len 512 --new-tokens 64 2>&1 \
-    | grep -v "loading weights\|falling back" | tee -a "$OUT/bench.log"
+    | tr "\r" "\n" | grep -v "loading weights\|falling back\|^$" | tee -a "$OUT/bench.log"
 done

@@ -111,12 +111,10 @@ def _plan_text(rule) -> str:
     return json.dumps(rule.model_dump(exclude_defaults=True)).replace('"', "")
 
 
-def render(fam: Family) -> dict[str, str]:
-    loaded, env = fam.spec, _env()
-    spec = loaded.spec
-    header = f"# generated from spec.yaml@{loaded.hash}, do not edit"
+def _model_py(fam: Family, env: jinja2.Environment, header: str) -> str:
+    """The generated model module: the spec's block kinds mapped to their modules."""
     kinds = {role: [] for role in ("attention", "mlp")}
-    for _, opts in loaded.blocks.items():
+    for _, opts in fam.spec.blocks.items():
         bdef = BLOCKS.get(opts.kind)
         if (bdef.kind, bdef.module) not in kinds[bdef.role]:
             kinds[bdef.role].append((bdef.kind, bdef.module))
@@ -124,6 +122,44 @@ def render(fam: Family) -> dict[str, str]:
     for role in kinds.values():
         for _, cls in role:
             imports.setdefault(cls.__module__, []).append(cls.__name__)
+    residual = fam.spec.spec.residual
+    doc = {
+        "sandwich": "One decoder layer: x + post_norm(attn(norm(x))), then the same around the MLP",
+        "prenorm": "One decoder layer: x + attn(norm(x)), then x + mlp(norm(x))",
+        "hyper": "One decoder layer: N residual streams mixed by hyper-connections around attn, then the MLP",
+    }[residual.kind] + (" (depth-scaled adds)." if residual.depth_scaled else ".")
+    return env.get_template("model.py.j2").render(
+        header=header,
+        title=fam.spec.spec.title,
+        imports=sorted((m, sorted(set(n))) for m, n in imports.items()),
+        attention=[(k, c.__name__) for k, c in kinds["attention"]],
+        mlp=[(k, c.__name__) for k, c in kinds["mlp"]],
+        residual_doc=doc,
+    )
+
+
+def _variants(fam: Family, env: jinja2.Environment) -> list[dict]:
+    """Families in sub-folders of this one (other architectures of the same model family)."""
+    from dayzero.sdk.families import FAMILIES
+
+    out = []
+    for _, v in FAMILIES.items():
+        if v.folder.startswith(fam.folder + "/"):
+            rel = _release(v, _groups(v), _model_py(v, env, ""))
+            out.append(
+                {
+                    "title": v.spec.spec.title,
+                    "card": f"{v.folder.removeprefix(fam.folder + '/')}/README.md",
+                    "release": rel,
+                }
+            )
+    return out
+
+
+def render(fam: Family) -> dict[str, str]:
+    loaded, env = fam.spec, _env()
+    spec = loaded.spec
+    header = f"# generated from spec.yaml@{loaded.hash}, do not edit"
     groups = _groups(fam)
     residual = spec.residual
     ctx = {
@@ -135,15 +171,6 @@ def render(fam: Family) -> dict[str, str]:
         "reference": spec.reference,
         "architectures": spec.architectures,
         "model_types": spec.model_types,
-        "imports": sorted((m, sorted(set(n))) for m, n in imports.items()),
-        "attention": [(k, c.__name__) for k, c in kinds["attention"]],
-        "mlp": [(k, c.__name__) for k, c in kinds["mlp"]],
-        "residual_doc": (
-            "One decoder layer: x + post_norm(attn(norm(x))), then the same around the MLP"
-            if residual.kind == "sandwich"
-            else "One decoder layer: x + attn(norm(x)), then x + mlp(norm(x))"
-        )
-        + (" (depth-scaled adds)." if residual.depth_scaled else "."),
         "groups": groups,
         "shapes": repr([dict(spec.tiny)] + [merge(dict(spec.tiny), s) for s in spec.shapes]),
         "seeds_per_shape": PARITY_SEEDS_PER_SHAPE,
@@ -158,8 +185,9 @@ def render(fam: Family) -> dict[str, str]:
         "parity_shapes": 1 + len(spec.shapes),
         "support": support_matrix(fam, _decls(groups)),
     }
-    model_py = env.get_template("model.py.j2").render(ctx)
+    model_py = _model_py(fam, env, header)
     ctx["release"] = _release(fam, groups, model_py)
+    ctx["variants"] = _variants(fam, env)
     out = {
         "__init__.py": f'{header}\n"""{spec.title} (generated; the source of truth is spec.yaml)."""\n',
         "model.py": model_py,

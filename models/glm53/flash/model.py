@@ -19,7 +19,7 @@ MLP = {"swiglu": SwiGLU, "moe": MoE}
 
 
 class Layer(nn.Module):
-    """One decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """One decoder layer: N residual streams mixed by hyper-connections around attn, then the MLP."""
 
     def __init__(self, cfg: LayerCfg, ops: OpTable) -> None:
         super().__init__()
