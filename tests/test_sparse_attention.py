@@ -260,3 +260,85 @@ def test_rope_tables_match_transformers(params: dict) -> None:
 def test_unknown_rope_type_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="rope type 'longrope' is not supported yet; known: default, yarn"):
         rope_table(1e4, 8, {"rope_type": "longrope"})
+
+
+@pytest.mark.parametrize("seed", SEEDS[1:])  # seed 0 ties exactly at the top-k boundary (ReLU zeros)
+def test_rotate_half_indexer_matches_deepseek_v32(seed: int) -> None:
+    """An indexer whose keys use rotate-half RoPE while the MLA pairs channels (DeepSeek-V3.2)."""
+    from transformers import DeepseekV32Config
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
+        DeepseekV32Indexer,
+        DeepseekV32RotaryEmbedding,
+    )
+
+    from dayzero.sdk.blocks import BLOCKS
+    from dayzero.sdk.blocks.mla import MlaOpts, _resolve
+    from dayzero.sdk.spec.config import CacheGroupCfg
+
+    topk, heads, dim = 8, 8, 16
+    hf = DeepseekV32Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        q_lora_rank=24,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        index_topk=topk,
+        index_head_dim=dim,
+        index_n_heads=heads,
+    )
+    torch.manual_seed(seed)
+    ref = DeepseekV32Indexer(hf, 0).eval()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(
+                torch.randn(p.shape) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 10)
+                + (1 if p.dim() == 1 else 0)
+            )
+    opts = MlaOpts.model_validate(
+        {
+            "kind": "mla",
+            "heads": 4,
+            "q_lora": 24,
+            "kv_lora": 32,
+            "nope_dim": 16,
+            "rope_dim": 8,
+            "v_dim": 16,
+            "rope": {"theta": 10000.0, "interleaved": True},
+            "indexer": {
+                "kind": "dsa",
+                "heads": heads,
+                "head_dim": dim,
+                "topk": topk,
+                "rope_interleaved": False,
+            },
+        }
+    )
+    cfg = _resolve(opts, lambda v: 64 if v == "$hidden" else v)
+    ops = OpTable(CPU, torch.float32)
+    for op, feats, hd in BLOCKS.get("mla").needs(cfg):
+        ops.need(op, feats, hd)
+    ours = MlaAttention(cfg, ops.resolve(), ((0, 0), (1, 0)))
+    with torch.no_grad():
+        ours.index_q.copy_(ref.wq_b.weight)
+        ours.index_k.copy_(ref.wk.weight)
+        ours.index_k_norm.copy_(ref.k_norm.weight)
+        ours.index_k_bias.copy_(ref.k_norm.bias)
+        ours.index_weights.copy_(ref.weights_proj.weight)
+    g = torch.Generator().manual_seed(seed)
+    x, q_res = torch.randn(T, 64, generator=g), torch.randn(T, 24, generator=g)
+    seen = _capture(ours, "dsa_index")
+    ctx = context(
+        T, [CacheGroupCfg("mla", "paged", None, 40, (0,)), CacheGroupCfg("index", "paged", None, dim, (0,))]
+    )
+    with torch.no_grad():
+        got = ours._select(x, q_res, ctx)
+        pos = torch.arange(T)[None]
+        mask = torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None]
+        want = ref(x[None], q_res[None], DeepseekV32RotaryEmbedding(hf)(x[None], pos), mask, pos)
+    q, w, keys, _meta, _k, scale = seen["args"]
+    s = torch.einsum("th,thl->tl", w, torch.relu(torch.einsum("thd,ld->thl", q, keys[:T]) * scale))
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    assert _tie_free(s, topk), f"seed {seed}: the inputs tie at the top-{topk} boundary; pick another seed"
+    assert _sets(got) == [{j for j in row if j <= t} for t, row in enumerate(want[0].tolist())]

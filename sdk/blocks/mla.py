@@ -28,6 +28,7 @@ class IndexerOpts(Strict):
     head_dim: IntV
     topk: IntV
     reuse: bool = False  # use the selection of the last earlier layer that ran an indexer
+    rope_interleaved: bool | None = None  # the index keys' RoPE pairing; None: as the MLA's
     pool: IntV = 16  # kpool: keys per pooled group
     tail: BoolV = True  # kpool: always attend to the query's incomplete group
     norm_eps: FloatV = 1e-6  # the index key's LayerNorm
@@ -57,6 +58,7 @@ class IndexerCfg:
     pool: int
     tail: bool
     norm_eps: float
+    rope_interleaved: bool = True
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ class MlaAttention(nn.Module):
       dsa:   I[t, j] = sum_h w[t, h] relu(<q_i[t, h], k_i[j]> / sqrt(Di)), top-k j <= p_t
       kpool: the same over pooled groups of P keys (softmax(gate + ape)-weighted), the top
              k / P groups ending at or before p_t, plus the query's incomplete group
-    q_i = W_iq rmsnorm(x W_qa), k_i = layernorm(x W_ik) (both roped on the first Dr channels),
+    q_i = W_iq rmsnorm(x W_qa), k_i = layernorm(x W_ik) (both roped on the first Dr channels,
+    paired as the MLA's RoPE unless the indexer says otherwise),
     w = x W_iw / sqrt(Hi). A `reuse` layer attends to the last indexer layer's S(t).
     """
 
@@ -133,9 +136,9 @@ class MlaAttention(nn.Module):
         kv = cfg.kv_lora + cfg.rope_dim
         return {"a_proj": {"q": q_in, "kv": kv}, "a_bias": {"q": q_in, "kv": kv}}
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, interleaved: bool) -> torch.Tensor:
         """Rotate the first Dr channels of x [T, H, D] and scale them by the attention factor."""
-        r = self.ops.rope(x, positions, self.inv_freq, not self.cfg.interleaved)
+        r = self.ops.rope(x, positions, self.inv_freq, not interleaved)
         if self.rope_factor == 1.0:
             return r
         dr = self.cfg.rope_dim
@@ -156,8 +159,8 @@ class MlaAttention(nn.Module):
         k_r = latent[:, c.kv_lora :]  # [T, Dr]
         q_n, q_r = q[..., :dn], q[..., dn:]
         if dr:
-            q_r = self._rope(q_r, ctx.positions)
-            k_r = self._rope(k_r[:, None, :], ctx.positions)[:, 0]
+            q_r = self._rope(q_r, ctx.positions, c.interleaved)
+            k_r = self._rope(k_r[:, None, :], ctx.positions, c.interleaved)[:, 0]
         g, off = self.latent_cache
         cache = ctx.caches[g][:, off : off + c.kv_lora + dr]
         meta = ctx.paged[g]
@@ -180,8 +183,8 @@ class MlaAttention(nn.Module):
         qi = ops.linear(q_res, self.index_q).reshape(t, ix.heads, di)
         ki = ops.layer_norm(ops.linear(x, self.index_k), self.index_k_norm, self.index_k_bias, ix.norm_eps)
         if self.cfg.rope_dim:
-            qi = self._rope(qi, ctx.positions)
-            ki = self._rope(ki[:, None, :], ctx.positions)[:, 0]
+            qi = self._rope(qi, ctx.positions, ix.rope_interleaved)
+            ki = self._rope(ki[:, None, :], ctx.positions, ix.rope_interleaved)[:, 0]
         w = ops.linear(x.float(), self.index_weights) * ix.heads**-0.5  # [T, Hi] fp32
         g, off = self.index_cache
         meta = ctx.paged[g]
@@ -221,6 +224,7 @@ def _resolve(o: MlaOpts, val) -> MlaCfg:
             int(val(i.pool)),
             bool(val(i.tail)),
             float(val(i.norm_eps)),
+            (o.rope.interleaved if o.rope else True) if i.rope_interleaved is None else i.rope_interleaved,
         )
         if not q_lora:
             raise ValueError("a sparse-attention indexer reads the q latent: it needs q_lora > 0")
@@ -257,7 +261,8 @@ def _needs(c: MlaCfg):
         ("mla_attention", frozenset({"causal"} | ({"select"} if ix else set())), None),
     ]
     if c.rope_dim:
-        out.append(("rope", frozenset() if c.interleaved else frozenset({"neox"}), None))
+        neox = not c.interleaved or (ix is not None and not ix.reuse and not ix.rope_interleaved)
+        out.append(("rope", frozenset({"neox"}) if neox else frozenset(), None))
     if ix and not ix.reuse:
         out.append(("layer_norm", frozenset(), None))
         if ix.kind == "dsa":
