@@ -44,8 +44,10 @@ class Family:
 
     @property
     def folder(self) -> str:
-        """The package folder relative to models/ (e.g. `glm53/flash`)."""
-        return self.spec_path.parent.relative_to(MODELS_DIR).as_posix()
+        """The package folder relative to models/ (e.g. `glm53/flash`); a spec outside models/
+        (a test's scratch family) is its own folder's name."""
+        parent = self.spec_path.parent
+        return parent.relative_to(MODELS_DIR).as_posix() if parent.is_relative_to(MODELS_DIR) else parent.name
 
     def module(self, part: str = "model"):
         return importlib.import_module(f"dayzero.models.{self.folder.replace('/', '.')}.{part}")

@@ -13,7 +13,9 @@ from dayzero.sdk.parity.tiny import write_tiny
 def test_a_wrong_kernel_fails_parity_and_the_diff_names_its_block(tmp_path, monkeypatch):
     ckpt = write_tiny("llama", tmp_path / "ckpt", seed=2, overrides={"num_hidden_layers": 2})
 
-    def off_by_a_bit(gate: torch.Tensor, up: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+    def off_by_a_bit(
+        gate: torch.Tensor, up: torch.Tensor, fp32: bool = False, limit: float | None = None
+    ) -> torch.Tensor:
         return torch.nn.functional.silu(gate) * up * 1.01  # a 1% error in every MLP
 
     registry.load_backends()
