@@ -516,3 +516,15 @@ def test_grouped_moe_experts_match_the_reference_loop(seed: int, fp32: bool, tok
     got16 = grouped(x.bfloat16(), gate_up.bfloat16(), down.bfloat16(), w, ids, fp32)
     assert got16.dtype == torch.bfloat16
     torch.testing.assert_close(got16.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_swiglu_limit_clamps_gate_above_and_up_both_ways(seed: int) -> None:
+    from dayzero.kernels.reference.basic import swiglu
+
+    g = torch.Generator().manual_seed(seed)
+    gate, up = torch.randn(64, 32, generator=g) * 4, torch.randn(64, 32, generator=g) * 4
+    want = F.silu(gate.clamp(max=2.5)) * up.clamp(-2.5, 2.5)  # GLM-5.3-Flash's SwiGLU limit
+    assert torch.allclose(swiglu(gate, up, limit=2.5), want, atol=0, rtol=0)
+    assert torch.allclose(swiglu(gate, up, fp32=True, limit=2.5), want, atol=1e-6)
+    assert (gate < -2.5).any()  # the gate is not clamped from below: silu handles it

@@ -120,3 +120,22 @@ def test_hyper_connections_match_the_reference(flash, seed: int) -> None:
     assert (got - want).abs().max().item() < TOL
     # the mixing matrix is (nearly) doubly stochastic after Sinkhorn
     assert torch.allclose(carry[1].sum(-2), torch.ones(9, n), atol=1e-3)
+
+
+def test_a_flat_text_only_config_resolves_like_the_nested_one() -> None:
+    """GLM-5.3-Flash text-only checkpoints keep the text fields at the top level."""
+    from dayzero.sdk.families import FAMILIES
+    from dayzero.sdk.parity.reference import reference_config
+
+    fam = FAMILIES.get("glm53_flash")
+    text = {"layer_types": ["full_attention", "linear_attention", "full_attention"], "num_hidden_layers": 3}
+    text |= {"indexer_types": ["full", "full", "shared"], "mlp_layer_types": ["dense", "sparse", "sparse"]}
+    nested = reference_config(
+        fam.spec.spec.reference, {"text_config": dict(fam.spec.spec.tiny["text_config"]) | text}
+    )
+    flat = dict(nested["text_config"]) | {"architectures": nested["architectures"], "model_type": "glm5_next"}
+    a, b = fam.config(nested), fam.config(flat)
+    assert [(x.attn_kind, x.mlp_kind, x.attn) for x in a.layers] == [
+        (x.attn_kind, x.mlp_kind, x.attn) for x in b.layers
+    ]
+    assert a.layers[2].attn.indexer.reuse and a.streams == b.streams == 4

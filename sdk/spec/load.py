@@ -340,8 +340,10 @@ def _plan(rule: Any, n: int, r: Resolver, role: str) -> list[str]:
     fields = [rule.field] if isinstance(rule.field, str) else rule.field
     columns = []
     for f in fields:
-        values = _field(r.hf, f)
-        if values is _MISSING or values is None:
+        # `a|b`: the first of the alternatives present (a nested sub-config, or the flat field)
+        present = (v for a in f.split("|") if (v := _field(r.hf, a)) is not _MISSING and v is not None)
+        values = next(present, None)
+        if values is None:
             if rule.fallback is None:
                 raise SpecError(r.source, f, f"missing (layer plan of {role}) and the spec has no fallback")
             return _plan(rule.fallback, n, r, role)

@@ -43,7 +43,8 @@ class RuleAll(Strict):
 
 class RuleField(Strict):
     """Per-layer kinds from a list field of the HF config, each value mapped to a block. With
-    several fields, layer i's key joins their i-th values with `+` (`indexed_attention+shared`)."""
+    several fields, layer i's key joins their i-th values with `+` (`indexed_attention+shared`).
+    A field `a|b` reads the first of the alternatives present (`text_config.layer_types|layer_types`)."""
 
     rule: Literal["field"]
     field: str | list[str]

@@ -1,4 +1,4 @@
-# generated from spec.yaml@e0f1e0717f52, do not edit
+# generated from spec.yaml@49ccdfb43573, do not edit
 """GLM-5.3-Flash: the execution-plane model, composed from the block library."""
 
 from __future__ import annotations

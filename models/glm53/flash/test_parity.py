@@ -1,4 +1,4 @@
-# generated from spec.yaml@e0f1e0717f52, do not edit
+# generated from spec.yaml@49ccdfb43573, do not edit
 """GLM-5.3-Flash: parity against transformers.Glm5NextForConditionalGeneration on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then its `shapes` overrides) and each recorded seed writes
