@@ -27,14 +27,6 @@ OUTPUTS = ("__init__.py", "model.py", "cache.py", "README.md", "test_parity.py")
 PARITY_SEEDS_PER_SHAPE = 2
 
 
-def merge(base: dict, over: dict) -> dict:
-    """`over` on top of `base`, nested mappings merged (a shape may override one sub-config field)."""
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def _env() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),
@@ -118,15 +110,15 @@ def _model_py(fam: Family, env: jinja2.Environment, header: str) -> str:
         bdef = BLOCKS.get(opts.kind)
         if (bdef.kind, bdef.module) not in kinds[bdef.role]:
             kinds[bdef.role].append((bdef.kind, bdef.module))
-    imports: dict[str, list[str]] = {}
+    imports: dict[str, list[str]] = {"dayzero.sdk.blocks.decoder": ["Decoder"]}
     for role in kinds.values():
         for _, cls in role:
             imports.setdefault(cls.__module__, []).append(cls.__name__)
     residual = fam.spec.spec.residual
     doc = {
-        "sandwich": "One decoder layer: x + post_norm(attn(norm(x))), then the same around the MLP",
-        "prenorm": "One decoder layer: x + attn(norm(x)), then x + mlp(norm(x))",
-        "hyper": "One decoder layer: N residual streams mixed by hyper-connections around attn, then the MLP",
+        "sandwich": "Each layer: x + post_norm(attn(norm(x))), then the same around the MLP",
+        "prenorm": "Each layer: x + attn(norm(x)), then x + mlp(norm(x))",
+        "hyper": "Each layer: N residual streams mixed by hyper-connections around attn, then the MLP",
     }[residual.kind] + (" (depth-scaled adds)." if residual.depth_scaled else ".")
     return env.get_template("model.py.j2").render(
         header=header,
@@ -172,7 +164,7 @@ def render(fam: Family) -> dict[str, str]:
         "architectures": spec.architectures,
         "model_types": spec.model_types,
         "groups": groups,
-        "shapes": repr([dict(spec.tiny)] + [merge(dict(spec.tiny), s) for s in spec.shapes]),
+        "shapes": repr([{}, *spec.shapes]),
         "seeds_per_shape": PARITY_SEEDS_PER_SHAPE,
         "blocks": [
             {"role": BLOCKS.get(o.kind).role, "name": n, "kind": o.kind, "options": _describe(o)}
