@@ -57,8 +57,7 @@ def _state_meta(pool: torch.Tensor, rows: list[tuple[int, int]], fresh: list[boo
     qs = [0]
     for a, z in rows:
         qs.append(qs[-1] + z - a)
-    slots = tuple(range(len(rows)))
-    return StateMeta(pool, torch.tensor(slots), slots, tuple(fresh), tuple(qs))
+    return StateMeta(pool, tuple(range(len(rows))), tuple(fresh), tuple(qs))
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -99,15 +99,7 @@ def test_kpool_layer_selects_and_attends_like_the_reference(tmp_path, seed: int,
         "num_hidden_layers": 2,
         "mlp_layer_types": ["dense", "dense"],
     }
-    from dayzero.sdk.codegen import merge
-    from dayzero.sdk.families import FAMILIES
-
-    ours, ref = _models(
-        tmp_path,
-        "glm53_flash",
-        seed,
-        merge(dict(FAMILIES.get("glm53_flash").spec.spec.tiny), {"text_config": text}),
-    )
+    ours, ref = _models(tmp_path, "glm53_flash", seed, {"text_config": text})  # merged into the tiny config
     layer, ref_attn = ours.model.layers[0].attn, ref.model.model.language_model.layers[0].self_attn
     seen = _capture(layer, "kpool_index")
     x = torch.randn(T, ours.cfg.embedding.dim, generator=torch.Generator().manual_seed(seed))

@@ -22,17 +22,17 @@ import numpy as np
 import torch
 
 from dayzero.sdk.blocks.mlp import MoE
-from dayzero.sdk.codegen import merge
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.families import FAMILIES, born_as, build
 from dayzero.sdk.loader import Checkpoint, load_weights
-from dayzero.sdk.parity.reference import reference_class, reference_config
+from dayzero.sdk.parity.reference import merge, reference_class, reference_config
 
 
 def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The in-memory reference model under its checkpoint names (transformers' own reversal of
     its load-time conversions: stacked experts split per expert, renamed tensors...).
-    The reversal copies what it converts, so it runs one decoder layer at a time."""
+    The reversal copies the gate/up halves of every stacked expert tensor, so it runs one decoder
+    layer at a time: the copies stay one layer's experts, not the model's."""
     import re
 
     from transformers.core_model_loading import revert_weight_conversion

@@ -15,11 +15,10 @@ class StateMeta:
     """The rows' fixed-size states (linear attention): one slot per running request.
 
     pool [num_slots, slot_bytes] uint8 (a layer views its byte range in its own dtypes);
-    slots [R] the slot of each row; fresh[r]: the row starts at position 0, so its state is
-    the initial (zero) state, not whatever the slot held before."""
+    slots_cpu[r] the slot of row r; fresh_cpu[r]: the row starts at position 0, so its state
+    is the initial (zero) state, not whatever the slot held before."""
 
     pool: torch.Tensor
-    slots: torch.Tensor
     slots_cpu: tuple[int, ...]
     fresh_cpu: tuple[bool, ...]
     query_start_cpu: tuple[int, ...]
@@ -77,7 +76,6 @@ def build_context(
         first = np.asarray(plan.kv_lens) - num_tokens  # position of each row's first token
         state = StateMeta(
             pool=state_pool,
-            slots=torch.tensor(slots, dtype=torch.int64, device=device),
             slots_cpu=slots,
             fresh_cpu=tuple(bool(f == 0) for f in first),
             query_start_cpu=qs_cpu,

@@ -234,9 +234,9 @@ class Engine:
             raise RuntimeError("prompt_logits needs an idle engine")
         ids = [self.add(p, SamplingParams(max_tokens=1, temperature=0)) for p in prompts]
         got: dict[int, list[torch.Tensor]] = {i: [] for i in ids}
-        done = lambda i: sum(x.shape[0] for x in got[i]) == len(self.requests[i].prompt_ids)  # noqa: E731
+        left = {i: len(p) for i, p in zip(ids, prompts, strict=True)}  # prompt tokens not yet computed
         try:
-            while not all(done(i) for i in ids):
+            while any(left.values()):
                 plan = self.scheduler.step()
                 self._finished(plan)
                 if len(plan.retracted_ids):
@@ -254,6 +254,7 @@ class Engine:
                 qs = plan.query_start.tolist()
                 for r, rid in enumerate(plan.req_ids.tolist()):
                     got[rid].append(logits[qs[r] : qs[r + 1]])
+                    left[rid] -= qs[r + 1] - qs[r]
                 sample = np.asarray(plan.sample, dtype=bool)
                 last = ctx.sample_index.new_tensor(np.asarray(qs[1:], dtype=np.int64)[sample] - 1)
                 self.scheduler.feed(

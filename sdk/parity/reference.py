@@ -24,3 +24,11 @@ def reference_config(path: str, overrides: dict) -> dict:
     if not out.get("architectures"):
         out["architectures"] = [cls.__name__]
     return out
+
+
+def merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, nested mappings merged (a shape may override one sub-config field)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dayzero.sdk.families import FAMILIES
-from dayzero.sdk.parity.reference import reference_class
+from dayzero.sdk.parity.reference import merge, reference_class
 
 CORPUS = (
     "The capital of France is Paris. The capital of Italy is Rome. Water boils at one hundred degrees. "
@@ -74,8 +74,6 @@ def write_tiny(family: str, out: str | Path, seed: int = 0, overrides: dict | No
     spec = fam.spec.spec
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    from dayzero.sdk.codegen import merge
-
     fields = merge(dict(spec.tiny), dict(overrides or {}))
     special = write_tokenizer(out, int(fields.get("vocab_size", 512)))
     cls = reference_class(spec.reference)
