@@ -263,14 +263,13 @@ def test_malformed_symbol_expression_is_a_spec_error(tmp_path: Path) -> None:
 # ---- refused at build time ---------------------------------------------------------------------
 
 
-def test_mtp_section_validates_and_builds(tmp_path: Path) -> None:
-    """A spec with `mtp: {kind: nextn}` builds: the model serves without speculative decoding
-    (the MTP layer's tensors are set aside by the loader, tested in test_loader)."""
+def test_mtp_section_validates_with_its_defaults(tmp_path: Path) -> None:
+    """`mtp: {kind: nextn}` validates (one layer, one draft token by default). A family with an
+    MTP head builds and loads, its MTP tensors set aside: test_loader (GLM-5.3)."""
     raw = llama_raw()
     raw["mtp"] = {"kind": "nextn"}
-    fam = Family("llama", write_spec(tmp_path, raw))
-    assert fam.spec.spec.mtp is not None and fam.spec.spec.mtp.kind == "nextn"
-    refuse_unsupported(fam, llama_hf())  # no refusal
+    mtp = Family("llama", write_spec(tmp_path, raw)).spec.spec.mtp
+    assert mtp is not None and (mtp.kind, mtp.layers, mtp.draft_tokens) == ("nextn", 1, 1)
 
 
 def test_quantized_checkpoint_is_refused_at_build() -> None:
