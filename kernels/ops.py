@@ -38,7 +38,13 @@ class PagedMeta:
 
 
 declare_op("embedding", "ids [T] -> weight[ids] [T, Dm]")
-declare_op("linear", "x [.., K] @ w[N, K]^T (+ b) -> [.., N]", features={"bias"})
+declare_op("linear", "x [.., K] @ w[N, K]^T (+ b) -> [.., N]", features={"bias"}, packed="linear_packed")
+PACKED_FORMATS = ("nvfp4", "mxfp4", "fp8_block")  # kernels/packed.py
+declare_op(
+    "linear_packed",
+    "linear with w a PackedWeight [N, K]; features: the formats, and nvfp4 activation quantization",
+    features={"bias", "act_quant", *PACKED_FORMATS},
+)
 declare_op("layer_norm", "(x - mean) / sqrt(var + eps) * w + b over the last dim")
 declare_op("rms_norm", "x / rms(x) * w over the last dim, in fp32", features={"weight_in_fp32"})
 declare_op(
@@ -81,6 +87,12 @@ declare_op(
     "moe_experts",
     "sum_k w_k * expert_{id_k}(x) over stacked SwiGLU experts -> [T, Dm]",
     features={"fp32", "limit"},
+    packed="moe_experts_packed",
+)
+declare_op(
+    "moe_experts_packed",
+    "moe_experts with gate_up / down PackedWeights [E, N, K]",
+    features={"fp32", "limit", "act_quant", *PACKED_FORMATS},
 )
 declare_op("softcap", "cap * tanh(x / cap), in fp32")
 declare_op(

@@ -29,6 +29,7 @@ class OpDecl:
     name: str
     doc: str
     features: frozenset[str] = frozenset()
+    packed: str | None = None  # the op that runs this one when its weight is a PackedWeight
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,8 @@ OPS: Registry[OpDecl] = Registry("op")
 KERNELS: Registry[Kernel] = Registry("kernel")
 
 
-def declare_op(name: str, doc: str, features: Iterable[str] = ()) -> None:
-    OPS.add(name, OpDecl(name, doc, frozenset(features)))
+def declare_op(name: str, doc: str, features: Iterable[str] = (), packed: str | None = None) -> None:
+    OPS.add(name, OpDecl(name, doc, frozenset(features), packed))
 
 
 def register(op: str, backend: str, caps: Capabilities | None = None) -> Callable[[Callable], Callable]:
@@ -94,7 +95,7 @@ def load_backends() -> None:
     if _loaded:
         return
     _loaded = True
-    from dayzero.kernels import batched, reference  # noqa: F401  (register on import)
+    from dayzero.kernels import batched, reference, triton  # noqa: F401  (register on import)
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         ep.load()
@@ -141,8 +142,20 @@ def select(need: Need, device: torch.device, dtype: torch.dtype) -> Kernel:
     return max(fits, key=lambda k: k.caps.priority)
 
 
+def _by_weight(dense: Callable, packed: Callable) -> Callable:
+    """Call `packed` when the op's weight (its second argument) is a PackedWeight."""
+    from dayzero.kernels.packed import PackedWeight
+
+    def call(x, w, *args, **kw):
+        return (packed if isinstance(w, PackedWeight) else dense)(x, w, *args, **kw)
+
+    return call
+
+
 class OpTable:
-    """The kernels one model was built with: `ops.rms_norm(...)` calls the selected function."""
+    """The kernels one model was built with: `ops.rms_norm(...)` calls the selected function.
+    An op with a packed twin (`linear` -> `linear_packed`) runs the twin for packed weights when
+    the model needed it."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
@@ -158,6 +171,11 @@ class OpTable:
     def resolve(self) -> OpTable:
         for op, need in self._needs.items():
             self._chosen[op] = select(need, self.device, self.dtype)
+        self._calls = {op: k.fn for op, k in self._chosen.items()}
+        for op, k in self._chosen.items():
+            twin = OPS.get(op).packed
+            if twin in self._chosen:
+                self._calls[op] = _by_weight(k.fn, self._chosen[twin].fn)
         return self
 
     def needs(self) -> dict[str, Need]:
@@ -167,7 +185,7 @@ class OpTable:
         return {op: k.backend for op, k in sorted(self._chosen.items())}
 
     def __getattr__(self, op: str) -> Callable:
-        chosen = self.__dict__.get("_chosen", {})
-        if op in chosen:
-            return chosen[op].fn
+        calls, chosen = self.__dict__.get("_calls", {}), self.__dict__.get("_chosen", {})
+        if op in calls:
+            return calls[op]
         raise AttributeError(f"op {op!r} was not selected for this model (needs: {', '.join(chosen)})")

@@ -18,6 +18,7 @@ from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, Sampl
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import load_weights, open_checkpoint
 from dayzero.sdk.loader.tokenizer import load_tokenizer
+from dayzero.sdk.quant import check_requested
 from dayzero.sdk.spec.config import ModelConfig
 
 
@@ -92,7 +93,12 @@ class LLM:
         engine: EngineConfig | Callable[[ModelConfig], EngineConfig] | None = None,
         progress: bool = True,
         family: str | None = None,
+        quantization: str | None = None,
+        quantize_activations: bool = False,
     ) -> None:
+        """quantization: the format the checkpoint must hold (checked, see sdk.quant);
+        quantize_activations: NVFP4 activation quantization with the checkpoint's input scales
+        (what FP4 hardware computes; emulated where there is none)."""
         t0 = time.perf_counter()
         self.path = resolve_model(model) if model else embedded_default()
         self.device = torch.device(device or default_device())
@@ -100,7 +106,11 @@ class LLM:
         self.checkpoint = ckpt = open_checkpoint(self.path, family)
         self.config = ckpt.family.config(ckpt.hf, str(ckpt.path))
         self.tokenizer = load_tokenizer(ckpt.path, ckpt.format)  # before the weights: fail fast
-        self.model, self.ops = build(ckpt.family, self.config, ckpt.hf, self.device, self.dtype)
+        check_requested(ckpt.plan.formats if ckpt.plan else (), quantization)
+        packed = ckpt.plan.params if ckpt.plan else None
+        self.model, self.ops = build(
+            ckpt.family, self.config, ckpt.hf, self.device, self.dtype, packed, quantize_activations
+        )
         load_weights(self.model, ckpt, progress=progress)
         if callable(engine):  # sized once the weights are resident (free device memory is known)
             engine = engine(self.config)

@@ -47,15 +47,14 @@ def _specs(args: argparse.Namespace) -> int:
     from dayzero.sdk.families import FAMILIES
     from dayzero.sdk.support import device_support
 
-    print(f"{'family':<8} {'serves':<22} {'blocks':<34} {'quantized':<10} {'mtp':<6} {'cpu':<14} cuda")
+    print(f"{'family':<12} {'serves':<34} {'blocks':<34} {'mtp':<12} {'cpu':<26} cuda")
     for name, fam in FAMILIES.items():
         s = fam.spec.spec
         blocks = ", ".join(sorted({o.kind for o in fam.spec.blocks.values()}))
         dev = device_support(fam)
-        quant = ",".join(s.quantization.formats) + " (soon)" if s.quantization.formats else "-"
         print(
-            f"{name:<8} {'/'.join(s.architectures):<22} {blocks:<34} {quant:<10} "
-            f"{s.mtp.kind + ' (soon)' if s.mtp else '-':<6} {dev['cpu']:<14} {dev['cuda']}"
+            f"{name:<12} {'/'.join(s.architectures):<34} {blocks:<34} "
+            f"{s.mtp.kind + ' (soon)' if s.mtp else '-':<12} {dev['cpu']:<26} {dev['cuda']}"
         )
     return 0
 
@@ -98,9 +97,14 @@ def _codegen(args: argparse.Namespace) -> int:
 
 def _tiny(args: argparse.Namespace) -> int:
     from dayzero.sdk.parity.tiny import write_tiny
+    from dayzero.sdk.quant.tiny import write_quantized_tiny
 
     overrides = json.loads(args.set) if args.set else None
-    print(write_tiny(args.family, args.out, seed=args.seed, overrides=overrides))
+    if args.quantization is None:
+        print(write_tiny(args.family, args.out, seed=args.seed, overrides=overrides))
+    else:
+        q, layout = args.quantization, args.layout
+        print(write_quantized_tiny(args.family, args.out, q, layout, seed=args.seed, overrides=overrides))
     return 0
 
 
@@ -175,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode: skip transformers (random weights, dayzero timing only)",
     )
     b.add_argument("--profile", action="store_true", help="decode: profile batch-1 steps (torch.profiler)")
+    b.add_argument(
+        "--quantization",
+        choices=("nvfp4", "mxfp4", "fp8_block"),
+        default=None,
+        help="decode: dayzero runs the weights quantized (ModelOpt layout; transformers stays bf16)",
+    )
     device_flags(b)
     b.set_defaults(fn=_bench)
 
@@ -224,6 +234,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("out")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--set", default=None, help="JSON object of HF config overrides")
+    t.add_argument(
+        "--quantization",
+        choices=("nvfp4", "mxfp4", "fp8", "mixed"),  # sdk/quant/tiny.py QUANTIZATIONS
+        default=None,
+        help="quantize with NVIDIA ModelOpt (mixed: FP8-block attention, NVFP4 elsewhere)",
+    )
+    t.add_argument(
+        "--layout",
+        default="modelopt",
+        help="checkpoint convention: modelopt; fp8 also deepseek; mxfp4 also gpt_oss, compressed_tensors",
+    )
     t.set_defaults(fn=_tiny)
 
     q = sub.add_parser("parity", help="compare dayzero with the reference implementation on one checkpoint")

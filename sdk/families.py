@@ -11,6 +11,7 @@ import importlib
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,11 +21,10 @@ from dayzero.sdk.registry import Registry
 from dayzero.sdk.spec.config import ModelConfig
 from dayzero.sdk.spec.load import LoadedSpec, SpecError, load_spec, resolve
 
+if TYPE_CHECKING:
+    from dayzero.sdk.quant.plan import PackedParam
+
 MODELS_DIR = Path(importlib.import_module("dayzero.models").__path__[0])
-
-
-class NotSupportedYet(RuntimeError):
-    pass
 
 
 @dataclass
@@ -80,21 +80,13 @@ def family_for(hf: dict, source: str = "config.json") -> Family:
     raise SpecError(source, "architectures", f"no family serves {archs or mtype!r}; known: {known}")
 
 
-def refuse_unsupported(fam: Family, hf: dict) -> None:
-    spec = fam.spec.spec
-    q = hf.get("quantization_config")
-    if q:
-        method = q.get("quant_method") or q.get("quant_algo") or "?"
-        raise NotSupportedYet(
-            f"{fam.name}: quantized checkpoints ({method}) are not supported yet; "
-            f"the spec accepts {', '.join(spec.quantization.formats) or 'none'}"
-        )
-
-
-def kernel_needs(cfg: ModelConfig, ops: OpTable) -> OpTable:
+def kernel_needs(cfg: ModelConfig, ops: OpTable, packed: frozenset[str] = frozenset()) -> OpTable:
+    """The ops the model runs; `packed`: the formats (and act_quant) of its packed weights."""
     ops.need("embedding")
     ops.need("rms_norm", {"weight_in_fp32"} if cfg.final_norm.weight_in_fp32 else ())
     ops.need("linear")
+    if packed:
+        ops.need("linear_packed", packed)
     ops.need("sample", {"greedy", "temperature", "top_k", "top_p", "seed"})
     if cfg.head.softcap is not None:
         ops.need("softcap")
@@ -102,6 +94,8 @@ def kernel_needs(cfg: ModelConfig, ops: OpTable) -> OpTable:
         for kind, sub in ((layer.attn_kind, layer.attn), (layer.mlp_kind, layer.mlp)):
             for op, features, head_dim in BLOCKS.get(kind).needs(sub):
                 ops.need(op, features, head_dim)
+                if packed and op == "moe_experts":
+                    ops.need("moe_experts_packed", features | packed)
     return ops
 
 
@@ -117,15 +111,43 @@ def born_as(device: torch.device, dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def build(fam: Family, cfg: ModelConfig, hf: dict, device: torch.device, dtype: torch.dtype):
-    """The generated model for cfg, parameters uninitialised (the loader writes them)."""
-    refuse_unsupported(fam, hf)
-    ops = kernel_needs(cfg, OpTable(device, dtype)).resolve()
-    with born_as(device, dtype):  # no fp32 copy of a big model
+@contextlib.contextmanager
+def params_on_meta():
+    """Parameters registered inside move to the meta device as they are made (one real
+    allocation at a time); `materialize` makes them real once their packing is known."""
+
+    def hook(_module, _name, p):
+        return None if p is None else torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    handle = torch.nn.modules.module.register_module_parameter_registration_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def build(
+    fam: Family,
+    cfg: ModelConfig,
+    hf: dict,
+    device: torch.device,
+    dtype: torch.dtype,
+    packed: dict[str, PackedParam] | None = None,
+    act_quant: bool = False,
+):
+    """The generated model for cfg, parameters uninitialised (the loader writes them); `packed`
+    (a checkpoint's QuantPlan.params) names the parameters held packed."""
+    from dayzero.sdk.quant.packing import materialize  # the loader imports this module
+
+    packed = packed or {}
+    features = frozenset(p.format for p in packed.values()) | ({"act_quant"} if act_quant else set())
+    ops = kernel_needs(cfg, OpTable(device, dtype), features).resolve()
+    with born_as(device, dtype), params_on_meta():  # no fp32 copy of a big model
         model = fam.module("model").Model(cfg, ops)
     for m in model.modules():
         for name in getattr(m, "fp32_params", ()):
             p = getattr(m, name, None)
             if p is not None:
                 p.data = p.data.float()
+    materialize(model, device, packed, act_quant)
     return model.eval(), ops

@@ -49,7 +49,7 @@ def test_specs_lists_the_families_with_their_support():
     assert r.returncode == 0, r.stderr
     rows = {ln.split()[0]: ln for ln in r.stdout.splitlines()[1:]}
     assert set(rows) >= {"beam", "llama"}
-    assert "moe" in rows["beam"] and "nvfp4 (soon)" in rows["beam"]
+    assert "moe" in rows["beam"] and "nextn (soon)" in rows["glm53"]
     assert "yes (batched, reference)" in rows["llama"]
 
 
@@ -144,7 +144,7 @@ def test_bad_checkpoint_is_a_clear_error_not_a_traceback(tmp_path):
 def test_serve_refuses_flags_it_cannot_honour_before_loading():
     for flags, why in (
         (["--tensor-parallel-size", "2"], "tensor-parallel-size"),
-        (["--quantization", "nvfp4"], "quantized checkpoints are not supported yet"),
+        (["--quantization", "nvfp4"], "--quantization nvfp4: the checkpoint is not quantized"),
         (["--kv-cache-dtype", "fp8"], "kv-cache-dtype fp8"),
     ):
         r = run("serve", "--port", "1", *flags)

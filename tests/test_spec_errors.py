@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from dayzero.sdk.families import FAMILIES, Family, NotSupportedYet, build, refuse_unsupported
+from dayzero.sdk.families import FAMILIES, Family
 from dayzero.sdk.parity.reference import reference_config
 from dayzero.sdk.spec.load import SpecError, load_spec
 
@@ -93,8 +93,8 @@ CASES: list[tuple[str, Callable[[dict], None], str, tuple[str, ...]]] = [
     ("duplicate_weights_format", dup_weights, "weights",
      ("each format may appear once", "['safetensors', 'gguf', 'safetensors']")),
     ("uppercase_family", set_in("family", value="Llama"), "family", ("should match pattern", "[a-z]")),
-    ("unknown_quantization", set_in("quantization", value={"formats": ["int4"]}), "quantization.formats.0",
-     ("'fp8_block'", "'mxfp4'", "'nvfp4'")),
+    ("unknown_release_format", set_in("release", value={"checkpoint": "a/b", "format": "int4"}), "release.format",
+     ("'bf16'", "'fp8_block'", "'mxfp4'", "'nvfp4'")),
     ("bad_mtp_kind", set_in("mtp", value={"kind": "medusa"}), "mtp.kind", ("'nextn'", "'qwen_mtp'")),
     ("block_not_a_mapping", set_in("blocks", "attn", value="gqa"), "blocks.attn",
      ("expected a mapping with a `kind`",)),
@@ -270,28 +270,6 @@ def test_mtp_section_validates_with_its_defaults(tmp_path: Path) -> None:
     raw["mtp"] = {"kind": "nextn"}
     mtp = Family("llama", write_spec(tmp_path, raw)).spec.spec.mtp
     assert mtp is not None and (mtp.kind, mtp.layers, mtp.draft_tokens) == ("nextn", 1, 1)
-
-
-def test_quantized_checkpoint_is_refused_at_build() -> None:
-    """A config with `quantization_config` is refused by build() before any module is made."""
-    import torch
-
-    fam = FAMILIES.get("llama")
-    hf = llama_hf() | {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
-    cfg = fam.config(hf)
-    with pytest.raises(NotSupportedYet) as info:
-        build(fam, cfg, hf, torch.device("cpu"), torch.float32)
-    msg = str(info.value)
-    assert "quantized checkpoints (fp8) are not supported yet" in msg
-    assert msg.endswith("the spec accepts none")
-
-
-def test_quantized_beam_lists_the_accepted_formats() -> None:
-    """Beam's spec declares nvfp4; the refusal says so (and still refuses)."""
-    with pytest.raises(NotSupportedYet, match=r"\(modelopt\) are not supported yet; the spec accepts nvfp4$"):
-        refuse_unsupported(
-            FAMILIES.get("beam"), {"quantization_config": {"quant_algo": "NVFP4", "quant_method": "modelopt"}}
-        )
 
 
 def test_unsupported_rope_scaling_is_refused_not_ignored() -> None:

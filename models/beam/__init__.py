@@ -1,2 +1,2 @@
-# generated from spec.yaml@df8f36dcfcfc, do not edit
+# generated from spec.yaml@142fd27e2bce, do not edit
 """Reflection Beam (generated; the source of truth is spec.yaml)."""

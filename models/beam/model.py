@@ -1,4 +1,4 @@
-# generated from spec.yaml@df8f36dcfcfc, do not edit
+# generated from spec.yaml@142fd27e2bce, do not edit
 """Reflection Beam: the execution-plane model, composed from the block library.
 
 Each layer: x + post_norm(attn(norm(x))), then the same around the MLP (depth-scaled adds).

@@ -1,15 +1,19 @@
-# generated from spec.yaml@df8f36dcfcfc, do not edit
+# generated from spec.yaml@142fd27e2bce, do not edit
 """Reflection Beam: parity against transformers.BeamForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
 seed writes a checkpoint through the reference class and runs `dayzero.sdk.parity.run_parity`
 on CPU in fp32 (its checks and tolerances are in that module's docstring).
+
+Quantized: the tiny config quantized by NVIDIA ModelOpt in every format and checkpoint
+convention dayzero reads (sdk/quant/tiny.py); the reference runs on the dequantized weights.
 """
 
 import pytest
 
 from dayzero.sdk.parity import run_parity
 from dayzero.sdk.parity.tiny import write_tiny
+from dayzero.sdk.quant.tiny import LAYOUTS, write_quantized_tiny
 
 SHAPES = [
     {},
@@ -56,4 +60,13 @@ SEEDS = [0, 1, 7, 2026]
 def test_parity(tmp_path, shape, seed):
     ckpt = write_tiny("beam", tmp_path / "ckpt", seed=seed, overrides=SHAPES[shape])
     report = run_parity(ckpt, device="cpu", seed=seed)
+    assert report.ok, report.table()
+
+
+@pytest.mark.parametrize(
+    ("quantization", "layout"), [(q, lay) for q, lays in LAYOUTS.items() for lay in lays]
+)
+def test_quantized_parity(tmp_path, quantization, layout):
+    ckpt = write_quantized_tiny("beam", tmp_path / "ckpt", quantization, layout, seed=5)
+    report = run_parity(ckpt, device="cpu", seed=5)
     assert report.ok, report.table()

@@ -1,2 +1,2 @@
-# generated from spec.yaml@74da02532e89, do not edit
+# generated from spec.yaml@611724d4007e, do not edit
 """GLM-5.3 (generated; the source of truth is spec.yaml)."""

@@ -15,17 +15,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
+from dayzero.kernels.packed import PackedWeight
+from dayzero.kernels.registry import OpTable
+from dayzero.sdk.bench.packed_weights import bench_plan, packable, quantized_stream, random_packed
 from dayzero.sdk.blocks.mlp import MoE
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
-from dayzero.sdk.families import FAMILIES, born_as, build
+from dayzero.sdk.families import FAMILIES, born_as, build, kernel_needs
 from dayzero.sdk.loader import Checkpoint, load_weights
 from dayzero.sdk.parity.reference import merge, reference_class, reference_config
+from dayzero.sdk.quant.plan import PackedParam
 
 
 def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -65,26 +70,33 @@ def bytes_per_step(
     cfg, model: torch.nn.Module, prompt_len: int, batch: int = 1
 ) -> tuple[float, float, float]:
     """(bytes a decode step at `batch` must read, total params, active params per token).
-    Every weight but the embedding table, each expert the batch's tokens use once (expected
-    distinct experts of `batch` tokens picking k of E at random: E (1 - (1 - k/E)^batch)), and
-    each request's cache: paged rows over min(prompt, window) positions and recurrent state
-    read and written, in bf16."""
-    total = sum(p.numel() for p in model.parameters())
-    embed = model.embed.weight.numel()
-    weights = active = total - embed
+    Every weight but the embedding table at its stored size (packed weights: codes and scales),
+    each expert the batch's tokens use once (expected distinct experts of `batch` tokens picking
+    k of E at random: E (1 - (1 - k/E)^batch)), and each request's cache: paged rows over
+    min(prompt, window) positions and recurrent state read and written, in bf16."""
+    packed = [m for m in model.modules() if isinstance(m, PackedWeight)]
+    total = sum(p.numel() for p in model.parameters()) + sum(math.prod(w.shape) for w in packed)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(w.nbytes() for w in packed)
+    embed = model.embed.weight
+    weights, active = nbytes - embed.numel() * embed.element_size(), total - embed.numel()
     for m in model.modules():
         if isinstance(m, MoE):
             e, k = m.cfg.experts, m.cfg.top_k
-            expert = m.gate_up[0].numel() + m.down[0].numel()
+            expert = (math.prod(m.gate_up.shape) + math.prod(m.down.shape)) // e
+            expert_bytes = sum(_bytes(w) for w in (m.gate_up, m.down)) / e
             active -= (e - k) * expert
-            weights -= (e - e * (1 - (1 - k / e) ** batch)) * expert
+            weights -= (e - e * (1 - (1 - k / e) ** batch)) * expert_bytes
     cache = 0
     for g in cfg.cache_groups:
         if g.kind == "state":
             cache += 2 * g.row
         else:
             cache += g.row * 2 * (min(prompt_len, g.window) if g.window else prompt_len)
-    return weights * 2 + batch * cache, total, active
+    return weights + batch * cache, total, active
+
+
+def _bytes(w: torch.Tensor | PackedWeight) -> int:
+    return w.nbytes() if isinstance(w, PackedWeight) else w.numel() * w.element_size()
 
 
 def time_ours(eng: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
@@ -182,19 +194,42 @@ def main(args: argparse.Namespace) -> int:
     print(f"building {spec.reference.rsplit('.', 1)[1]} with {json.dumps(overrides)}")
     torch.manual_seed(0)
     cfg = fam.config(hf)
-    model, ops = build(fam, cfg, hf, dev, dtype)
-    print(f"kernels: {ops.chosen()}")
-    ref = None
+    fmt = args.quantization
+    ckpt = Checkpoint(fam.spec.folder / "<in-memory>", "safetensors", hf, fam)
+    ref, plan = None, None
     if cls is not None:
         with born_as(dev, dtype):
             ref = cls(cls.config_class(**hf)).eval()
-        ckpt = Checkpoint(fam.spec.folder / "<in-memory>", "safetensors", hf, fam)
-        n = sum(1 for _ in checkpoint_tensors(ref))
-        load_weights(model, ckpt, tensors=checkpoint_tensors(ref), count=n)
+        shapes = {n: (t.dtype, tuple(t.shape)) for n, t in checkpoint_tensors(ref)}
+    if fmt:
+        with born_as(torch.device("meta"), dtype):  # which parameters to pack: names only
+            targets = packable(
+                fam.module("model").Model(cfg, kernel_needs(cfg, OpTable(dev, dtype)).resolve())
+            )
+        if ref is not None:
+            plan = bench_plan(shapes, ckpt.mapping(), targets, fmt)
+            packed = plan.params
+        else:
+            packed = {t: PackedParam(fmt, False) for t in targets}
+    model, ops = build(fam, cfg, hf, dev, dtype, packed if fmt else None)
+    print(f"kernels: {ops.chosen()}")
+    if ref is not None:
+        stream = checkpoint_tensors(ref)
+        if plan is not None:
+            stream = quantized_stream(stream, ckpt.mapping(), targets, fmt)
+        n = (
+            len(plan.tensors) + len(shapes) - len({w for w, _ in plan.tensors.values()})
+            if plan
+            else len(shapes)
+        )
+        load_weights(model, ckpt, tensors=stream, count=n, plan=plan)
     else:  # timing only: random weights of the same shapes, no reference model
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0, 0.02)
+        random_packed(model)
+    resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    print(f"weights resident on the GPU: {resident / 2**30:.2f} GiB ({fmt or 'bf16'})")
     bw = copy_bandwidth(dev)
     bpt, total, active = bytes_per_step(cfg, model, args.prompt_len)
     roofline = bw / bpt

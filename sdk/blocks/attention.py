@@ -77,6 +77,8 @@ class GqaAttention(nn.Module):
     y = o W_o (+ b_o)                                   [T, Dm]
     """
 
+    linear_weights = ("in_proj", "o_proj")  # may be packed
+
     def __init__(self, cfg: GqaCfg, ops: OpTable, caches: tuple[tuple[int, int], ...]) -> None:
         super().__init__()
         self.cfg, self.ops = cfg, ops

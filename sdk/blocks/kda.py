@@ -47,6 +47,7 @@ class KdaAttention(nn.Module):
     """
 
     fp32_params = ("conv", "dt_bias", "A_log")
+    linear_weights = ("in_proj", "f_a", "f_b", "b_proj", "g_a", "g_b", "o_proj")  # may be packed
 
     def __init__(self, cfg: KdaCfg, ops: OpTable, caches: tuple[tuple[int, int], ...]) -> None:
         super().__init__()
@@ -75,8 +76,9 @@ class KdaAttention(nn.Module):
         """Views of this layer's conv inputs [slots, 3C, K - 1] and recurrent state [slots, H, D, D]."""
         c, pool = self.cfg, ctx.state.pool
         ch, k = 3 * c.heads * c.head_dim, c.conv_kernel - 1
-        n_conv = ch * k * self.in_proj.element_size()
-        conv = pool[:, self.conv_off : self.conv_off + n_conv].view(self.in_proj.dtype).view(-1, ch, k)
+        dt = self.o_norm.dtype  # the model dtype (o_norm is neither packed nor kept in fp32)
+        n_conv = ch * k * dt.itemsize
+        conv = pool[:, self.conv_off : self.conv_off + n_conv].view(dt).view(-1, ch, k)
         n_s = c.heads * c.head_dim * c.head_dim * 4
         rec = pool[:, self.state_off : self.state_off + n_s].view(torch.float32)
         return conv, rec.view(-1, c.heads, c.head_dim, c.head_dim)

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from dayzero.kernels.packed import dense
 from dayzero.kernels.registry import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl, StaticCache
 from dayzero.sdk.blocks.rope import rope_table, softmax_mscale
@@ -97,6 +98,7 @@ class MlaAttention(nn.Module):
     """
 
     fp32_params = ("index_weights",)  # the indexer's head weights stay fp32 in every dtype
+    linear_weights = ("a_proj", "q_b", "kv_b", "o_proj", "index_q", "index_k", "index_weights", "pool_gate")
 
     def __init__(self, cfg: MlaCfg, ops: OpTable, caches: tuple[tuple[int, int], ...]) -> None:
         super().__init__()
@@ -166,7 +168,7 @@ class MlaAttention(nn.Module):
         meta = ctx.paged[g]
         ops.cache_write(torch.cat((lat, k_r), dim=-1), cache, meta.slots)
         select = self._select(x, q_res, ctx)
-        w = self.kv_b.view(h, dn + c.v_dim, c.kv_lora)
+        w = dense(self.kv_b, x.dtype).view(h, dn + c.v_dim, c.kv_lora)
         o = ops.mla_attention(q_n, q_r, cache, w[:, :dn], w[:, dn:], meta, c.scale, select)  # [T, H, Dv]
         return ops.linear(o.reshape(t, -1), self.o_proj, self.o_bias)
 

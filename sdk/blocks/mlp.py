@@ -32,6 +32,8 @@ class SwiGLU(nn.Module):
     """y = W_down (silu(g) * u), g = x W_gate, u = x W_up; [gate; up] is one fused projection.
     With a limit: g <- min(g, limit), u <- clamp(u, -limit, limit) before the product."""
 
+    linear_weights = ("gate_up", "down")  # may be packed
+
     def __init__(self, cfg: SwigluCfg, ops: OpTable) -> None:
         super().__init__()
         self.cfg, self.ops = cfg, ops
@@ -94,6 +96,7 @@ class MoE(nn.Module):
     """
 
     fp32_params = ("router", "correction_bias")  # routing stays fp32 in every model dtype
+    linear_weights = ("router", "gate_up", "down", "shared_gate")  # may be packed
 
     def __init__(self, cfg: MoeCfg, ops: OpTable) -> None:
         super().__init__()

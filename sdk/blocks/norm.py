@@ -165,6 +165,8 @@ class HeadCfg:
 class LMHead(nn.Module):
     """logits = h W^T (W = the embedding when tied), then cap * tanh(logits / cap); fp32 out."""
 
+    linear_weights = ("weight",)  # may be packed (untied)
+
     def __init__(self, cfg: HeadCfg, ops: OpTable, embed: Embedding) -> None:
         super().__init__()
         self.cfg, self.ops = cfg, ops

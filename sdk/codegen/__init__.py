@@ -82,9 +82,7 @@ def _release(fam: Family, groups: list[dict], model_source: str) -> dict | None:
     flags = ([f"--quantization {rel.format}"] if rel.format != "bf16" else []) + (
         [f"--tensor-parallel-size {n.gpus}"] if n.gpus > 1 else []
     )
-    missing = ([f"{rel.format} checkpoints"] if rel.format != "bf16" else []) + (
-        ["tensor parallelism"] if n.gpus > 1 else []
-    )
+    missing = ["tensor parallelism"] if n.gpus > 1 else []
     return {
         "command": " ".join(["dayzero serve", rel.checkpoint, *flags]),
         "needs": n.line(rel.format),

@@ -66,7 +66,6 @@ def render() -> str:
         schema.WeightFormat,
         schema.WeightRule,
         schema.Transform,
-        schema.Quantization,
         schema.Mtp,
     ]
     for m in models:

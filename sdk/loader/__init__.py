@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -16,6 +17,8 @@ from dayzero.sdk.families import Family, family_for
 from dayzero.sdk.loader import gguf_io, safetensors_io
 from dayzero.sdk.loader.mapping import Mapping, StrictWriter, WeightError
 from dayzero.sdk.loader.safetensors_io import CheckpointError
+from dayzero.sdk.quant.config import QuantConfig, read_quant_config
+from dayzero.sdk.quant.plan import QuantPlan, make_plan
 from dayzero.sdk.spec.load import Resolver
 
 log = logging.getLogger(__name__)
@@ -29,10 +32,39 @@ class Checkpoint:
     format: str  # "safetensors" | "gguf"
     hf: dict  # HF config fields
     family: Family
+    quant: QuantConfig | None = field(default=None)
 
     @property
     def folder(self) -> Path:
         return self.path if self.path.is_dir() else self.path.parent
+
+    def mapping(self) -> Mapping:
+        """The family's weight rules for this checkpoint's format and config."""
+        fam = self.family
+        fmt = next((w for w in fam.spec.spec.weights if w.format == self.format), None)
+        if fmt is None:
+            raise CheckpointError(f"family {fam.name} has no weight rules for {self.format}")
+        resolver = Resolver(fam.spec, self.hf, str(self.path))
+        mtp = fam.spec.spec.mtp
+        n = int(resolver.value(fam.spec.spec.layers.count))
+        mtp_layers = range(n, n + int(resolver.value(mtp.layers))) if mtp else range(0)
+        return Mapping(fmt, resolver.value, mtp_layers)
+
+    @cached_property
+    def plan(self) -> QuantPlan | None:
+        """Which parameters are stored packed (from the tensor headers); None when unquantized."""
+        if self.quant is None:
+            return None
+        files = safetensors_io.shard_files(self.path)
+        header = {
+            t.name: (safetensors_io.DTYPES[t.dtype], t.shape)
+            for f in files
+            for t in safetensors_io.read_header(f)
+        }
+        mapping = self.mapping()
+        return make_plan(
+            self.quant, {n: h for n, h in header.items() if not mapping.is_mtp(n)}, mapping.target
+        )
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.format == "gguf":
@@ -68,7 +100,7 @@ def open_checkpoint(path: str | Path, family: str | None = None) -> Checkpoint:
     if gen.exists() and (eos := json.loads(gen.read_text()).get("eos_token_id")) is not None:
         hf["eos_token_id"] = eos
     fam = FAMILIES.get(family) if family else family_for(hf, str(p / "config.json"))
-    return Checkpoint(p, "safetensors", hf, fam)
+    return Checkpoint(p, "safetensors", hf, fam, read_quant_config(p, hf))
 
 
 def load_weights(
@@ -77,21 +109,17 @@ def load_weights(
     progress: bool = True,
     tensors: Iterator[tuple[str, torch.Tensor]] | None = None,
     count: int | None = None,
+    plan: QuantPlan | None = None,
 ) -> int:
     """Stream every checkpoint tensor into the model through the spec's rules; strict. Returns
     how many MTP-layer tensors were set aside (the spec's `mtp` patterns).
 
     `tensors` (with `count`) replaces reading ckpt's files: weights already in memory, in the
-    checkpoint's naming (the decode benchmark hands over the reference model's this way)."""
-    fam = ckpt.family
-    fmt = next((w for w in fam.spec.spec.weights if w.format == ckpt.format), None)
-    if fmt is None:
-        raise CheckpointError(f"family {fam.name} has no weight rules for {ckpt.format}")
-    resolver = Resolver(fam.spec, ckpt.hf, str(ckpt.path))
-    mtp = fam.spec.spec.mtp
-    n = int(resolver.value(fam.spec.spec.layers.count))
-    mtp_layers = range(n, n + int(resolver.value(mtp.layers))) if mtp else range(0)
-    mapping, writer = Mapping(fmt, resolver.value, mtp_layers), StrictWriter(model)
+    checkpoint's naming (the decode benchmark hands over the reference model's this way), with
+    `plan` the packing of those tensors when they are quantized."""
+    mapping, writer = ckpt.mapping(), StrictWriter(model)
+    plan = plan if plan is not None else ckpt.plan
+    packed = plan.tensors if plan else {}
     aside = 0
     total = count if tensors is not None else ckpt.count()
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
@@ -100,8 +128,12 @@ def load_weights(
             aside += 1
             bar.update(1)
             continue
-        target = mapping.target(name)
-        if target is not None:
+        if name in packed:
+            weight, comp = packed[name]
+            target = mapping.target(weight)
+            if target is not None:
+                writer.write_packed(name, target, comp, tensor, plan.config.convention)
+        elif (target := mapping.target(name)) is not None:
             writer.write(name, target, tensor)
         del tensor  # dropped before the next tensor is read (bounds peak memory)
         bar.update(1)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dayzero.kernels.packed import PackedWeight
 from dayzero.sdk.registry import Registry
 from dayzero.sdk.spec.schema import WeightFormat
 
@@ -90,10 +91,12 @@ def _finite(t: torch.Tensor) -> bool:
 
 
 class StrictWriter:
-    """Writes tensors into a model's parameters, tracking coverage row by row."""
+    """Writes tensors into a model's parameters, tracking coverage row by row. A packed weight
+    (kernels/packed.py) is written component by component, each tracked on its own."""
 
     def __init__(self, model: nn.Module) -> None:
         self.params = dict(model.named_parameters())
+        self.packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedWeight)}
         self.parts: dict[str, dict[str, tuple[int, int]]] = {}
         for prefix, mod in model.named_modules():
             if hasattr(mod, "parts") and hasattr(mod, "cfg"):
@@ -106,17 +109,13 @@ class StrictWriter:
             n: torch.zeros(p.shape[:-1] if p.dim() > 1 else p.shape, dtype=torch.bool)
             for n, p in self.params.items()
         }
+        for n, pw in self.packed.items():
+            for comp, _ in pw.named_buffers():
+                self.covered[f"{n}:{comp}"] = torch.zeros(pw.shape[:-1], dtype=torch.bool)
 
-    def write(self, tensor_name: str, t: Target, value: torch.Tensor) -> None:
-        if t.param not in self.params:
-            raise WeightError(
-                f"checkpoint tensor {tensor_name} maps to {t.param}, which this model does not have"
-            )
-        if not value.is_floating_point():
-            raise WeightError(
-                f"checkpoint tensor {tensor_name} has dtype {value.dtype}; expected a float type"
-            )
-        dst, cov = self.params[t.param].data, self.covered[t.param]
+    def _narrow(self, tensor_name: str, t: Target, dst: torch.Tensor, cov: torch.Tensor):
+        """The slice of dst (and its coverage) that t's selectors pick: [e] along the leading
+        dim, then [part] along the rows."""
         for sel in t.selectors:
             if isinstance(sel, int):
                 if sel >= dst.shape[0]:
@@ -130,6 +129,30 @@ class StrictWriter:
                     raise WeightError(f"{t.param} has no part {sel!r}; parts: {', '.join(offs) or '(none)'}")
                 off, n = offs[sel]
                 dst, cov = dst.narrow(0, off, n), cov.narrow(0, off, n)
+        return dst, cov
+
+    def _store(self, tensor_name: str, param: str, dst, cov, value: torch.Tensor) -> None:
+        if cov.any():
+            raise WeightError(f"checkpoint tensor {tensor_name} writes {param}, which was already written")
+        dst.copy_(value)
+        cov.fill_(True)
+
+    def write(self, tensor_name: str, t: Target, value: torch.Tensor) -> None:
+        if t.param in self.packed:
+            dt = str(value.dtype).removeprefix("torch.")
+            raise WeightError(
+                f"checkpoint tensor {tensor_name} is stored unquantized ({dt}) "
+                f"but other parts of {t.param} are {self.packed[t.param].format.name}"
+            )
+        if t.param not in self.params:
+            raise WeightError(
+                f"checkpoint tensor {tensor_name} maps to {t.param}, which this model does not have"
+            )
+        if not value.is_floating_point():
+            raise WeightError(
+                f"checkpoint tensor {tensor_name} has dtype {value.dtype}; expected a float type"
+            )
+        dst, cov = self._narrow(tensor_name, t, self.params[t.param].data, self.covered[t.param])
         if t.transform is not None:
             value = t.transform(value)
         if tuple(value.shape) != tuple(dst.shape):
@@ -139,17 +162,46 @@ class StrictWriter:
             )
         if not _finite(value):
             raise WeightError(f"checkpoint tensor {tensor_name} holds NaN or inf")
-        if cov.any():
-            raise WeightError(f"checkpoint tensor {tensor_name} writes {t.param}, which was already written")
-        dst.copy_(value)
-        cov.fill_(True)
+        self._store(tensor_name, t.param, dst, cov, value)
+
+    def write_packed(
+        self, tensor_name: str, t: Target, comp: str, value: torch.Tensor, convention: str
+    ) -> None:
+        """One component of a packed weight (sdk/quant/layout.py: names, shapes, per-row form)."""
+        from dayzero.sdk.quant.layout import expected_shape, to_rows
+
+        pw = self.packed.get(t.param)
+        if pw is None:
+            raise WeightError(
+                f"checkpoint tensor {tensor_name} is a packed component, but {t.param} is not packed"
+            )
+        fmt = pw.format.name
+        dst, cov = self._narrow(tensor_name, t, getattr(pw, comp), self.covered[f"{t.param}:{comp}"])
+        want = pw.format.component(comp).dtype
+        if value.dtype != want and not (comp in ("global", "input") and value.is_floating_point()):
+            raise WeightError(
+                f"checkpoint tensor {tensor_name} has dtype {str(value.dtype).removeprefix('torch.')}; "
+                f"the {fmt} {comp} is {str(want).removeprefix('torch.')}"
+            )
+        shapes = expected_shape(convention, fmt, comp, dst.shape[0], pw.shape[-1])
+        if tuple(value.shape) not in shapes:
+            raise WeightError(
+                f"checkpoint tensor {tensor_name}: shape {list(value.shape)}, expected "
+                f"{' or '.join(str(list(s)) for s in shapes)} for {t.param} ({fmt} {comp})"
+            )
+        if comp != "codes" or value.dtype != torch.uint8:
+            bad = (value == 255).any() if value.dtype == torch.uint8 else not _finite(value.float())
+            if bad:  # E8M0 255 is NaN
+                raise WeightError(f"checkpoint tensor {tensor_name} holds NaN or inf")
+        self._store(tensor_name, t.param, dst, cov, to_rows(fmt, comp, value, dst.shape[0]))
 
     def _gaps(self, name: str) -> str:
         """Which parts / leading indices of a partly written parameter are missing."""
         cov = self.covered[name]
+        param = name.split(":")[0]
         rows = cov.reshape(cov.shape[0], -1).all(-1) if cov.dim() > 1 else cov
-        if name in self.parts and cov.dim() == 1:
-            return ", ".join(p for p, (o, n) in self.parts[name].items() if not cov[o : o + n].all())
+        if param in self.parts and cov.dim() == 1:
+            return ", ".join(p for p, (o, n) in self.parts[param].items() if not cov[o : o + n].all())
         idx = (~rows).nonzero().flatten().tolist()
         return f"index {', '.join(map(str, idx[:8]))}{' ...' if len(idx) > 8 else ''}"
 

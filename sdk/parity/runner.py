@@ -16,6 +16,7 @@ On failure, a layer-by-layer diff names the first block that diverges.
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, Sampl
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import Checkpoint, load_weights, open_checkpoint
 from dayzero.sdk.parity.reference import reference_class
+from dayzero.sdk.quant.dequant import write_dequantized
 
 
 @dataclass(frozen=True)
@@ -96,13 +98,17 @@ def make_prompts(vocab: int, seed: int, n: int = 8, window: int | None = None) -
 
 
 class Reference:
+    """The reference class on the checkpoint; a quantized checkpoint is first dequantized into a
+    float one (the reference sees the weights dayzero computes with)."""
+
     def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> None:
         cls = reference_class(ckpt.family.spec.spec.reference)
         attn = "eager" if dtype == torch.float32 else "sdpa"
         where = {"gguf_file": ckpt.path.name} if ckpt.format == "gguf" else {}
-        self.model = (
-            cls.from_pretrained(ckpt.folder, dtype=dtype, attn_implementation=attn, **where).to(device).eval()
-        )
+        with tempfile.TemporaryDirectory(prefix="dayzero-dequant-") as tmp:
+            folder = write_dequantized(ckpt, Path(tmp)) if ckpt.plan else ckpt.folder
+            model = cls.from_pretrained(folder, dtype=dtype, attn_implementation=attn, **where)
+        self.model = model.to(device).eval()
         self.device = device
 
     @torch.inference_mode()
@@ -132,7 +138,8 @@ class Reference:
 class Ours:
     def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> None:
         self.cfg = ckpt.family.config(ckpt.hf, str(ckpt.path))
-        self.model, self.ops = build(ckpt.family, self.cfg, ckpt.hf, device, dtype)
+        packed = ckpt.plan.params if ckpt.plan else None
+        self.model, self.ops = build(ckpt.family, self.cfg, ckpt.hf, device, dtype, packed)
         load_weights(self.model, ckpt, progress=False)
 
     def engine(self, **kw) -> Engine:

@@ -27,8 +27,6 @@ def refuse_unsupported_flags(args: argparse.Namespace) -> None:
     """Flags this build cannot honour fail at start with the reason, never silently."""
     if args.tensor_parallel_size != 1:
         raise ValueError("--tensor-parallel-size > 1 is not supported yet (one device per server)")
-    if args.quantization not in (None, "none"):
-        raise ValueError(f"--quantization {args.quantization}: quantized checkpoints are not supported yet")
     if args.kv_cache_dtype not in ("auto",):
         raise ValueError(
             f"--kv-cache-dtype {args.kv_cache_dtype}: only 'auto' (the model dtype) is supported yet"
@@ -76,7 +74,15 @@ def load(args: argparse.Namespace):
             raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's {cfg.max_position}")
         return engine_config(args, device)
 
-    llm = LLM(args.model, device=device, dtype=args.dtype, engine=sized, family=args.family)
+    llm = LLM(
+        args.model,
+        device=device,
+        dtype=args.dtype,
+        engine=sized,
+        family=args.family,
+        quantization=args.quantization,
+        quantize_activations=args.quantize_activations,
+    )
     max_len = llm.engine.max_model_len
     template = Path(args.chat_template).read_text() if args.chat_template else None
     name = args.served_model_name or (str(args.model) if args.model else "SmolLM2-135M-Instruct")
@@ -165,7 +171,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--swap-space", default="256MiB", help="host memory for retracted requests")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--chat-template", default=None, help="a jinja2 file replacing the model's chat template")
-    p.add_argument("--quantization", default=None)
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="the checkpoint's format, checked at start: nvfp4, mxfp4, fp8_block (fp8), none",
+    )
+    p.add_argument(
+        "--quantize-activations",
+        action="store_true",
+        help="NVFP4 activation quantization with the checkpoint's input scales (default: weight-only)",
+    )
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")

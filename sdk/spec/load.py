@@ -33,7 +33,6 @@ LITERAL_SECTIONS = (
     "reference_modules",
     "tiny",
     "shapes",
-    "quantization",
     "release",
     "bench",
 )

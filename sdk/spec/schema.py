@@ -140,10 +140,6 @@ class WeightFormat(Strict):
     config: dict[str, str] = {}  # gguf: HF field -> metadata key ({arch} expands)
 
 
-class Quantization(Strict):
-    formats: list[Literal["fp8_block", "mxfp4", "nvfp4"]] = []
-
-
 class Release(Strict):
     """The real checkpoint a model card's launch command serves: its hub id, the HF-config
     fields that differ from the reference config class's defaults, and its weight format."""
@@ -176,7 +172,6 @@ class Spec(Strict):
     embedding: Embedding
     head: Head = Head()
     weights: list[WeightFormat] = Field(min_length=1)
-    quantization: Quantization = Quantization()
     mtp: Mtp | None = None
     release: Release | None = None
     # `dayzero bench decode`: HF-config overrides scaling the real model to one GPU

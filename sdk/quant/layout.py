@@ -1,0 +1,84 @@
+"""How each convention names and shapes a packed weight's tensors in a checkpoint.
+
+F is the float weight's name in the family's weight rules (`...q_proj.weight`); a part of R rows
+and K columns (K: unpacked elements) is stored as:
+
+  modelopt   nvfp4      F u8 [R, K/2], F_scale e4m3 [R, K/16], F_scale_2 f32 [], <module>.input_scale f32 []
+             mxfp4      F u8 [R, K/2], F_scale u8 [R, K/32]
+             fp8_block  F e4m3 [R, K], F_scale f32 [ceil(R/128), ceil(K/128)] (ModelOpt also
+                        writes [.., 1, .., 1], and [] for a weight of one block)
+  deepseek   fp8_block  F e4m3 [R, K], F_scale_inv f32 [ceil(R/128), ceil(K/128)]
+  gpt_oss    mxfp4      F_blocks u8 [R, K/32, 16], F_scales u8 [R, K/32]
+  compressed_tensors
+             mxfp4      F_packed u8 [R, K/2], F_scale u8 [R, K/32]
+
+`to_rows` turns one such tensor into the per-row component kernels/packed.py stores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dayzero.kernels.packed import FP8_BLOCK
+
+# convention -> component -> suffix appended to F ("" : F itself; "@input_scale": the module's)
+NAMES: dict[str, dict[str, str]] = {
+    "modelopt": {"codes": "", "scale": "_scale", "global": "_scale_2", "input": "@input_scale"},
+    "deepseek": {"codes": "", "scale": "_scale_inv"},
+    "gpt_oss": {"codes": "_blocks", "scale": "_scales"},
+    "compressed_tensors": {"codes": "_packed", "scale": "_scale"},
+}
+CODES_DTYPE = {"nvfp4": torch.uint8, "mxfp4": torch.uint8, "fp8_block": torch.float8_e4m3fn}
+
+
+def module_of(weight: str) -> str:
+    return weight.removesuffix(".weight")
+
+
+def tensor_name(convention: str, weight: str, component: str) -> str:
+    suffix = NAMES[convention][component]
+    if suffix.startswith("@"):
+        return f"{module_of(weight)}.{suffix[1:]}"
+    return weight + suffix
+
+
+def components(convention: str, fmt: str) -> tuple[str, ...]:
+    """The components a convention stores for a format (nvfp4's input scale may be absent)."""
+    wanted = {"nvfp4": ("codes", "scale", "global", "input")}.get(fmt, ("codes", "scale"))
+    return tuple(c for c in wanted if c in NAMES[convention])
+
+
+def codes_weight(convention: str, name: str, dtype: torch.dtype) -> str | None:
+    """F when `name` is the codes tensor of a packed weight under this convention."""
+    suffix = NAMES[convention]["codes"]
+    if suffix:
+        return name[: -len(suffix)] if name.endswith(suffix) else None
+    return name if dtype in (torch.uint8, torch.float8_e4m3fn) else None
+
+
+def expected_shape(
+    convention: str, fmt: str, component: str, rows: int, k: int
+) -> tuple[tuple[int, ...], ...]:
+    """The shapes a checkpoint may store this component in, for a part of `rows` x `k`."""
+    if component in ("global", "input"):
+        return ((), (1,))
+    if fmt == "fp8_block":
+        if component == "codes":
+            return ((rows, k),)
+        rb, kb = math.ceil(rows / FP8_BLOCK), math.ceil(k / FP8_BLOCK)
+        return ((rb, kb), (rb, 1, kb, 1)) + (((),) if rb == kb == 1 else ())  # ModelOpt: [] for one block
+    if component == "codes":
+        return ((rows, k // 32, 16),) if convention == "gpt_oss" else ((rows, k // 2),)
+    return ((rows, k // (16 if fmt == "nvfp4" else 32)),)
+
+
+def to_rows(fmt: str, component: str, t: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint tensor -> the per-row component [rows, ...] (or [rows] for scalars)."""
+    if component in ("global", "input"):
+        return t.reshape(()).float().expand(rows)
+    if fmt == "fp8_block" and component == "scale":
+        t = t[:, 0, :, 0] if t.dim() == 4 else t.reshape(math.ceil(rows / FP8_BLOCK), -1)
+        return t.repeat_interleave(FP8_BLOCK, dim=0)[:rows]
+    return t.reshape(rows, -1)
