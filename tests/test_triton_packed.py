@@ -1,6 +1,8 @@
 """Triton packed-weight GEMMs (kernels/triton/packed.py) against the reference backend, on CUDA.
 
-Runs on the GPU machine (scripts/gpu_quant.sh); CI has no GPU and skips it. Weights: random
+Runs on the GPU machine (scripts/gpu_bringup.sh, TESTS=...); CI has no GPU and skips it (it runs
+the same kernels in Triton's interpreter: tests/test_triton_interpreter.py). Shapes cover both
+paths: one row a program (m <= 2, few pairs an expert) and tensor-core tiles. Weights: random
 normal ones quantized by sdk/quant/quantize.py. Tolerance: both sides use the same bf16 weights
 and accumulate in fp32; they differ by summation order and the final bf16 rounding, so
 |diff| <= 2e-2 * max|y| (a few bf16 ulps of the output scale).
@@ -24,7 +26,7 @@ SEEDS = (0, 1)
 
 
 def _weight(fmt: str, shape: tuple[int, ...], g: torch.Generator) -> PackedWeight:
-    *lead, n, k = shape
+    n, k = shape[-2:]
     dense = torch.randn(*shape, generator=g, device="cuda") / k**0.5
     parts = [quantize(w, fmt) for w in dense.reshape(-1, n, k)]
     w = PackedWeight(fmt, shape).cuda()

@@ -11,6 +11,8 @@ takes one block of one expert and one tile of output columns.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -22,12 +24,42 @@ FMT = {"nvfp4": 0, "mxfp4": 1, "fp8_block": 2}
 
 
 @triton.jit
-def _e2m1(c):
-    """4-bit code -> value: bit 3 the sign, exponent bits 1-2, mantissa bit 0 (no bias for e=0)."""
-    e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    mag = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
-    return tl.where(((c >> 3) & 1) == 1, -mag, mag)
+def _e2m1_scaled(c):
+    """4-bit code -> value * 2^-14, exactly, as fp16 bits: the sign to bit 15, the 3 magnitude
+    bits (exponent, mantissa) to bits 9-11, where fp16's exponent bias (15 against E2M1's 1)
+    makes every code, the subnormal 0.5 included, its value times 2^-14."""
+    bits = ((c & 7).to(tl.uint16) << 9) | ((c & 8).to(tl.uint16) << 12)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _fp4_tile(
+    wbase, sbase, glob, k0, n_ok, FMT: tl.constexpr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr
+):
+    """The weights of BK columns from byte column k0, as (even, odd) columns fp32 [BN, BK/2]."""
+    G: tl.constexpr = 16 if FMT == 0 else 32
+    offs_b = k0 + tl.arange(0, BK // 2)
+    c = tl.load(wbase + offs_b[None, :], mask=n_ok[:, None] & (offs_b < K // 2)[None, :], other=0)
+    offs_s = (2 * k0) // G + tl.arange(0, BK // G)
+    sm = n_ok[:, None] & (offs_s < K // G)[None, :]
+    s = tl.load(sbase + offs_s[None, :], mask=sm)  # [BN, BK/G]; no `other`: e4m3 takes none
+    if FMT == 0:  # noqa: SIM108  (a compile-time branch in Triton)
+        s = s.to(tl.float32) * glob[:, None]
+    else:
+        s = tl.exp2(s.to(tl.float32) - 127.0)
+    s = tl.where(sm, s * 16384.0, 0.0)  # 2^14 undoes _e2m1_scaled's; exact (a power of 2)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BK // G, G // 2)), (BN, BK // 2))
+    return _e2m1_scaled(c & 15) * s, _e2m1_scaled(c >> 4) * s
+
+
+@triton.jit
+def _fp8_tile(wbase, sbase, k0, n_ok, K: tl.constexpr, BK: tl.constexpr):
+    """The weights of BK columns from column k0 (BK divides 128), fp32 [BN, BK]."""
+    offs_k = k0 + tl.arange(0, BK)
+    m = n_ok[:, None] & (offs_k < K)[None, :]
+    w = tl.load(wbase + offs_k[None, :], mask=m).to(tl.float32)
+    s = tl.load(sbase + k0 // 128, mask=n_ok[:, None], other=0.0)  # [BN, 1]
+    return tl.where(m, w * s, 0.0)
 
 
 @triton.jit
@@ -41,7 +73,7 @@ def _packed_gemm(
     expert_ptr,
     M,
     N,
-    K,
+    K: tl.constexpr,  # a handful of widths a model: one compile each, loops of known length
     stride_xm,
     stride_ym,
     stride_ce,
@@ -56,7 +88,8 @@ def _packed_gemm(
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
-    """y[rows, n-tile] = x[rows // x_row_div] @ W_e^T; e = expert_ptr[block] when INDIRECT."""
+    """y[rows, n-tile] = x[rows // x_row_div] @ W_e^T on tensor cores; e = expert_ptr[block]
+    when INDIRECT (rows from rows_ptr), else 0."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     if INDIRECT:
         e = tl.load(expert_ptr + pid_m)
@@ -73,84 +106,147 @@ def _packed_gemm(
     wbase = codes_ptr + e.to(tl.int64) * stride_ce + offs_n[:, None].to(tl.int64) * stride_cn
     sbase = scale_ptr + e.to(tl.int64) * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if FMT == 2:  # fp8 codes [N, K], fp32 scale per 128 columns
+    if FMT == 2:  # fp8 codes [N, K]
         for k0 in range(0, K, BK):
             offs_k = k0 + tl.arange(0, BK)
-            k_ok = offs_k < K
-            x = tl.load(
-                x_ptr + xrows[:, None] * stride_xm + offs_k[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            wm = n_ok[:, None] & k_ok[None, :]
-            w = tl.load(wbase + offs_k[None, :], mask=wm, other=0.0).to(tl.float32)
-            s = tl.load(sbase + offs_k[None, :] // 128, mask=wm, other=0.0)
-            acc += tl.dot(x, tl.trans((w * s).to(x.dtype)))
+            xm = row_ok[:, None] & (offs_k < K)[None, :]
+            x = tl.load(x_ptr + xrows[:, None] * stride_xm + offs_k[None, :], mask=xm, other=0.0)
+            acc += tl.dot(x, tl.trans(_fp8_tile(wbase, sbase, k0, n_ok, K, BK).to(x.dtype)))
     else:  # two 4-bit codes a byte [N, K/2], the low nibble the even column
-        G: tl.constexpr = 16 if FMT == 0 else 32
+        glob = tl.zeros((BN,), dtype=tl.float32)
         if FMT == 0:
             glob = tl.load(glob_ptr + e.to(tl.int64) * stride_ge + offs_n, mask=n_ok, other=0.0)
         for k0 in range(0, K // 2, BK // 2):
+            lo, hi = _fp4_tile(wbase, sbase, glob, k0, n_ok, FMT, K, BN, BK)
             offs_b = k0 + tl.arange(0, BK // 2)
-            b_ok = offs_b < K // 2
-            wm = n_ok[:, None] & b_ok[None, :]
-            c = tl.load(wbase + offs_b[None, :], mask=wm, other=0)
-            s = tl.load(sbase + (offs_b[None, :] * 2) // G, mask=wm, other=0)
-            if FMT == 0:  # noqa: SIM108  (a compile-time branch in Triton)
-                s = s.to(tl.float32) * glob[:, None]
-            else:
-                s = tl.exp2(s.to(tl.float32) - 127.0)
-            xm = row_ok[:, None] & b_ok[None, :]
+            xm = row_ok[:, None] & (offs_b < K // 2)[None, :]
             xe = tl.load(x_ptr + xrows[:, None] * stride_xm + 2 * offs_b[None, :], mask=xm, other=0.0)
             xo = tl.load(x_ptr + xrows[:, None] * stride_xm + 2 * offs_b[None, :] + 1, mask=xm, other=0.0)
-            acc += tl.dot(xe, tl.trans((_e2m1(c & 15) * s).to(xe.dtype)))
-            acc += tl.dot(xo, tl.trans((_e2m1(c >> 4) * s).to(xo.dtype)))
+            acc += tl.dot(xe, tl.trans(lo.to(xe.dtype)))
+            acc += tl.dot(xo, tl.trans(hi.to(xo.dtype)))
     out = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-def _tiles(m_blocks: int, n: int) -> int:
-    """Output columns per program: enough programs to fill the GPU at decode's few rows."""
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    for bn in (128, 64, 32):
-        if m_blocks * triton.cdiv(n, bn) >= 2 * sms:
-            return bn
-    return 16
+@triton.jit
+def _packed_gemv(
+    x_ptr,
+    y_ptr,
+    codes_ptr,
+    scale_ptr,
+    glob_ptr,
+    ids_ptr,
+    N,
+    K: tl.constexpr,
+    stride_xm,
+    stride_ym,
+    stride_ce,
+    stride_cn,
+    stride_se,
+    stride_sn,
+    stride_ge,
+    x_row_div,
+    FMT: tl.constexpr,
+    INDIRECT: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """One output row a program (decode: a token, or a (token, slot) pair with expert
+    ids_ptr[row]): y[r, n-tile] = sum_k W_e[n, k] x[r // x_row_div, k] on the CUDA cores, the
+    weights rounded to x's dtype first as on the tensor-core path; no expert sorting needed."""
+    r, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(ids_ptr + r).to(tl.int64) if INDIRECT else 0
+    xrow = x_ptr + (r // x_row_div).to(tl.int64) * stride_xm
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    wbase = codes_ptr + e * stride_ce + offs_n[:, None].to(tl.int64) * stride_cn
+    sbase = scale_ptr + e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    dt = x_ptr.dtype.element_ty
+    if FMT == 2:
+        for k0 in range(0, K, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            x = tl.load(xrow + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            w = _fp8_tile(wbase, sbase, k0, n_ok, K, BK).to(dt).to(tl.float32)
+            acc += tl.sum(w * x[None, :], axis=1)
+    else:
+        glob = tl.zeros((BN,), dtype=tl.float32)
+        if FMT == 0:
+            glob = tl.load(glob_ptr + e * stride_ge + offs_n, mask=n_ok, other=0.0)
+        for k0 in range(0, K // 2, BK // 2):
+            lo, hi = _fp4_tile(wbase, sbase, glob, k0, n_ok, FMT, K, BN, BK)
+            offs_b = k0 + tl.arange(0, BK // 2)
+            xe = tl.load(xrow + 2 * offs_b, mask=offs_b < K // 2, other=0.0).to(tl.float32)
+            xo = tl.load(xrow + 2 * offs_b + 1, mask=offs_b < K // 2, other=0.0).to(tl.float32)
+            lo, hi = lo.to(dt).to(tl.float32), hi.to(dt).to(tl.float32)
+            acc += tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1)
+    tl.store(y_ptr + r.to(tl.int64) * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _launch(x, y, w: PackedWeight, rows=None, experts=None, m=None, x_row_div=1, bm=16) -> None:
-    *_, n, k = w.shape
-    m = x.shape[0] if m is None else m
-    m_blocks = experts.shape[0] if experts is not None else triton.cdiv(m, bm)
-    bn = _tiles(m_blocks, n)
+# Row tiles stay at 16 / 32: with Triton 3.6 on the H200, 64-row tiles (its wgmma path) with
+# weights decoded in registers gave an illegal address at 16 output columns and wrong sums at 32
+# (measured, scripts/gpu_bringup.sh); every tile shape used here is checked against the reference.
+def _rows_tile(m: int) -> int:
+    return 16 if m <= 16 else 32
+
+
+@functools.cache
+def _sms(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# (BN, BK, num_warps, num_stages) by format; BN drops when too few programs fill the GPU
+# (the 4-bit ones: the best geometric mean of a tile sweep at Beam's widths on the H200)
+TILES = {"nvfp4": (128, 128, 4, 3), "mxfp4": (128, 128, 4, 3), "fp8_block": (64, 128, 4, 3)}
+
+
+def _config(fmt: str, m_blocks: int, n: int) -> dict:
+    bn, bk, warps, stages = TILES[fmt]
+    while bn > 16 and m_blocks * triton.cdiv(n, bn) < 2 * _sms(torch.cuda.current_device()):
+        bn //= 2
+    return {"BN": bn, "BK": bk, "num_warps": warps, "num_stages": stages}
+
+
+def _strides(w: PackedWeight) -> tuple:
+    """(codes, scale, global) arguments and their expert / row strides."""
     glob = getattr(w, "global", None)
     stacked = len(w.shape) == 3
-    _packed_gemm[(m_blocks, triton.cdiv(n, bn))](
-        x,
-        y,
+    return (
         w.codes,
         w.scale,
-        glob if glob is not None else w.scale,
-        rows if rows is not None else x,
-        experts if experts is not None else x,
-        m,
-        n,
-        k,
-        x.stride(0),
-        y.stride(0),
+        glob if glob is not None else w.scale,  # mxfp4 / fp8_block: never read
         w.codes.stride(0) if stacked else 0,
         w.codes.stride(-2),
         w.scale.stride(0) if stacked else 0,
         w.scale.stride(-2),
         glob.stride(0) if glob is not None and stacked else 0,
-        x_row_div,
-        FMT=FMT[w.format.name],
-        INDIRECT=experts is not None,
-        BM=bm,
-        BN=bn,
-        BK=256 if w.format.name != "fp8_block" else 128,
-        num_warps=4,
     )
+
+
+GEMV_ROWS = 2  # up to this many rows a weight (on average), one program a row on the CUDA cores
+
+
+def _gemv(x, y, w: PackedWeight, ids=None, x_row_div=1) -> None:
+    codes, scale, glob, sce, scn, sse, ssn, sge = _strides(w)
+    cfg = _config(w.format.name, y.shape[0], w.shape[-2])
+    _packed_gemv[(y.shape[0], triton.cdiv(w.shape[-2], cfg["BN"]))](
+        x, y, codes, scale, glob, ids if ids is not None else x, w.shape[-2], w.shape[-1],
+        x.stride(0), y.stride(0), sce, scn, sse, ssn, sge, x_row_div,
+        FMT=FMT[w.format.name], INDIRECT=ids is not None, **cfg,
+    )  # fmt: skip
+
+
+def _launch(x, y, w: PackedWeight, rows=None, experts=None, m=None, x_row_div=1, bm=16, config=None) -> None:
+    *_, n, k = w.shape
+    m = x.shape[0] if m is None else m
+    m_blocks = experts.shape[0] if experts is not None else triton.cdiv(m, bm)
+    cfg = config or _config(w.format.name, m_blocks, n)
+    codes, scale, glob, sce, scn, sse, ssn, sge = _strides(w)
+    _packed_gemm[(m_blocks, triton.cdiv(n, cfg["BN"]))](
+        x, y, codes, scale, glob, rows if rows is not None else x, experts if experts is not None else x,
+        m, n, k, x.stride(0), y.stride(0), sce, scn, sse, ssn, sge, x_row_div,
+        FMT=FMT[w.format.name], INDIRECT=experts is not None, BM=bm, **cfg,
+    )  # fmt: skip
 
 
 def linear_packed(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -158,7 +254,10 @@ def linear_packed(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
     y = torch.empty(x2.shape[0], w.shape[-2], dtype=x.dtype, device=x.device)
-    _launch(x2, y, w, bm=16 if x2.shape[0] <= 16 else 64)
+    if x2.shape[0] <= GEMV_ROWS:
+        _gemv(x2, y, w)
+    else:
+        _launch(x2, y, w, bm=_rows_tile(x2.shape[0]))
     y = y.view(*lead, -1)
     return y if bias is None else y + bias
 
@@ -195,12 +294,18 @@ def moe_experts_packed(
     """moe_experts (kernels/reference/moe.py) on packed experts; the k outputs of a token are
     weighted and summed in fp32."""
     t, k = ids.shape
-    bm = 16 if t * k <= 256 else 64
-    rows, blocks = _align(ids, gate_up.shape[0], bm)
+    x = x.contiguous()
     h = torch.empty(t * k, gate_up.shape[-2], dtype=x.dtype, device=x.device)  # [P, 2I]
-    _launch(x.contiguous(), h, gate_up, rows, blocks, m=t * k, x_row_div=k, bm=bm)
-    g, u = h.chunk(2, dim=-1)
-    act = swiglu(g, u, fp32, limit).contiguous()  # [P, I]
     y = torch.empty(t * k, down.shape[-2], dtype=x.dtype, device=x.device)  # [P, Dm]
-    _launch(act, y, down, rows, blocks, m=t * k, bm=bm)
+    if t * k <= GEMV_ROWS * gate_up.shape[0]:  # decode: a pair a program, no sorting
+        flat = ids.reshape(-1)
+        _gemv(x, h, gate_up, flat, x_row_div=k)
+        g, u = h.chunk(2, dim=-1)
+        _gemv(swiglu(g, u, fp32, limit).contiguous(), y, down, flat)
+    else:
+        bm = _rows_tile(t * k // gate_up.shape[0] + 1)  # rows an expert gets on average
+        rows, blocks = _align(ids, gate_up.shape[0], bm)
+        _launch(x, h, gate_up, rows, blocks, m=t * k, x_row_div=k, bm=bm)
+        g, u = h.chunk(2, dim=-1)
+        _launch(swiglu(g, u, fp32, limit).contiguous(), y, down, rows, blocks, m=t * k, bm=bm)
     return (y.float() * weights.reshape(-1, 1).float()).view(t, k, -1).sum(1).to(x.dtype)
