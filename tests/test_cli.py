@@ -83,6 +83,33 @@ def test_codegen_check_passes_on_the_committed_files():
     assert "0 stale file(s)" in r.stdout
 
 
+def test_quantized_tiny_then_parity_and_generate(tmp_path):
+    """`dayzero tiny --quantization fp8 --layout deepseek` (ModelOpt's numbers, DeepSeek's names),
+    then parity against the dequantized reference, and `generate` serving it."""
+    ckpt = str(tmp_path / "ckpt")
+    r = run(
+        "tiny",
+        "llama",
+        ckpt,
+        "--quantization",
+        "fp8",
+        "--layout",
+        "deepseek",
+        "--set",
+        '{"num_hidden_layers": 2}',
+    )
+    assert r.returncode == 0, r.stderr
+    assert '"quant_method": "fp8"' in (tmp_path / "ckpt" / "config.json").read_text()
+    r = run("parity", "--checkpoint", ckpt, "--device", "cpu")
+    assert r.returncode == 0 and r.stdout.strip().endswith("parity PASSED"), r.stdout + r.stderr
+    r = run(
+        "generate", ckpt, "--prompt", "The capital", "--max-tokens", "4", "--device", "cpu", "--show-prompt"
+    )
+    assert r.returncode == 0 and "The capital" in r.stdout, r.stderr
+    r = run("tiny", "llama", str(tmp_path / "x"), "--quantization", "nvfp4", "--layout", "gpt_oss")
+    assert r.returncode == 2 and "nvfp4 is written as modelopt, not 'gpt_oss'" in r.stderr
+
+
 def test_tiny_then_parity_with_the_family_found_from_the_checkpoint(tmp_path):
     r = run("tiny", "llama", str(tmp_path / "ckpt"), "--seed", "7", "--set", '{"num_hidden_layers": 2}')
     assert r.returncode == 0, r.stderr

@@ -19,6 +19,7 @@ from dayzero.sdk.engine.engine import Engine, EngineConfig
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import CheckpointError, WeightError, load_weights, open_checkpoint
 from dayzero.sdk.parity.runner import Ours
+from dayzero.sdk.quant import check_requested
 from dayzero.sdk.quant.config import read_quant_config
 from dayzero.sdk.quant.layout import to_rows
 from dayzero.sdk.quant.quantize import quantize
@@ -354,4 +355,46 @@ def test_activation_quantization_end_to_end(nvfp4_llama: Path, mxfp4_llama: Path
             torch.float32,
             mx.plan.params,
             True,
+        )
+
+
+def test_config_json_alone_serves_and_disagreeing_forms_fail(nvfp4_llama: Path, tmp_path: Path) -> None:
+    """ModelOpt writes both forms; either alone is enough, and two that disagree are an error."""
+    alone = _broken(nvfp4_llama, tmp_path / "alone")
+    (alone / "hf_quant_config.json").unlink()
+    assert open_checkpoint(alone).plan.formats == ("nvfp4",)
+    bad = _broken(nvfp4_llama, tmp_path / "bad")
+    side = json.loads((bad / "hf_quant_config.json").read_text())
+    side["quantization"]["quant_algo"] = "FP8_PB_WO"
+    (bad / "hf_quant_config.json").write_text(json.dumps(side))
+    with pytest.raises(CheckpointError, match=r"quantization_config and hf_quant_config\.json disagree"):
+        open_checkpoint(bad)
+
+
+@pytest.mark.parametrize(
+    ("requested", "formats", "error"),
+    [
+        ("nvfp4", ("nvfp4",), None),
+        ("fp8", ("fp8_block", "nvfp4"), None),
+        ("none", (), None),
+        ("mxfp4", ("nvfp4",), "--quantization mxfp4: the checkpoint is nvfp4"),
+        ("nvfp4", (), "the checkpoint is not quantized"),
+        ("none", ("nvfp4",), "--quantization none, but the checkpoint is nvfp4"),
+    ],
+)
+def test_requested_quantization_is_checked(requested: str, formats: tuple, error: str | None) -> None:
+    if error is None:
+        check_requested(formats, requested)
+    else:
+        with pytest.raises(CheckpointError, match=error):
+            check_requested(formats, requested)
+
+
+def test_activation_quantization_of_an_unquantized_checkpoint_is_refused(tmp_path: Path) -> None:
+    from dayzero.sdk.parity.tiny import write_tiny
+
+    ckpt = open_checkpoint(write_tiny("llama", tmp_path / "f", overrides={"num_hidden_layers": 1}))
+    with pytest.raises(WeightError, match="activation quantization needs an NVFP4 checkpoint"):
+        build(
+            ckpt.family, ckpt.family.config(ckpt.hf), ckpt.hf, torch.device("cpu"), torch.float32, None, True
         )

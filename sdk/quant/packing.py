@@ -17,6 +17,10 @@ def materialize(
     """A block lists the parameters it reads only through `linear` / `moe_experts` (or
     kernels.packed.dense) in `linear_weights`; only those may be packed. With act_quant, every
     packed weight must be NVFP4 with input scales (activation quantization, see linear_packed)."""
+    if act_quant and not packed:
+        raise WeightError(
+            "activation quantization needs an NVFP4 checkpoint with input scales; this one is not quantized"
+        )
     left = dict(packed)
     for mname, mod in model.named_modules():
         for pname, p in list(mod._parameters.items()):
