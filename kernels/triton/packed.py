@@ -4,9 +4,10 @@ weight tile is decoded in registers right after it is loaded, so a step reads th
 only. The math is kernels/packed.py's: W[n, k] = value(codes[n, k]) * (scale[n, k // G] * global[n]),
 rounded to the activation dtype before the product, as the reference backend does.
 
-One kernel serves dense linears and stacked experts. Experts: the (token, slot) pairs are sorted
-by expert and padded to whole row blocks (`_align`, on the device, no host sync); each program
-takes one block of one expert and one tile of output columns.
+Two kernels, each for dense linears and stacked experts: `_packed_gemv` (decode: one row a
+program on the CUDA cores; a pair reads its expert by id) and `_packed_gemm` (tensor-core tiles;
+the (token, slot) pairs sorted by expert and padded to whole row blocks by `_align`, on the
+device, no host sync; a program takes one block of one expert and one tile of output columns).
 """
 
 from __future__ import annotations
@@ -185,7 +186,7 @@ def _packed_gemv(
 
 # Row tiles stay at 16 / 32: with Triton 3.6 on the H200, 64-row tiles (its wgmma path) with
 # weights decoded in registers gave an illegal address at 16 output columns and wrong sums at 32
-# (measured, scripts/gpu_bringup.sh); every tile shape used here is checked against the reference.
+# (measured 2026-11-29); every tile shape used here is checked against the reference.
 def _rows_tile(m: int) -> int:
     return 16 if m <= 16 else 32
 
