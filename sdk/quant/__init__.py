@@ -1,6 +1,8 @@
 """Quantized checkpoints: the config forms (config), tensor naming per convention (layout), which
-parameters are packed (plan), and packed parameters in the model (packing). The formats' math
-and the PackedWeight container are in kernels/packed.py."""
+parameters are packed (plan), packed parameters in the model (packing), the float weights the
+parity reference loads (dequant), ModelOpt-made test checkpoints (tiny) and the benchmark's
+quantizer (quantize). The formats' math and the PackedWeight container are in kernels/packed.py;
+`check_requested` below checks `--quantization` against a checkpoint."""
 
 from dayzero.sdk.loader.safetensors_io import CheckpointError
 
