@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
+from dayzero.kernels.packed import FORMATS
 from dayzero.kernels.registry import OpTable
 
-# bytes per parameter of a quantized matrix: 4-bit values + one scale per block
-# (nvfp4: fp8 per 16; mxfp4: e8m0 per 32; fp8_block: fp32 per 128x128)
-MATRIX_BYTES = {"bf16": 2.0, "fp8_block": 1.0 + 4 / 128**2, "mxfp4": 0.5 + 1 / 32, "nvfp4": 0.5 + 1 / 16}
+# bytes per parameter of a matrix as dayzero holds it in memory (kernels/packed.py)
+MATRIX_BYTES = {"bf16": 2.0} | {name: fmt.bits / 8 for name, fmt in FORMATS.items()}
 GPU_BYTES, GPU_NAME, USABLE = 141e9, "H200 (141 GB)", 0.85  # the rest: KV cache and activations
 
 
