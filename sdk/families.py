@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dayzero.kernels.registry import OpTable
+from dayzero.kernels.registry import OPS, OpTable, load_backends
 from dayzero.sdk.blocks import BLOCKS
 from dayzero.sdk.registry import Registry
 from dayzero.sdk.spec.config import ModelConfig
@@ -85,8 +85,6 @@ def kernel_needs(cfg: ModelConfig, ops: OpTable, packed: frozenset[str] = frozen
     ops.need("embedding")
     ops.need("rms_norm", {"weight_in_fp32"} if cfg.final_norm.weight_in_fp32 else ())
     ops.need("linear")
-    if packed:
-        ops.need("linear_packed", packed)
     ops.need("sample", {"greedy", "temperature", "top_k", "top_p", "seed"})
     if cfg.head.softcap is not None:
         ops.need("softcap")
@@ -94,8 +92,11 @@ def kernel_needs(cfg: ModelConfig, ops: OpTable, packed: frozenset[str] = frozen
         for kind, sub in ((layer.attn_kind, layer.attn), (layer.mlp_kind, layer.mlp)):
             for op, features, head_dim in BLOCKS.get(kind).needs(sub):
                 ops.need(op, features, head_dim)
-                if packed and op == "moe_experts":
-                    ops.need("moe_experts_packed", features | packed)
+    if packed:  # an op with a packed twin needs it too, with the formats on top of its features
+        load_backends()  # declares the ops
+        for op, need in ops.needs().items():
+            if twin := OPS.get(op).packed:
+                ops.need(twin, need.features | packed)
     return ops
 
 
