@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -57,11 +59,26 @@ def moe_experts(
 
     x [T, Dm], gate_up [E, 2I, Dm], down [E, Dm, I], weights/ids [T, k] -> [T, Dm].
     """
+    return expert_loop(
+        x, weights, ids, lambda h, e: F.linear(h, gate_up[e]), lambda h, e: F.linear(h, down[e]), fp32, limit
+    )
+
+
+def expert_loop(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    up: Callable[[torch.Tensor, int], torch.Tensor],
+    down: Callable[[torch.Tensor, int], torch.Tensor],
+    fp32: bool,
+    limit: float | None,
+) -> torch.Tensor:
+    """sum_k weights[t, k] * down(swiglu(up(x[t], e)), e), e = ids[t, k], one picked expert at a
+    time (up / down: expert e's projection, however its weight is stored)."""
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
-        g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
-        h = swiglu(g, u, fp32, limit)
-        y = F.linear(h, down[e]) * weights[tok, slot, None]
+        g, u = up(x[tok], e).chunk(2, dim=-1)
+        y = down(swiglu(g, u, fp32, limit), e) * weights[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from dayzero.kernels.ops import PACKED_FORMATS
 from dayzero.kernels.packed import E2M1, PackedWeight
-from dayzero.kernels.reference.basic import swiglu
+from dayzero.kernels.reference.moe import expert_loop
 from dayzero.kernels.registry import Capabilities, register
 
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
@@ -82,10 +82,6 @@ def moe_experts_packed(
     limit: float | None = None,
 ) -> torch.Tensor:
     """moe_experts (kernels/reference/moe.py) with each picked expert dequantized when used."""
-    out = torch.zeros_like(x)
-    for e in ids.unique().tolist():
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        g, u = _gemm(x[tok], gate_up, e).chunk(2, dim=-1)
-        y = _gemm(swiglu(g, u, fp32, limit), down, e) * weights[tok, slot, None]
-        out.index_add_(0, tok, y.to(out.dtype))
-    return out
+    return expert_loop(
+        x, weights, ids, lambda h, e: _gemm(h, gate_up, e), lambda h, e: _gemm(h, down, e), fp32, limit
+    )
