@@ -85,7 +85,7 @@ def flash(tmp_path_factory):
     from dayzero.sdk.parity.tiny import write_tiny
 
     ckpt = open_checkpoint(write_tiny("glm53_flash", tmp_path_factory.mktemp("flash") / "ckpt", seed=3))
-    return Ours(ckpt, CPU, torch.float32), Reference(ckpt, CPU, torch.float32)
+    return Ours(ckpt, CPU, torch.float32), Reference(ckpt, ckpt.folder, CPU, torch.float32)
 
 
 @pytest.mark.parametrize("seed", SEEDS[:2])

@@ -30,7 +30,7 @@ def _models(tmp_path, family: str, seed: int, overrides: dict):
     from dayzero.sdk.loader import open_checkpoint
 
     ckpt = open_checkpoint(write_tiny(family, tmp_path / "ckpt", seed=seed, overrides=overrides))
-    return Ours(ckpt, CPU, torch.float32), Reference(ckpt, CPU, torch.float32)
+    return Ours(ckpt, CPU, torch.float32), Reference(ckpt, ckpt.folder, CPU, torch.float32)
 
 
 def _capture(module: MlaAttention, op: str) -> dict:

@@ -98,16 +98,14 @@ def make_prompts(vocab: int, seed: int, n: int = 8, window: int | None = None) -
 
 
 class Reference:
-    """The reference class on the checkpoint; a quantized checkpoint is first dequantized into a
-    float one (the reference sees the weights dayzero computes with)."""
+    """The reference class on `folder`: the checkpoint's, or for a quantized checkpoint the float
+    one it dequantizes to (the reference sees the weights dayzero computes with)."""
 
-    def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, ckpt: Checkpoint, folder: Path, device: torch.device, dtype: torch.dtype) -> None:
         cls = reference_class(ckpt.family.spec.spec.reference)
         attn = "eager" if dtype == torch.float32 else "sdpa"
         where = {"gguf_file": ckpt.path.name} if ckpt.format == "gguf" else {}
-        with tempfile.TemporaryDirectory(prefix="dayzero-dequant-") as tmp:
-            folder = write_dequantized(ckpt, Path(tmp)) if ckpt.plan else ckpt.folder
-            model = cls.from_pretrained(folder, dtype=dtype, attn_implementation=attn, **where)
+        model = cls.from_pretrained(folder, dtype=dtype, attn_implementation=attn, **where)
         self.model = model.to(device).eval()
         self.device = device
 
@@ -248,12 +246,14 @@ def run_parity(
     dt = parse_dtype(dtype, dev)
     tol = Tolerance.for_dtype(dt)
     torch.manual_seed(seed)
-    ours, ref = Ours(ckpt, dev, dt), Reference(ckpt, dev, dt)
+    ours = Ours(ckpt, dev, dt)
+    with tempfile.TemporaryDirectory(prefix="dayzero-dequant-") as tmp:  # read whole by from_pretrained
+        folder = write_dequantized(ckpt, Path(tmp)) if ckpt.plan else ckpt.folder
+        ref = Reference(ckpt, folder, dev, dt)
+        base = None if tol.exact else Reference(ckpt, folder, dev, torch.float32)  # bf16: judge vs fp32
     windows = [g.window for g in ours.cfg.cache_groups if g.window]
     prompts = make_prompts(ours.cfg.embedding.vocab, seed, window=max(windows, default=None))
     report = Report(ckpt.family.name, dev.type, str(dt).removeprefix("torch."))
-
-    base = None if tol.exact else Reference(ckpt, dev, torch.float32)  # low precision: judge against fp32
 
     # 1. prefill logits at every position, all prompts in one batch
     ours_logits = ours.prefill_logits(prompts)
