@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from dayzero.kernels.packed import PackedWeight
+from dayzero.kernels.packed import FORMATS, PackedWeight
 from dayzero.kernels.registry import OpTable
 from dayzero.sdk.bench.packed_weights import bench_plan, packable, quantized_stream, random_packed
 from dayzero.sdk.blocks.mlp import MoE
@@ -194,7 +194,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"building {spec.reference.rsplit('.', 1)[1]} with {json.dumps(overrides)}")
     torch.manual_seed(0)
     cfg = fam.config(hf)
-    fmt = args.quantization
+    fmt = args.quantization and FORMATS.get(args.quantization).name  # unknown: fails listing the known
     ckpt = Checkpoint(fam.spec.folder / "<in-memory>", "safetensors", hf, fam)
     ref, plan = None, None
     if cls is not None:
@@ -207,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
                 fam.module("model").Model(cfg, kernel_needs(cfg, OpTable(dev, dtype)).resolve())
             )
         if ref is not None:
-            plan = bench_plan(shapes, ckpt.mapping(), targets, fmt)
+            plan = bench_plan(shapes, ckpt.mapping, targets, fmt)
             packed = plan.params
         else:
             packed = {t: PackedParam(fmt, False) for t in targets}
@@ -216,7 +216,7 @@ def main(args: argparse.Namespace) -> int:
     if ref is not None:
         stream = checkpoint_tensors(ref)
         if plan is not None:
-            stream = quantized_stream(stream, ckpt.mapping(), targets, fmt)
+            stream = quantized_stream(stream, ckpt.mapping, targets, fmt)
         n = (
             len(plan.tensors) + len(shapes) - len({w for w, _ in plan.tensors.values()})
             if plan

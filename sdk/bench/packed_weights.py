@@ -5,6 +5,7 @@ but the LM head and the MoE routers."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -71,20 +72,13 @@ def bench_plan(
 
 
 def random_packed(model: torch.nn.Module) -> None:
-    """Fill packed weights with random codes and scales of sensible magnitude (timing only)."""
+    """Fill packed weights with N(0, 0.02^2) weights quantized, expert by expert (timing only)."""
     from dayzero.kernels.packed import PackedWeight
 
     with torch.no_grad():
-        for m in model.modules():
-            if not isinstance(m, PackedWeight):
-                continue
-            if m.format.name == "fp8_block":
-                m.codes.copy_(torch.randn_like(m.codes, dtype=torch.float32))
-                m.scale.fill_(0.02 / 448 * 6)
-                continue
-            m.codes.copy_(torch.randint_like(m.codes, 0, 256))
-            if m.format.name == "mxfp4":
-                m.scale.fill_(120)
-            else:
-                m.scale.copy_(torch.rand_like(m.scale, dtype=torch.float32) + 0.5)
-                getattr(m, "global").fill_(0.003)
+        for w in (m for m in model.modules() if isinstance(m, PackedWeight)):
+            lead, (n, k) = w.shape[:-2], w.shape[-2:]
+            for i in range(math.prod(lead)):
+                parts = quantize(0.02 * torch.randn(n, k, device=w.codes.device), w.format.name)
+                for name, buf in w.named_buffers():
+                    buf.view(-1, *buf.shape[len(lead) :])[i].copy_(parts[name])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -32,12 +32,13 @@ class Checkpoint:
     format: str  # "safetensors" | "gguf"
     hf: dict  # HF config fields
     family: Family
-    quant: QuantConfig | None = field(default=None)
+    quant: QuantConfig | None = None
 
     @property
     def folder(self) -> Path:
         return self.path if self.path.is_dir() else self.path.parent
 
+    @cached_property
     def mapping(self) -> Mapping:
         """The family's weight rules for this checkpoint's format and config."""
         fam = self.family
@@ -61,7 +62,7 @@ class Checkpoint:
             for f in files
             for t in safetensors_io.read_header(f)
         }
-        mapping = self.mapping()
+        mapping = self.mapping
         return make_plan(
             self.quant, {n: h for n, h in header.items() if not mapping.is_mtp(n)}, mapping.target
         )
@@ -117,7 +118,7 @@ def load_weights(
     `tensors` (with `count`) replaces reading ckpt's files: weights already in memory, in the
     checkpoint's naming (the decode benchmark hands over the reference model's this way), with
     `plan` the packing of those tensors when they are quantized."""
-    mapping, writer = ckpt.mapping(), StrictWriter(model)
+    mapping, writer = ckpt.mapping, StrictWriter(model)
     plan = plan if plan is not None else ckpt.plan
     packed = plan.tensors if plan else {}
     aside = 0
