@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dayzero.sdk.loader.safetensors_io import CheckpointError
 
-# quant_algo -> (format, whether its checkpoints carry input scales)
+# quant_algo -> format (NVFP4 checkpoints carry input scales, W4A16_NVFP4 ones do not)
 ALGOS = {
     "NVFP4": "nvfp4",
     "W4A16_NVFP4": "nvfp4",
