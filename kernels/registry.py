@@ -1,25 +1,69 @@
-"""Kernel registry: every op has a reference backend; faster backends declare what they support.
+"""The one kind of registry dayzero uses (families, blocks, kernels, weight transforms, formats),
+and the kernel registry built on it: ops, and kernels with their capabilities as data.
+
+A registry maps a key to an entry. Registering a key twice is a programming error; looking up
+an unknown key raises `UnknownKeyError` listing every known key, so a typo in a spec or an
+environment variable tells the user what would have worked.
 
 A kernel is (op, backend, function, capabilities). Capabilities are data: device kinds, dtypes,
-minimum compute capability, head sizes and op features. `select` picks, for one `Need` (op +
-features + head size), the registered kernel with the highest priority that supports the device
-and dtype; `DAYZERO_KERNEL_<OP>=<backend>` overrides the choice. A model is built only after every
-need it has is selected, so a spec this device cannot run fails before serving, naming the op and
-what is missing.
+minimum compute capability, head sizes and op features; `kernels/selection.py` picks among them.
+This module is the floor of the package: it imports no other dayzero module.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
+from typing import Generic, TypeVar
 
 import torch
 
-from dayzero.sdk.registry import Registry, UnknownKeyError
+T = TypeVar("T")
 
-ENTRY_POINT_GROUP = "dayzero.kernels"
+
+class UnknownKeyError(KeyError):
+    """An unknown key; the message lists the known ones."""
+
+    def __init__(self, what: str, key: str, known: list[str]) -> None:
+        self.what, self.key, self.known = what, key, known
+        super().__init__(f"unknown {what} {key!r}; known: {', '.join(known) or '(none)'}")
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+class Registry(Generic[T]):
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self._items: dict[str, T] = {}
+
+    def add(self, key: str, item: T) -> T:
+        if key in self._items:
+            raise ValueError(f"{self.what} {key!r} is registered twice")
+        self._items[key] = item
+        return item
+
+    def register(self, key: str) -> Callable[[T], T]:
+        """Decorator form of `add`."""
+        return lambda item: self.add(key, item)
+
+    def get(self, key: str) -> T:
+        try:
+            return self._items[key]
+        except KeyError:
+            raise UnknownKeyError(self.what, key, self.keys()) from None
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
+
+    def keys(self) -> list[str]:
+        return sorted(self._items)
+
+    def items(self) -> Iterator[tuple[str, T]]:
+        return iter(sorted(self._items.items()))
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 @dataclass(frozen=True)
@@ -54,19 +98,6 @@ class Kernel:
         return f"{self.op}/{self.backend}"
 
 
-@dataclass(frozen=True)
-class Need:
-    """What one block asks of one op."""
-
-    op: str
-    features: frozenset[str] = frozenset()
-    head_dims: frozenset[int] = frozenset()  # every head size the model runs the op at
-
-
-class KernelSelectionError(RuntimeError):
-    pass
-
-
 OPS: Registry[OpDecl] = Registry("op")
 KERNELS: Registry[Kernel] = Registry("kernel")
 
@@ -84,108 +115,3 @@ def register(op: str, backend: str, caps: Capabilities | None = None) -> Callabl
         return fn
 
     return wrap
-
-
-_loaded = False
-
-
-def load_backends() -> None:
-    """Import the built-in backends and any third-party ones (entry-point group `dayzero.kernels`)."""
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    from dayzero.kernels import batched, reference, triton  # noqa: F401  (register on import)
-
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        ep.load()
-
-
-def _missing(k: Kernel, need: Need, device: torch.device, dtype: torch.dtype) -> list[str]:
-    c, out = k.caps, []
-    if device.type not in c.devices:
-        out.append(f"device {device.type} (has {', '.join(sorted(c.devices))})")
-    if dtype not in c.dtypes:
-        out.append(f"dtype {str(dtype).removeprefix('torch.')}")
-    if lacking := need.features - c.features:
-        out.append(f"features {', '.join(sorted(lacking))}")
-    if c.head_dims is not None and (lacking_dims := need.head_dims - c.head_dims):
-        out.append(f"head size {', '.join(map(str, sorted(lacking_dims)))}")
-    if c.min_capability is not None and device.type == "cuda":
-        cc = torch.cuda.get_device_capability(device)
-        if cc < c.min_capability:
-            out.append(f"compute capability {cc} < {c.min_capability}")
-    return out
-
-
-def select(need: Need, device: torch.device, dtype: torch.dtype) -> Kernel:
-    load_backends()
-    decl = OPS.get(need.op)
-    if unknown := need.features - decl.features:
-        raise KernelSelectionError(
-            f"op {need.op!r} has no feature {', '.join(sorted(unknown))}; "
-            f"known: {', '.join(sorted(decl.features)) or '(none)'}"
-        )
-    candidates = [k for _, k in KERNELS.items() if k.op == need.op]
-    override = os.environ.get(f"DAYZERO_KERNEL_{need.op.upper()}")
-    if override:
-        by_name = {k.backend: k for k in candidates}
-        if override not in by_name:
-            raise UnknownKeyError(f"backend for op {need.op!r}", override, sorted(by_name))
-        candidates = [by_name[override]]
-    fits = [k for k in candidates if not _missing(k, need, device, dtype)]
-    if not fits:
-        why = "; ".join(
-            f"{k.backend}: lacks {', '.join(_missing(k, need, device, dtype))}" for k in candidates
-        )
-        raise KernelSelectionError(f"no kernel for op {need.op!r} on {device.type}/{dtype}: {why}")
-    return max(fits, key=lambda k: k.caps.priority)
-
-
-def _by_weight(dense: Callable, packed: Callable) -> Callable:
-    """Call `packed` when the op's weight (its second argument) is a PackedWeight."""
-    from dayzero.kernels.packed import PackedWeight
-
-    def call(x, w, *args, **kw):
-        return (packed if isinstance(w, PackedWeight) else dense)(x, w, *args, **kw)
-
-    return call
-
-
-class OpTable:
-    """The kernels one model was built with: `ops.rms_norm(...)` calls the selected function.
-    An op with a packed twin (`linear` -> `linear_packed`) runs the twin for packed weights when
-    the model needed it."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.device, self.dtype = device, dtype
-        self._chosen: dict[str, Kernel] = {}
-        self._needs: dict[str, Need] = {}
-
-    def need(self, op: str, features: Iterable[str] = (), head_dim: int | None = None) -> None:
-        """Record a need; the union of features over all blocks is what gets selected."""
-        prev = self._needs.get(op, Need(op))
-        dims = prev.head_dims | ({head_dim} if head_dim else set())
-        self._needs[op] = Need(op, prev.features | frozenset(features), frozenset(dims))
-
-    def resolve(self) -> OpTable:
-        for op, need in self._needs.items():
-            self._chosen[op] = select(need, self.device, self.dtype)
-        self._calls = {op: k.fn for op, k in self._chosen.items()}
-        for op, k in self._chosen.items():
-            twin = OPS.get(op).packed
-            if twin in self._chosen:
-                self._calls[op] = _by_weight(k.fn, self._chosen[twin].fn)
-        return self
-
-    def needs(self) -> dict[str, Need]:
-        return dict(self._needs)
-
-    def chosen(self) -> dict[str, str]:
-        return {op: k.backend for op, k in sorted(self._chosen.items())}
-
-    def __getattr__(self, op: str) -> Callable:
-        calls, chosen = self.__dict__.get("_calls", {}), self.__dict__.get("_chosen", {})
-        if op in calls:
-            return calls[op]
-        raise AttributeError(f"op {op!r} was not selected for this model (needs: {', '.join(chosen)})")

@@ -21,8 +21,8 @@ from triton.testing import do_bench
 from dayzero.kernels.packed import PackedWeight
 from dayzero.kernels.reference import packed as ref
 from dayzero.kernels.triton import packed as tp
+from dayzero.sdk.bench.quantize import quantize
 from dayzero.sdk.cli import main
-from dayzero.sdk.quant.quantize import quantize
 
 HIDDEN, EXPERTS, TOP_K = 5120, 64, 8
 Case = tuple[str, int, Callable[[dict], None], torch.Tensor, torch.Tensor]  # name, bytes, run, want, out

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
+from dayzero.sdk.config.model import ModelConfig
 from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import load_weights, open_checkpoint
 from dayzero.sdk.loader.tokenizer import load_tokenizer
 from dayzero.sdk.quant import check_requested
-from dayzero.sdk.spec.config import ModelConfig
 
 
 def embedded_default() -> Path:
@@ -106,8 +106,8 @@ class LLM:
         self.checkpoint = ckpt = open_checkpoint(self.path, family)
         self.config = ckpt.family.config(ckpt.hf, str(ckpt.path))
         self.tokenizer = load_tokenizer(ckpt.path, ckpt.format)  # before the weights: fail fast
-        check_requested(ckpt.plan.formats if ckpt.plan else (), quantization)
-        packed = ckpt.plan.params if ckpt.plan else None
+        check_requested(ckpt.packing.formats if ckpt.packing else (), quantization)
+        packed = ckpt.packing.params if ckpt.packing else None
         self.model, self.ops = build(
             ckpt.family, self.config, ckpt.hf, self.device, self.dtype, packed, quantize_activations
         )

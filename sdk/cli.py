@@ -1,4 +1,7 @@
-"""The `dayzero` command: one small handler per verb; the work lives in the modules they call."""
+"""The `dayzero` command: one small handler per verb; the work lives in the modules they call.
+
+Each handler imports its verb's modules when it runs, so `dayzero --help` and a bad flag answer
+at once, without loading torch (the cli is the top floor: nothing imports it)."""
 
 from __future__ import annotations
 
@@ -44,8 +47,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _specs(args: argparse.Namespace) -> int:
+    from dayzero.sdk.codegen.support import device_support
     from dayzero.sdk.families import FAMILIES
-    from dayzero.sdk.support import device_support
 
     print(f"{'family':<12} {'serves':<34} {'blocks':<34} {'mtp':<12} {'cpu':<26} cuda")
     for name, fam in FAMILIES.items():
@@ -96,8 +99,8 @@ def _codegen(args: argparse.Namespace) -> int:
 
 
 def _tiny(args: argparse.Namespace) -> int:
+    from dayzero.sdk.parity.quantized_tiny import write_quantized_tiny
     from dayzero.sdk.parity.tiny import write_tiny
-    from dayzero.sdk.quant.tiny import write_quantized_tiny
 
     overrides = json.loads(args.set) if args.set else None
     if args.quantization is None:
@@ -125,10 +128,11 @@ def _parity(args: argparse.Namespace) -> int:
 def _kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from dayzero.kernels.registry import KERNELS, OPS, KernelSelectionError, Need, load_backends, select
+    from dayzero.kernels.registry import KERNELS, OPS
+    from dayzero.kernels.selection import KernelSelectionError, Need, load_plugins, select
     from dayzero.sdk.api import default_device, parse_dtype
 
-    load_backends()
+    load_plugins()
     dev = torch.device(args.device or default_device())
     dtype = parse_dtype(args.dtype, dev)
     print(f"kernels on {dev.type}/{str(dtype).removeprefix('torch.')}")

@@ -11,18 +11,18 @@ import importlib
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from dayzero.kernels.registry import OPS, OpTable, load_backends
+from dayzero.kernels.registry import OPS, Registry
+from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks import BLOCKS
-from dayzero.sdk.registry import Registry
-from dayzero.sdk.spec.config import ModelConfig
-from dayzero.sdk.spec.load import LoadedSpec, SpecError, load_spec, resolve
-
-if TYPE_CHECKING:
-    from dayzero.sdk.quant.plan import PackedParam
+from dayzero.sdk.config.model import ModelConfig
+from dayzero.sdk.errors import SpecError
+from dayzero.sdk.quant.materialize import materialize
+from dayzero.sdk.quant.packing import PackedParam
+from dayzero.sdk.spec.assemble import resolve
+from dayzero.sdk.spec.read import LoadedSpec, load_spec
 
 MODELS_DIR = Path(importlib.import_module("dayzero.models").__path__[0])
 
@@ -93,7 +93,6 @@ def kernel_needs(cfg: ModelConfig, ops: OpTable, packed: frozenset[str] = frozen
             for op, features, head_dim in BLOCKS.get(kind).needs(sub):
                 ops.need(op, features, head_dim)
     if packed:  # an op with a packed twin needs it too, with the formats on top of its features
-        load_backends()  # declares the ops
         for op, need in ops.needs().items():
             if twin := OPS.get(op).packed:
                 ops.need(twin, need.features | packed)
@@ -137,9 +136,7 @@ def build(
     act_quant: bool = False,
 ):
     """The generated model for cfg, parameters uninitialised (the loader writes them); `packed`
-    (a checkpoint's QuantPlan.params) names the parameters held packed."""
-    from dayzero.sdk.quant.packing import materialize  # the loader imports this module
-
+    (a checkpoint's Packing.params) names the parameters held packed."""
     packed = packed or {}
     features = frozenset(p.format for p in packed.values()) | ({"act_quant"} if act_quant else set())
     ops = kernel_needs(cfg, OpTable(device, dtype), features).resolve()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every test of dayzero: lint, the Python tests, the C++ unit and compile-fail
+# Every test of dayzero: lint, the layering contracts, the Python tests, the C++ unit and compile-fail
 # tests, then the C++ tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +10,9 @@ echo "== lint"
 "$PY" -m ruff check sdk kernels models tests scripts
 "$PY" -m ruff format --check sdk kernels models tests scripts
 clang-format --dry-run --Werror csrc/include/dayzero/*.h csrc/src/*.cc csrc/bindings/*.cc csrc/tests/*.cc csrc/tests/*.h
+
+echo "== layers (import-linter: no cycle, no upward import; pyproject.toml [tool.importlinter])"
+"$PY" -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())" --no-cache
 
 echo "== generated files are current"
 "$PY" -m dayzero.sdk.cli codegen --check

@@ -9,9 +9,9 @@ from safetensors import safe_open
 
 from dayzero.sdk.bench.decode import bytes_per_step, checkpoint_tensors
 from dayzero.sdk.loader import open_checkpoint
-from dayzero.sdk.parity.reference import reference_class
 from dayzero.sdk.parity.runner import Ours
 from dayzero.sdk.parity.tiny import write_tiny
+from dayzero.sdk.spec.reference import reference_class
 
 
 @pytest.mark.parametrize("family", ["beam", "glm53", "glm53_flash"])

@@ -149,7 +149,7 @@ def test_generate_runs_a_checkpoint_and_prints_the_continuation(tmp_path):
 def test_new_drafts_a_spec_that_validates(tmp_path):
     import json
 
-    from dayzero.sdk.parity.reference import reference_config
+    from dayzero.sdk.spec.reference import reference_config
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(reference_config("transformers.BeamForCausalLM", {"num_hidden_layers": 7})))

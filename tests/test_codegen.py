@@ -8,7 +8,7 @@ from pathlib import Path
 from dayzero.sdk import codegen
 from dayzero.sdk.codegen.hardware import needs
 from dayzero.sdk.families import FAMILIES, MODELS_DIR, Family
-from dayzero.sdk.parity.reference import reference_config
+from dayzero.sdk.spec.reference import reference_config
 
 
 def test_a_new_family_folder_is_generated_then_current_then_stale_after_a_spec_edit(tmp_path: Path) -> None:

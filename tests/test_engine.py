@@ -10,8 +10,8 @@ from dayzero.sdk.api import LLM
 from dayzero.sdk.blocks.mlp import MoE, MoeCfg
 from dayzero.sdk.engine.engine import EngineConfig, SamplingParams
 from dayzero.sdk.families import FAMILIES, build
-from dayzero.sdk.parity.reference import reference_config
 from dayzero.sdk.parity.tiny import write_tiny
+from dayzero.sdk.spec.reference import reference_config
 
 
 @pytest.fixture(scope="module")

@@ -18,18 +18,8 @@ from dayzero.kernels.reference.attention import kv_write
 from dayzero.kernels.reference.basic import rms_norm, rope
 from dayzero.kernels.reference.moe import moe_route
 from dayzero.kernels.reference.sampling import sample
-from dayzero.kernels.registry import (
-    KERNELS,
-    OPS,
-    Capabilities,
-    KernelSelectionError,
-    Need,
-    OpTable,
-    declare_op,
-    register,
-    select,
-)
-from dayzero.sdk.registry import UnknownKeyError
+from dayzero.kernels.registry import KERNELS, OPS, Capabilities, UnknownKeyError, declare_op, register
+from dayzero.kernels.selection import KernelSelectionError, Need, OpTable, select
 
 CPU = torch.device("cpu")
 

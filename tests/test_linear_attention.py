@@ -124,7 +124,7 @@ def test_hyper_connections_match_the_reference(flash, seed: int) -> None:
 def test_a_flat_text_only_config_resolves_like_the_nested_one() -> None:
     """GLM-5.3-Flash text-only checkpoints keep the text fields at the top level."""
     from dayzero.sdk.families import FAMILIES
-    from dayzero.sdk.parity.reference import reference_config
+    from dayzero.sdk.spec.reference import reference_config
 
     fam = FAMILIES.get("glm53_flash")
     text = {"layer_types": ["full_attention", "linear_attention", "full_attention"], "num_hidden_layers": 3}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.kernels import registry
 from dayzero.kernels.registry import KERNELS, Capabilities, Kernel
 from dayzero.sdk.parity import run_parity
 from dayzero.sdk.parity.tiny import write_tiny
@@ -18,7 +17,6 @@ def test_a_wrong_kernel_fails_parity_and_the_diff_names_its_block(tmp_path, monk
     ) -> torch.Tensor:
         return torch.nn.functional.silu(gate) * up * 1.01  # a 1% error in every MLP
 
-    registry.load_backends()
     caps = Capabilities(features=frozenset({"fp32"}), priority=100)  # outranks the reference
     monkeypatch.setitem(
         KERNELS._items, "swiglu/test_wrong", Kernel("swiglu", "test_wrong", off_by_a_bit, caps)

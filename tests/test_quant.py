@@ -15,15 +15,15 @@ from safetensors.torch import load_file, save_file
 from dayzero.kernels.packed import PackedWeight
 from dayzero.kernels.reference.moe import moe_experts
 from dayzero.kernels.reference.packed import fake_quant_nvfp4, linear_packed, moe_experts_packed
+from dayzero.sdk.bench.quantize import quantize
 from dayzero.sdk.engine.engine import Engine, EngineConfig
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import CheckpointError, WeightError, load_weights, open_checkpoint
+from dayzero.sdk.parity.quantized_tiny import write_quantized_tiny
 from dayzero.sdk.parity.runner import Ours
 from dayzero.sdk.quant import check_requested
 from dayzero.sdk.quant.config import read_quant_config
 from dayzero.sdk.quant.layout import to_rows
-from dayzero.sdk.quant.quantize import quantize
-from dayzero.sdk.quant.tiny import write_quantized_tiny
 
 qt = pytest.importorskip("modelopt.torch.quantization.qtensor", reason="ModelOpt makes the reference")
 SEEDS = (0, 1, 2)
@@ -79,7 +79,7 @@ def test_fp8_block_dequant_equals_modelopt_bitwise(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_benchmark_quantizer_equals_modelopt(seed: int) -> None:
-    """sdk/quant/quantize.py (the decode benchmark's GPU quantizer) packs random weights exactly
+    """sdk/bench/quantize.py (the decode benchmark's GPU quantizer) packs random weights exactly
     as ModelOpt does: codes, block scales and global scale."""
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(seed))
     q, scale, scale_2 = qt.NVFP4QTensor.quantize(w, 16)
@@ -337,7 +337,7 @@ def test_activation_quantization_end_to_end(nvfp4_llama: Path, mxfp4_llama: Path
     logits = []
     for act in (False, True):
         model, ops = build(
-            ckpt.family, cfg, ckpt.hf, torch.device("cpu"), torch.float32, ckpt.plan.params, act
+            ckpt.family, cfg, ckpt.hf, torch.device("cpu"), torch.float32, ckpt.packing.params, act
         )
         load_weights(model, ckpt, progress=False)
         logits.append(Engine(model, cfg, ops, EngineConfig()).prompt_logits(prompt)[0])
@@ -353,7 +353,7 @@ def test_activation_quantization_end_to_end(nvfp4_llama: Path, mxfp4_llama: Path
             mx.hf,
             torch.device("cpu"),
             torch.float32,
-            mx.plan.params,
+            mx.packing.params,
             True,
         )
 
@@ -362,7 +362,7 @@ def test_config_json_alone_serves_and_disagreeing_forms_fail(nvfp4_llama: Path, 
     """ModelOpt writes both forms; either alone is enough, and two that disagree are an error."""
     alone = _broken(nvfp4_llama, tmp_path / "alone")
     (alone / "hf_quant_config.json").unlink()
-    assert open_checkpoint(alone).plan.formats == ("nvfp4",)
+    assert open_checkpoint(alone).packing.formats == ("nvfp4",)
     bad = _broken(nvfp4_llama, tmp_path / "bad")
     side = json.loads((bad / "hf_quant_config.json").read_text())
     side["quantization"]["quant_algo"] = "FP8_PB_WO"

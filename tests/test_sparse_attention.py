@@ -15,7 +15,7 @@ import torch
 from conftest import SEEDS
 from one_row import context
 
-from dayzero.kernels.registry import OpTable
+from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.mla import SELECTION, MlaAttention, MlaCfg
 from dayzero.sdk.blocks.rope import rope_table
 from dayzero.sdk.parity.runner import Ours, Reference
@@ -213,7 +213,7 @@ def test_mla_matches_deepseek_v3_attention(seed: int, q_lora: int | None, rope: 
         ours.kv_b.copy_(ref.kv_b_proj.weight)
         ours.o_proj.copy_(ref.o_proj.weight)
     x = torch.randn(T, 64, generator=torch.Generator().manual_seed(seed))
-    from dayzero.sdk.spec.config import CacheGroupCfg
+    from dayzero.sdk.config.model import CacheGroupCfg
 
     ctx = context(T, [CacheGroupCfg("mla", "paged", None, 40, (0,))])
     with torch.no_grad():
@@ -265,7 +265,7 @@ def test_rotate_half_indexer_matches_deepseek_v32(seed: int) -> None:
 
     from dayzero.sdk.blocks import BLOCKS
     from dayzero.sdk.blocks.mla import MlaOpts, _resolve
-    from dayzero.sdk.spec.config import CacheGroupCfg
+    from dayzero.sdk.config.model import CacheGroupCfg
 
     topk, heads, dim = 8, 8, 16
     hf = DeepseekV32Config(

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
+from dayzero.sdk.errors import SpecError
 from dayzero.sdk.families import FAMILIES, Family
-from dayzero.sdk.parity.reference import reference_config
-from dayzero.sdk.spec.load import SpecError, load_spec
+from dayzero.sdk.spec.read import load_spec
+from dayzero.sdk.spec.reference import reference_config
 
 LLAMA_SPEC = FAMILIES.get("llama").spec_path
 REF = r"^\$[A-Za-z_][A-Za-z0-9_]*$"  # the `$symbol` pattern of schema.Ref

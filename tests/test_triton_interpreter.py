@@ -22,7 +22,7 @@ def check(seed: int) -> list[str]:
     from dayzero.kernels.packed import PackedWeight
     from dayzero.kernels.reference import packed as ref
     from dayzero.kernels.triton import packed as tp
-    from dayzero.sdk.quant.quantize import quantize
+    from dayzero.sdk.bench.quantize import quantize
 
     tp._sms = lambda _device: 4  # no GPU to ask; small, so partial column tiles are exercised
     tp.torch.cuda.current_device = lambda: 0

@@ -3,7 +3,7 @@
 Runs on the GPU machine (scripts/gpu_bringup.sh, TESTS=...); CI has no GPU and skips it (it runs
 the same kernels in Triton's interpreter: tests/test_triton_interpreter.py). Shapes cover both
 paths: one row a program (m <= 2, few pairs an expert) and tensor-core tiles. Weights: random
-normal ones quantized by sdk/quant/quantize.py. Tolerance: both sides use the same bf16 weights
+normal ones quantized by sdk/bench/quantize.py. Tolerance: both sides use the same bf16 weights
 and accumulate in fp32; they differ by summation order and the final bf16 rounding, so
 |diff| <= 2e-2 * max|y| (a few bf16 ulps of the output scale).
 """
@@ -15,7 +15,7 @@ import torch
 
 from dayzero.kernels.packed import PackedWeight
 from dayzero.kernels.reference import packed as ref
-from dayzero.sdk.quant.quantize import quantize
+from dayzero.sdk.bench.quantize import quantize
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)

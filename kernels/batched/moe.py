@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from dayzero.kernels.reference.basic import swiglu
+from dayzero.kernels.reference.moe import moe_experts as expert_loop
 from dayzero.kernels.registry import Capabilities, register
 
 GATHER_PAIRS = 16  # up to this many pairs, gather the experts (bounded copy: 16 experts' weights)
@@ -37,9 +38,7 @@ def moe_experts(
         y = torch.bmm(down[flat], hidden[:, :, None]).squeeze(-1)  # [P, Dm]
         return (y.float() * weights.reshape(-1, 1).float()).view(t, k, -1).sum(1).to(x.dtype)
     if gate_up.shape[1] % 16 or x.shape[1] % 8:  # grouped GEMM needs 16-byte aligned rows
-        from dayzero.kernels.reference.moe import moe_experts as loop
-
-        return loop(x, gate_up, down, weights, ids, fp32, limit)
+        return expert_loop(x, gate_up, down, weights, ids, fp32, limit)
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
     offs = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
     xs = x[order // k]  # [T*k, Dm]

@@ -23,14 +23,14 @@ import numpy as np
 import torch
 
 from dayzero.kernels.packed import FORMATS, PackedWeight
-from dayzero.kernels.registry import OpTable
-from dayzero.sdk.bench.packed_weights import bench_plan, packable, quantized_stream, random_packed
+from dayzero.kernels.selection import OpTable
+from dayzero.sdk.bench.packed_weights import bench_packing, packable, quantized_stream, random_packed
 from dayzero.sdk.blocks.mlp import MoE
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.families import FAMILIES, born_as, build, kernel_needs
 from dayzero.sdk.loader import Checkpoint, load_weights
-from dayzero.sdk.parity.reference import merge, reference_class, reference_config
-from dayzero.sdk.quant.plan import PackedParam
+from dayzero.sdk.quant.packing import PackedParam
+from dayzero.sdk.spec.reference import merge, reference_class, reference_config
 
 
 def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -196,7 +196,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = fam.config(hf)
     fmt = args.quantization and FORMATS.get(args.quantization).name  # unknown: fails listing the known
     ckpt = Checkpoint(fam.spec.folder / "<in-memory>", "safetensors", hf, fam)
-    ref, plan = None, None
+    ref, packing = None, None
     if cls is not None:
         with born_as(dev, dtype):
             ref = cls(cls.config_class(**hf)).eval()
@@ -207,22 +207,22 @@ def main(args: argparse.Namespace) -> int:
                 fam.module("model").Model(cfg, kernel_needs(cfg, OpTable(dev, dtype)).resolve())
             )
         if ref is not None:
-            plan = bench_plan(shapes, ckpt.mapping, targets, fmt)
-            packed = plan.params
+            packing = bench_packing(shapes, ckpt.mapping, targets, fmt)
+            packed = packing.params
         else:
             packed = {t: PackedParam(fmt, False) for t in targets}
     model, ops = build(fam, cfg, hf, dev, dtype, packed if fmt else None)
     print(f"kernels: {ops.chosen()}")
     if ref is not None:
         stream = checkpoint_tensors(ref)
-        if plan is not None:
+        if packing is not None:
             stream = quantized_stream(stream, ckpt.mapping, targets, fmt)
         n = (
-            len(plan.tensors) + len(shapes) - len({w for w, _ in plan.tensors.values()})
-            if plan
+            len(packing.tensors) + len(shapes) - len({w for w, _ in packing.tensors.values()})
+            if packing
             else len(shapes)
         )
-        load_weights(model, ckpt, tensors=stream, count=n, plan=plan)
+        load_weights(model, ckpt, tensors=stream, count=n, packing=packing)
     else:  # timing only: random weights of the same shapes, no reference model
         with torch.no_grad():
             for p in model.parameters():

@@ -1,5 +1,5 @@
 """The decode benchmark's quantized runs: the reference model's weights quantized on the GPU
-(sdk/quant/quantize.py) and handed to the loader in ModelOpt's checkpoint layout, so the load
+(sdk/bench/quantize.py) and handed to the loader in ModelOpt's checkpoint layout, so the load
 path is the one a real checkpoint takes. Quantized like ModelOpt's defaults: every linear weight
 but the LM head and the MoE routers."""
 
@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import torch
 
-from dayzero.kernels.packed import FP8_BLOCK
+from dayzero.kernels.packed import FP8_BLOCK, PackedWeight
+from dayzero.sdk.bench.quantize import quantize
 from dayzero.sdk.loader.mapping import Mapping
 from dayzero.sdk.quant.config import QuantConfig
-from dayzero.sdk.quant.plan import QuantPlan, make_plan
-from dayzero.sdk.quant.quantize import quantize
+from dayzero.sdk.quant.packing import Packing, find_packing
 
 SKIPPED = ("head.weight", ".router")  # kept in the model dtype, as ModelOpt's default configs do
 
@@ -50,11 +50,11 @@ def quantized_stream(
             yield name, t
 
 
-def bench_plan(
+def bench_packing(
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]], mapping: Mapping, targets: set[str], fmt: str
-) -> QuantPlan:
-    """The plan the quantized stream will need, from the float tensors' shapes alone (a plan reads
-    names and dtypes; the loader checks the shapes)."""
+) -> Packing:
+    """The packing the quantized stream will need, from the float tensors' shapes alone (finding
+    a packing reads names and dtypes; the loader checks the shapes)."""
     header = {}
     codes_dtype = torch.float8_e4m3fn if fmt == "fp8_block" else torch.uint8
     scale_dtype = {"nvfp4": torch.float8_e4m3fn, "mxfp4": torch.uint8, "fp8_block": torch.float32}[fmt]
@@ -68,13 +68,11 @@ def bench_plan(
         header[f"{name}_scale"] = (scale_dtype, ())
         if fmt == "nvfp4":
             header[f"{name}_scale_2"] = (torch.float32, ())
-    return make_plan(QuantConfig("dayzero bench", "modelopt", fmt), header, mapping.target)
+    return find_packing(QuantConfig("dayzero bench", "modelopt", fmt), header, mapping.param_of)
 
 
 def random_packed(model: torch.nn.Module) -> None:
     """Fill packed weights with N(0, 0.02^2) weights quantized, expert by expert (timing only)."""
-    from dayzero.kernels.packed import PackedWeight
-
     with torch.no_grad():
         for w in (m for m in model.modules() if isinstance(m, PackedWeight)):
             lead, (n, k) = w.shape[:-2], w.shape[-2:]

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from dayzero.sdk.scheduler import CacheGroup, GroupKind, Scheduler, make_config
+
 PREFIX, UNIQUE, PAGE, BUDGET = 4096, 256, 64, 8192
 PROMPT = PREFIX + UNIQUE
 MAX_NEW = 4000  # outlives warm-up + the timed steps
@@ -34,8 +36,6 @@ class Ours:
     name = "dayzero"
 
     def __init__(self, n: int) -> None:
-        from dayzero.sdk.scheduler import CacheGroup, GroupKind, Scheduler, make_config
-
         cfg = make_config(
             [CacheGroup("full_attention", GroupKind.Paged, bytes_per_token=2)],
             device_bytes=_pages(n) * PAGE * 2,

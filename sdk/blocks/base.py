@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from dayzero.sdk.registry import Registry
+from dayzero.kernels.registry import Registry
 
 Role = Literal["attention", "mlp"]
 

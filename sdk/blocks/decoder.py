@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from dayzero.kernels.registry import OpTable
+from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.norm import Embedding, LMHead, RMSNorm, Streams, residual
 
 if TYPE_CHECKING:
+    from dayzero.sdk.config.model import LayerCfg, ModelConfig
     from dayzero.sdk.engine.context import StepContext
-    from dayzero.sdk.spec.config import LayerCfg, ModelConfig
 
 
 class Layer(nn.Module):

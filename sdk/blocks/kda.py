@@ -8,9 +8,9 @@ from typing import Literal
 import torch
 from torch import nn
 
-from dayzero.kernels.registry import OpTable
+from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl, StaticCache
-from dayzero.sdk.spec.schema import FloatV, IntV, Strict
+from dayzero.sdk.config.options import FloatV, IntV, Strict
 
 
 class KdaOpts(Strict):

@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from dayzero.kernels.packed import dense
-from dayzero.kernels.registry import OpTable
+from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl, StaticCache
 from dayzero.sdk.blocks.rope import rope_table, softmax_mscale
-from dayzero.sdk.spec.schema import BoolV, FloatV, IntV, Ref, Strict
+from dayzero.sdk.config.options import BoolV, FloatV, IntV, Ref, Strict
 
 SELECTION = "sparse_selection"  # StepContext.shared key: the last indexer's selection [T, K]
 

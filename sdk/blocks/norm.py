@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from dayzero.kernels.registry import OpTable
-
-
-@dataclass(frozen=True)
-class NormCfg:
-    dim: int
-    eps: float
-    weight_in_fp32: bool
+from dayzero.kernels.selection import OpTable
+from dayzero.sdk.config.model import EmbeddingCfg, HeadCfg, NormCfg, ResidualCfg
 
 
 class RMSNorm(nn.Module):
@@ -26,25 +19,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_norm(x, self.weight, self.cfg.eps, self.cfg.weight_in_fp32)
-
-
-@dataclass(frozen=True)
-class HyperCfg:
-    streams: int  # N
-    sinkhorn_iters: int
-    eps: float  # floor on pre / comb weights and on Sinkhorn sums
-    norm_eps: float  # the unweighted RMS norm over the flattened streams
-
-
-@dataclass(frozen=True)
-class ResidualCfg:
-    """One residual add around f. kind prenorm: x + f(n(x)); sandwich: x + post(f(n(x)));
-    hyper: see HyperResidual. add_index k > 0 (depth-scaled): x * sqrt((k - 1) / k) + y / sqrt(k)."""
-
-    kind: str
-    norm: NormCfg
-    add_index: int = 0
-    hyper: HyperCfg | None = None
 
 
 class Residual(nn.Module):
@@ -138,12 +112,6 @@ class Streams(nn.Module):
         return x if self.n == 1 else x.mean(dim=1)
 
 
-@dataclass(frozen=True)
-class EmbeddingCfg:
-    vocab: int
-    dim: int
-
-
 class Embedding(nn.Module):
     def __init__(self, cfg: EmbeddingCfg, ops: OpTable) -> None:
         super().__init__()
@@ -152,14 +120,6 @@ class Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.ops.embedding(ids, self.weight)  # [T, Dm]
-
-
-@dataclass(frozen=True)
-class HeadCfg:
-    vocab: int
-    dim: int
-    tie: bool
-    softcap: float | None
 
 
 class LMHead(nn.Module):

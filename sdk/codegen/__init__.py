@@ -17,10 +17,14 @@ from pathlib import Path
 import jinja2
 
 from dayzero.sdk.blocks import BLOCKS
+from dayzero.sdk.codegen.hardware import needs
+from dayzero.sdk.codegen.spec_doc import render as render_doc
+from dayzero.sdk.codegen.support import support_matrix
 from dayzero.sdk.engine.geometry import GroupDecl
-from dayzero.sdk.families import Family
-from dayzero.sdk.spec.load import _rule_blocks
-from dayzero.sdk.support import support_matrix
+from dayzero.sdk.families import FAMILIES, Family
+from dayzero.sdk.spec.assemble import resolve
+from dayzero.sdk.spec.checks import rule_blocks
+from dayzero.sdk.spec.reference import reference_config
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 OUTPUTS = ("__init__.py", "model.py", "cache.py", "README.md", "test_parity.py")
@@ -39,7 +43,7 @@ def _env() -> jinja2.Environment:
 def _groups(fam: Family) -> list[dict]:
     """Cache parts with equal (kind, sharing key) share a group, in order of first use."""
     loaded = fam.spec
-    used = [b for _, b in _rule_blocks(loaded.spec.layers.attention)]
+    used = [b for _, b in rule_blocks(loaded.spec.layers.attention)]
     by_key: dict[tuple[str, str], dict] = {}
     for name in dict.fromkeys(used):
         opts = loaded.blocks[name]
@@ -66,10 +70,6 @@ def _release(fam: Family, groups: list[dict], model_source: str) -> dict | None:
     rel = fam.spec.spec.release
     if rel is None:
         return None
-    from dayzero.sdk.codegen.hardware import needs
-    from dayzero.sdk.parity.reference import reference_config
-    from dayzero.sdk.spec.load import resolve
-
     cfg = resolve(
         fam.spec,
         reference_config(fam.spec.spec.reference, dict(rel.config)),
@@ -97,7 +97,7 @@ def _describe(opts) -> str:
     return ", ".join(f"{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in d.items()) or "-"
 
 
-def _plan_text(rule) -> str:
+def _rule_text(rule) -> str:
     return json.dumps(rule.model_dump(exclude_defaults=True)).replace('"', "")
 
 
@@ -130,8 +130,6 @@ def _model_py(fam: Family, env: jinja2.Environment, header: str) -> str:
 
 def _variants(fam: Family, env: jinja2.Environment) -> list[dict]:
     """Families in sub-folders of this one (other architectures of the same model family)."""
-    from dayzero.sdk.families import FAMILIES
-
     out = []
     for _, v in FAMILIES.items():
         if v.folder.startswith(fam.folder + "/"):
@@ -168,8 +166,8 @@ def render(fam: Family) -> dict[str, str]:
             {"role": BLOCKS.get(o.kind).role, "name": n, "kind": o.kind, "options": _describe(o)}
             for n, o in loaded.blocks.items()
         ],
-        "plan_attention": _plan_text(spec.layers.attention),
-        "plan_mlp": _plan_text(spec.layers.mlp),
+        "layer_types_attention": _rule_text(spec.layers.attention),
+        "layer_types_mlp": _rule_text(spec.layers.mlp),
         "residual": f"{residual.kind}{', depth-scaled' if residual.depth_scaled else ''}",
         "head": f"tie={spec.head.tie}, softcap={spec.head.softcap}",
         "parity_shapes": 1 + len(spec.shapes),
@@ -209,14 +207,10 @@ SPEC_DOC = Path(__file__).resolve().parents[2] / "docs" / "spec-reference.md"
 
 
 def stale_docs() -> list[Path]:
-    from dayzero.sdk.codegen.spec_doc import render as render_doc
-
     return [] if SPEC_DOC.exists() and SPEC_DOC.read_text() == render_doc() else [SPEC_DOC]
 
 
 def write_docs() -> list[Path]:
-    from dayzero.sdk.codegen.spec_doc import render as render_doc
-
     changed = stale_docs()
     if changed:
         SPEC_DOC.write_text(render_doc())

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dayzero.kernels.packed import FORMATS
-from dayzero.kernels.registry import OpTable
+from dayzero.kernels.selection import OpTable
 
 # bytes per parameter of a matrix as dayzero holds it in memory (kernels/packed.py)
 MATRIX_BYTES = {"bf16": 2.0} | {name: fmt.bits / 8 for name, fmt in FORMATS.items()}

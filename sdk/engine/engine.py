@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dayzero.sdk.config.model import ModelConfig
 from dayzero.sdk.engine.context import build_context
 from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.kv_pool import KvPool
 from dayzero.sdk.scheduler import FinishReason, Scheduler, SchedulerError, make_config
-from dayzero.sdk.spec.config import ModelConfig
 
 MAX_TOP_LOGPROBS = 20
 

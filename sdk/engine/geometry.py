@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from dayzero.sdk.config.model import ModelConfig
 from dayzero.sdk.engine.kv_pool import ROW_ALIGN
 from dayzero.sdk.scheduler import CacheGroup, GroupKind
-from dayzero.sdk.spec.config import ModelConfig
 
 
 @dataclass(frozen=True)

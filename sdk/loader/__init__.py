@@ -13,13 +13,13 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from dayzero.sdk.families import Family, family_for
+from dayzero.sdk.errors import CheckpointError, WeightError
+from dayzero.sdk.families import FAMILIES, Family, family_for
 from dayzero.sdk.loader import gguf_io, safetensors_io
-from dayzero.sdk.loader.mapping import Mapping, StrictWriter, WeightError
-from dayzero.sdk.loader.safetensors_io import CheckpointError
+from dayzero.sdk.loader.mapping import Mapping, StrictWriter
 from dayzero.sdk.quant.config import QuantConfig, read_quant_config
-from dayzero.sdk.quant.plan import QuantPlan, make_plan
-from dayzero.sdk.spec.load import Resolver
+from dayzero.sdk.quant.packing import Packing, find_packing
+from dayzero.sdk.spec.resolver import Resolver
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class Checkpoint:
         return Mapping(fmt, resolver.value, mtp_layers)
 
     @cached_property
-    def plan(self) -> QuantPlan | None:
+    def packing(self) -> Packing | None:
         """Which parameters are stored packed (from the tensor headers); None when unquantized."""
         if self.quant is None:
             return None
@@ -63,8 +63,8 @@ class Checkpoint:
             for t in safetensors_io.read_header(f)
         }
         mapping = self.mapping
-        return make_plan(
-            self.quant, {n: h for n, h in header.items() if not mapping.is_mtp(n)}, mapping.target
+        return find_packing(
+            self.quant, {n: h for n, h in header.items() if not mapping.is_mtp(n)}, mapping.param_of
         )
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -79,8 +79,6 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | Path, family: str | None = None) -> Checkpoint:
-    from dayzero.sdk.families import FAMILIES
-
     p = Path(path)
     if p.is_dir() and not (p / "config.json").exists():
         ggufs = sorted(p.glob("*.gguf"))
@@ -110,17 +108,17 @@ def load_weights(
     progress: bool = True,
     tensors: Iterator[tuple[str, torch.Tensor]] | None = None,
     count: int | None = None,
-    plan: QuantPlan | None = None,
+    packing: Packing | None = None,
 ) -> int:
     """Stream every checkpoint tensor into the model through the spec's rules; strict. Returns
     how many MTP-layer tensors were set aside (the spec's `mtp` patterns).
 
     `tensors` (with `count`) replaces reading ckpt's files: weights already in memory, in the
     checkpoint's naming (the decode benchmark hands over the reference model's this way), with
-    `plan` the packing of those tensors when they are quantized."""
+    `packing` the packing of those tensors when they are quantized."""
     mapping, writer = ckpt.mapping, StrictWriter(model)
-    plan = plan if plan is not None else ckpt.plan
-    packed = plan.tensors if plan else {}
+    packing = packing if packing is not None else ckpt.packing
+    packed = packing.tensors if packing else {}
     aside = 0
     total = count if tensors is not None else ckpt.count()
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
@@ -133,7 +131,7 @@ def load_weights(
             weight, comp = packed[name]
             target = mapping.target(weight)
             if target is not None:
-                writer.write_packed(name, target, comp, tensor, plan.config.convention)
+                writer.write_packed(name, target, comp, tensor, packing.config.convention)
         elif (target := mapping.target(name)) is not None:
             writer.write(name, target, tensor)
         del tensor  # dropped before the next tensor is read (bounds peak memory)

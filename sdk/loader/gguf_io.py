@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dayzero.sdk.loader.safetensors_io import CheckpointError
+from dayzero.sdk.errors import CheckpointError
 
 
 def _reader(path: Path):

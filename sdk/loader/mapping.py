@@ -17,21 +17,10 @@ import torch
 from torch import nn
 
 from dayzero.kernels.packed import PackedWeight
-from dayzero.sdk.registry import Registry
+from dayzero.sdk.errors import WeightError
+from dayzero.sdk.quant.layout import expected_shape, to_rows
 from dayzero.sdk.spec.schema import WeightFormat
-
-
-class WeightError(ValueError):
-    pass
-
-
-TRANSFORMS: Registry[Callable[..., torch.Tensor]] = Registry("weight transform")
-
-
-@TRANSFORMS.register("rope_unpermute")
-def rope_unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """GGUF stores q/k rows of each head interleaved (pairs); back to rotate-half order."""
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+from dayzero.sdk.transforms import TRANSFORMS
 
 
 @dataclass(frozen=True)
@@ -62,6 +51,11 @@ class Mapping:
     def is_mtp(self, name: str) -> bool:
         """A tensor of an MTP layer: set aside for the MTP runtime (checked before the rules)."""
         return any(fnmatch.fnmatchcase(name, p) for p in self.mtp)
+
+    def param_of(self, name: str) -> str | None:
+        """The model parameter a checkpoint tensor writes; None when deliberately ignored."""
+        t = self.target(name)
+        return None if t is None else t.param
 
     def target(self, name: str) -> Target | None:
         """Where a checkpoint tensor goes; None when deliberately ignored."""
@@ -168,8 +162,6 @@ class StrictWriter:
         self, tensor_name: str, t: Target, comp: str, value: torch.Tensor, convention: str
     ) -> None:
         """One component of a packed weight (sdk/quant/layout.py: names, shapes, per-row form)."""
-        from dayzero.sdk.quant.layout import expected_shape, to_rows
-
         pw = self.packed.get(t.param)
         if pw is None:
             raise WeightError(

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from dayzero.sdk.errors import CheckpointError
+
 DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -31,10 +33,6 @@ DTYPES = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

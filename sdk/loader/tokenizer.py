@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from dayzero.sdk.loader.safetensors_io import CheckpointError
+from dayzero.sdk.errors import CheckpointError
 
 
 def load_tokenizer(path: Path, fmt: str):

@@ -27,8 +27,8 @@ from dayzero.sdk.api import default_device, parse_dtype
 from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import Checkpoint, load_weights, open_checkpoint
-from dayzero.sdk.parity.reference import reference_class
-from dayzero.sdk.quant.dequant import write_dequantized
+from dayzero.sdk.parity.dequant import write_dequantized
+from dayzero.sdk.spec.reference import reference_class
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ class Reference:
 class Ours:
     def __init__(self, ckpt: Checkpoint, device: torch.device, dtype: torch.dtype) -> None:
         self.cfg = ckpt.family.config(ckpt.hf, str(ckpt.path))
-        packed = ckpt.plan.params if ckpt.plan else None
+        packed = ckpt.packing.params if ckpt.packing else None
         self.model, self.ops = build(ckpt.family, self.cfg, ckpt.hf, device, dtype, packed)
         load_weights(self.model, ckpt, progress=False)
 
@@ -248,7 +248,7 @@ def run_parity(
     torch.manual_seed(seed)
     ours = Ours(ckpt, dev, dt)
     with tempfile.TemporaryDirectory(prefix="dayzero-dequant-") as tmp:  # read whole by from_pretrained
-        folder = write_dequantized(ckpt, Path(tmp)) if ckpt.plan else ckpt.folder
+        folder = write_dequantized(ckpt, Path(tmp)) if ckpt.packing else ckpt.folder
         ref = Reference(ckpt, folder, dev, dt)
         base = None if tol.exact else Reference(ckpt, folder, dev, torch.float32)  # bf16: judge vs fp32
     windows = [g.window for g in ours.cfg.cache_groups if g.window]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dayzero.sdk.families import FAMILIES
-from dayzero.sdk.parity.reference import merge, reference_class
+from dayzero.sdk.spec.reference import merge, reference_class
 
 CORPUS = (
     "The capital of France is Paris. The capital of Italy is Rome. Water boils at one hundred degrees. "

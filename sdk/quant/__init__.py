@@ -1,10 +1,11 @@
-"""Quantized checkpoints: the config forms (config), tensor naming per convention (layout), which
-parameters are packed (plan), packed parameters in the model (packing), the float weights the
-parity reference loads (dequant), ModelOpt-made test checkpoints (tiny) and the benchmark's
-quantizer (quantize). The formats' math and the PackedWeight container are in kernels/packed.py;
-`check_requested` below checks `--quantization` against a checkpoint."""
+"""Quantized checkpoints at load time: the config forms (`config`), tensor naming per convention
+(`layout`), the checkpoint's packing worked out from its headers (`packing`), and packed
+parameters made real in a built model (`materialize`). The formats' math and the PackedWeight
+container are in kernels/packed.py; `check_requested` below checks `--quantization` against a
+checkpoint. Checkpoint producers live with their users: ModelOpt-made test checkpoints in
+sdk/parity/quantized_tiny.py, the benchmark's quantizer in sdk/bench/quantize.py."""
 
-from dayzero.sdk.loader.safetensors_io import CheckpointError
+from dayzero.sdk.errors import CheckpointError
 
 ALIASES = {"fp8": "fp8_block", "modelopt_fp4": "nvfp4"}  # vLLM's names for the same formats
 

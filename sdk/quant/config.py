@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dayzero.sdk.loader.safetensors_io import CheckpointError
+from dayzero.sdk.errors import CheckpointError
 
 # quant_algo -> format (NVFP4 checkpoints carry input scales, W4A16_NVFP4 ones do not)
 ALGOS = {

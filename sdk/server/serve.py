@@ -1,7 +1,9 @@
 """`dayzero serve`: load the model, start the engine thread, run uvicorn until SIGTERM/SIGINT.
 
 Shutdown drains: uvicorn stops accepting connections and waits (up to --shutdown-timeout) for
-in-flight requests; then the engine thread stops and the process exits 0.
+in-flight requests; then the engine thread stops and the process exits 0. The flags
+(`add_arguments`, read by the cli to build its parser) need no torch: the engine, the model and
+the app are imported when `load` / `serve` run.
 """
 
 from __future__ import annotations

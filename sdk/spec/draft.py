@@ -12,6 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from dayzero.sdk.spec.read import load_spec
+
 FIELDS = {
     "vocab": "vocab_size",
     "hidden": "hidden_size",
@@ -146,8 +148,6 @@ def _rules(moe: bool) -> list[dict]:
 
 
 def write_draft(name: str, hf: dict, out: Path) -> Path:
-    from dayzero.sdk.spec.load import load_spec
-
     path = out / "spec.yaml"
     if path.exists():
         raise FileExistsError(f"{path} exists; not overwriting it")

@@ -10,20 +10,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import ConfigDict, Field, StringConstraints, field_validator
 
-Ref = Annotated[str, StringConstraints(pattern=r"^\$[A-Za-z_][A-Za-z0-9_]*$")]
-IntV = int | Ref
-FloatV = float | Ref
-BoolV = bool | Ref
-Expr = Annotated[str, StringConstraints(min_length=1)]
+from dayzero.sdk.config.options import BoolV, FloatV, IntV, Ref, Strict
 
 QUANT_FORMATS = ("fp8_block", "mxfp4", "nvfp4")
+BUILTINS = ("hidden", "norm_eps", "norm_weight_in_fp32")  # symbols every spec has (see Resolver)
 MTP_KINDS = ("nextn", "qwen_mtp")
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class Symbol(Strict):
@@ -74,7 +67,7 @@ class RuleFirst(Strict):
 LayerRule = Annotated[RuleAll | RuleField | RuleEvery | RuleFirst, Field(discriminator="rule")]
 
 
-class LayerPlan(Strict):
+class Layers(Strict):
     count: IntV
     attention: LayerRule
     mlp: LayerRule
@@ -165,7 +158,7 @@ class Spec(Strict):
     tiny: dict[str, Any]
     shapes: list[dict[str, Any]] = []  # extra HF-config overrides the parity test also runs
     symbols: dict[str, str | Symbol]
-    layers: LayerPlan
+    layers: Layers
     blocks: dict[str, Any]  # validated against the block library (`dayzero.sdk.blocks`)
     residual: Residual
     norm: Norm

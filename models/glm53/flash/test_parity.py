@@ -6,14 +6,14 @@ seed writes a checkpoint through the reference class and runs `dayzero.sdk.parit
 on CPU in fp32 (its checks and tolerances are in that module's docstring).
 
 Quantized: the tiny config quantized by NVIDIA ModelOpt in every format and checkpoint
-convention dayzero reads (sdk/quant/tiny.py); the reference runs on the dequantized weights.
+convention dayzero reads (sdk/parity/quantized_tiny.py); the reference runs on the dequantized weights.
 """
 
 import pytest
 
 from dayzero.sdk.parity import run_parity
+from dayzero.sdk.parity.quantized_tiny import LAYOUTS, write_quantized_tiny
 from dayzero.sdk.parity.tiny import write_tiny
-from dayzero.sdk.quant.tiny import LAYOUTS, write_quantized_tiny
 
 SHAPES = [
     {},

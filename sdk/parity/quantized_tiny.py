@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from dayzero.sdk.families import FAMILIES
-from dayzero.sdk.parity.reference import reference_class
 from dayzero.sdk.parity.tiny import write_tiny
+from dayzero.sdk.spec.reference import reference_class
 
 QUANTIZATIONS = ("nvfp4", "mxfp4", "fp8", "mixed")
 LAYOUTS = {"nvfp4": ("modelopt",), "mixed": ("modelopt",), "fp8": ("modelopt", "deepseek")}

@@ -19,17 +19,17 @@ def dequantized_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint; packed weights dequantized (in fp32, then cast) and named
     F, their scale tensors dropped. Holds the checkpoint in memory: meant for test checkpoints."""
-    plan = ckpt.plan
+    packing = ckpt.packing
     tensors = dict(safetensors_io.iter_tensors(safetensors_io.shard_files(ckpt.path)))
-    if plan is None:
+    if packing is None:
         yield from tensors.items()
         return
     weights: dict[str, dict[str, torch.Tensor]] = {}
-    for name, (weight, comp) in plan.tensors.items():
+    for name, (weight, comp) in packing.tensors.items():
         weights.setdefault(weight, {})[comp] = tensors.pop(name)
     yield from tensors.items()
     for weight, comps in weights.items():
-        fmt = plan.config.format_for(module_of(weight))
+        fmt = packing.config.format_for(module_of(weight))
         rows = comps["codes"].shape[0]
         per_row = {c: to_rows(fmt, c, t, rows) for c, t in comps.items()}
         yield weight, DEQUANT[fmt](per_row).to(dtype)

@@ -1,6 +1,7 @@
 """The normalised model configuration: frozen dataclasses built once from spec + HF config.
 
-Nothing below this boundary reads the HF config; layers receive their own frozen config.
+Nothing below this boundary reads the HF config; a layer receives only its own `LayerCfg`
+(its blocks' frozen configs come from each block's `resolve`, in sdk/blocks).
 """
 
 from __future__ import annotations
@@ -8,7 +9,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dayzero.sdk.blocks.norm import EmbeddingCfg, HeadCfg, NormCfg, ResidualCfg
+
+@dataclass(frozen=True)
+class NormCfg:
+    dim: int
+    eps: float
+    weight_in_fp32: bool
+
+
+@dataclass(frozen=True)
+class HyperCfg:
+    streams: int  # N
+    sinkhorn_iters: int
+    eps: float  # floor on pre / comb weights and on Sinkhorn sums
+    norm_eps: float  # the unweighted RMS norm over the flattened streams
+
+
+@dataclass(frozen=True)
+class ResidualCfg:
+    """One residual add around f. kind prenorm: x + f(n(x)); sandwich: x + post(f(n(x)));
+    hyper: see HyperResidual. add_index k > 0 (depth-scaled): x * sqrt((k - 1) / k) + y / sqrt(k)."""
+
+    kind: str
+    norm: NormCfg
+    add_index: int = 0
+    hyper: HyperCfg | None = None
+
+
+@dataclass(frozen=True)
+class EmbeddingCfg:
+    vocab: int
+    dim: int
+
+
+@dataclass(frozen=True)
+class HeadCfg:
+    vocab: int
+    dim: int
+    tie: bool
+    softcap: float | None
 
 
 @dataclass(frozen=True)

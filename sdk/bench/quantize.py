@@ -5,7 +5,7 @@ follow ModelOpt's rules (nvfp4: global = amax / (6 * 448), block scale = e4m3(am
 global)); mxfp4: 2^ceil(log2(amax_32 / 6)); fp8_block: amax_128x128 / 448); values round to the
 nearest grid point. On random weights the result equals ModelOpt's bit for bit
 (tests/test_quant.py); a value exactly half-way between two grid points rounds up in magnitude,
-which may differ from ModelOpt (test checkpoints come from ModelOpt itself, sdk/quant/tiny.py).
+which may differ from ModelOpt (test checkpoints come from ModelOpt itself, sdk/parity/quantized_tiny.py).
 """
 
 from __future__ import annotations

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dayzero.kernels.registry import KERNELS, OpTable, load_backends
+import torch
+
+from dayzero.kernels.registry import KERNELS
+from dayzero.kernels.selection import OpTable, load_plugins
 from dayzero.sdk.families import Family, kernel_needs
-from dayzero.sdk.parity.reference import reference_config
-from dayzero.sdk.spec.load import resolve
+from dayzero.sdk.spec.assemble import resolve
+from dayzero.sdk.spec.reference import reference_config
 
 DEVICES = ("cpu", "cuda")
 
@@ -24,9 +27,7 @@ def _features(fam: Family) -> list[str]:
 
 def device_support(fam: Family, groups: tuple | None = None) -> dict[str, str]:
     """For each device kind: 'yes (backends)' or what is missing, from the kernels' declared capabilities."""
-    import torch
-
-    load_backends()
+    load_plugins()
     tiny = reference_config(fam.spec.spec.reference, dict(fam.spec.spec.tiny))
     cfg = fam.config(tiny) if groups is None else resolve(fam.spec, tiny, groups, "tiny config")
     ops = kernel_needs(cfg, OpTable(torch.device("cpu"), torch.float32))

@@ -1,0 +1,183 @@
+"""A spec resolved against an HF config: the frozen `ModelConfig` every layer is built from.
+
+Per layer: the block kinds of its attention and MLP from the spec's layer-type rules, each
+block's frozen config (the block's own `resolve`), its residual, and where its cache parts sit
+in the generated cache geometry's groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dayzero.sdk.blocks import BLOCKS
+from dayzero.sdk.config.model import (
+    CacheGroupCfg,
+    EmbeddingCfg,
+    HeadCfg,
+    HyperCfg,
+    LayerCfg,
+    ModelConfig,
+    NormCfg,
+    ResidualCfg,
+)
+from dayzero.sdk.errors import SpecError
+from dayzero.sdk.spec.read import LoadedSpec
+from dayzero.sdk.spec.resolver import MISSING, Resolver, field
+from dayzero.sdk.spec.schema import RuleAll, RuleEvery, RuleField, RuleFirst, Spec
+
+STATE_ALIGN = 256  # bytes; a state part starts aligned in the request's slot
+
+
+def layer_types(rule: Any, n: int, r: Resolver, role: str) -> list[str]:
+    if isinstance(rule, RuleAll):
+        return [rule.block] * n
+    if isinstance(rule, RuleEvery):
+        every = r.number(rule.n, int, f"layers.{role}.n")
+        if every <= 0:
+            raise SpecError(r.source, f"layers.{role}.n", f"must be > 0, got {every}")
+        out = [rule.block if (i + 1) % every == 0 else rule.other for i in range(n)]
+        if rule.last and n:
+            out[-1] = rule.block
+        return out
+    if isinstance(rule, RuleFirst):
+        k = r.number(rule.k, int, f"layers.{role}.k")
+        return [rule.block if i < k else rule.other for i in range(n)]
+    assert isinstance(rule, RuleField)
+    fields = [rule.field] if isinstance(rule.field, str) else rule.field
+    columns = []
+    for f in fields:
+        # `a|b`: the first of the alternatives present (a nested sub-config, or the flat field)
+        present = (v for a in f.split("|") if (v := field(r.hf, a)) is not MISSING and v is not None)
+        values = next(present, None)
+        if values is None:
+            if rule.fallback is None:
+                raise SpecError(r.source, f, f"missing (layer types of {role}) and the spec has no fallback")
+            return layer_types(rule.fallback, n, r, role)
+        if not isinstance(values, list) or len(values) < n:
+            raise SpecError(r.source, f, f"expected a list of at least {n} layer kinds, got {values!r}")
+        columns.append(values[:n])
+    out = []
+    for i, vs in enumerate(zip(*columns, strict=True)):
+        v = "+".join(map(str, vs))
+        if v not in rule.map:
+            raise SpecError(
+                r.source,
+                " + ".join(f"{f}.{i}" for f in fields),
+                f"unknown layer kind {v!r}; known: {', '.join(rule.map)}",
+            )
+        out.append(rule.map[v])
+    return out
+
+
+def _hyper(spec: Spec, r: Resolver) -> HyperCfg | None:
+    res = spec.residual
+    if res.kind != "hyper":
+        return None
+    where = "residual"
+    cfg = HyperCfg(
+        streams=r.number(res.streams, int, f"{where}.streams"),
+        sinkhorn_iters=r.number(res.sinkhorn_iters, int, f"{where}.sinkhorn_iters"),
+        eps=r.number(res.eps, float, f"{where}.eps"),
+        norm_eps=r.number(spec.norm.eps, float, "norm.eps"),
+    )
+    if cfg.streams < 1 or cfg.sinkhorn_iters < 1:
+        raise SpecError(r.source, where, f"needs streams >= 1 and sinkhorn_iters >= 1, got {cfg}")
+    return cfg
+
+
+def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "config.json") -> ModelConfig:
+    """Spec + HF config -> ModelConfig. `group_decls` is the generated cache geometry."""
+    spec, r = loaded.spec, Resolver(loaded, hf, source)
+    spath = str(loaded.path)
+    hidden = r.number(spec.embedding.dim, int, "embedding.dim")
+    norm = NormCfg(hidden, r.number(spec.norm.eps, float, "norm.eps"), spec.norm.weight_in_fp32)
+    n = r.number(spec.layers.count, int, "layers.count")
+    attn_types = layer_types(spec.layers.attention, n, r, "attention")
+    mlp_types = layer_types(spec.layers.mlp, n, r, "mlp")
+    resolved: dict[str, Any] = {}
+    for name, opts in loaded.blocks.items():
+        if name in attn_types or name in mlp_types:
+            try:
+                resolved[name] = BLOCKS.get(opts.kind).resolve(opts, r.value)
+            except (ValueError, TypeError) as e:
+                if isinstance(e, SpecError):
+                    raise
+                raise SpecError(spath, f"blocks.{name}", f"{e} (with {source})") from None
+    group_of = {m: gi for gi, g in enumerate(group_decls) for m in g.members}
+    rows = [0] * len(group_decls)
+    members: list[list[int]] = [[] for _ in group_decls]
+    windows: list[int | None] = [None] * len(group_decls)
+    hyper = _hyper(spec, r)
+    layers = []
+    for i in range(n):
+        a, m = attn_types[i], mlp_types[i]
+        caches = []
+        for decl in BLOCKS.get(loaded.blocks[a].kind).cache(resolved[a]):
+            key = f"{a}.{decl.part}"
+            if key not in group_of:
+                raise SpecError(
+                    spath,
+                    f"blocks.{a}",
+                    f"cache part {key} has no group in the generated geometry; run `dayzero codegen`",
+                )
+            g = group_of[key]
+            if decl.kind != group_decls[g].kind:
+                raise SpecError(spath, f"blocks.{a}.window", f"resolves to a {decl.kind} cache with {source}")
+            if members[g] and windows[g] != decl.window:
+                raise SpecError(
+                    spath, f"blocks.{a}.window", f"cache group {group_decls[g].name} mixes windows"
+                )
+            windows[g] = decl.window
+            # state parts are bytes in the request's slot: keep every part aligned for any dtype view
+            size = -(-decl.row // STATE_ALIGN) * STATE_ALIGN if decl.kind == "state" else decl.row
+            caches.append((g, rows[g]))
+            rows[g] += size
+            if i not in members[g]:
+                members[g].append(i)
+        k = 2 * (i + 1) if spec.residual.depth_scaled else 0
+        layers.append(
+            LayerCfg(
+                index=i,
+                attn_kind=loaded.blocks[a].kind,
+                attn=resolved[a],
+                mlp_kind=loaded.blocks[m].kind,
+                mlp=resolved[m],
+                attn_res=ResidualCfg(spec.residual.kind, norm, k, hyper),
+                mlp_res=ResidualCfg(spec.residual.kind, norm, k + 1 if k else 0, hyper),
+                caches=tuple(caches),
+            )
+        )
+    groups = tuple(
+        CacheGroupCfg(d.name, d.kind, windows[gi], rows[gi], tuple(members[gi]))
+        for gi, d in enumerate(group_decls)
+        if members[gi]
+    )
+    # drop empty groups and renumber the layers' group indices
+    renum = {gi: j for j, gi in enumerate(gi for gi in range(len(group_decls)) if members[gi])}
+    layers = [
+        dataclasses.replace(layer, caches=tuple((renum[g], off) for g, off in layer.caches))
+        for layer in layers
+    ]
+    vocab = r.number(spec.embedding.vocab, int, "embedding.vocab")
+    softcap = r.value(spec.head.softcap)
+    eos = r.value(spec.eos_token_ids) if spec.eos_token_ids else None
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    max_pos = r.value(spec.max_position)
+    for name in spec.symbols:  # every symbol resolves (or fails here, not later)
+        r.symbol(name)
+    return ModelConfig(
+        family=spec.family,
+        spec_hash=loaded.hash,
+        embedding=EmbeddingCfg(vocab, hidden),
+        layers=tuple(layers),
+        final_norm=norm,
+        streams=hyper.streams if hyper else 1,
+        head=HeadCfg(
+            vocab, hidden, bool(r.value(spec.head.tie)), None if softcap is None else float(softcap)
+        ),
+        cache_groups=groups,
+        max_position=None if max_pos is None else int(max_pos),
+        eos_token_ids=eos_ids,
+        symbols=tuple(sorted(r.values.items())),
+    )

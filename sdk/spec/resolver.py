@@ -1,0 +1,100 @@
+"""Spec symbols looked up in one HF config: the first present field, else the default (a
+literal, a `$symbol` or a `= expression`), memoised and checked for cycles."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dayzero.sdk.errors import SpecError
+from dayzero.sdk.spec.expr import evaluate
+from dayzero.sdk.spec.read import LoadedSpec
+from dayzero.sdk.spec.schema import BUILTINS, Symbol
+
+MISSING = object()
+
+
+def field(cfg: dict, dotted: str) -> Any:
+    cur: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return MISSING
+        cur = cur[part]
+    return cur
+
+
+class Resolver:
+    """Looks up spec symbols in one HF config (memoised, cycle-checked)."""
+
+    def __init__(self, loaded: LoadedSpec, hf: dict, source: str) -> None:
+        self.loaded, self.hf, self.source = loaded, hf, source
+        self.values: dict[str, Any] = {}
+        self.origin: dict[str, str] = {}  # symbol -> the HF field it was read from
+        self._active: set[str] = set()
+
+    def symbol(self, name: str) -> Any:
+        if name in self.values:
+            return self.values[name]
+        spec = self.loaded.spec
+        if name in BUILTINS and name not in spec.symbols:
+            v = {
+                "hidden": lambda: self.value(spec.embedding.dim),
+                "norm_eps": lambda: self.value(spec.norm.eps),
+                "norm_weight_in_fp32": lambda: spec.norm.weight_in_fp32,
+            }[name]()
+            self.values[name] = v
+            return v
+        if name not in spec.symbols:
+            raise SpecError(str(self.loaded.path), f"symbols.{name}", "unknown symbol")
+        if name in self._active:
+            raise SpecError(str(self.loaded.path), f"symbols.{name}", "refers to itself")
+        self._active.add(name)
+        sym = spec.symbols[name]
+        sym = Symbol(field=sym) if isinstance(sym, str) else sym
+        fields = [sym.field] if isinstance(sym.field, str) else (sym.field or [])
+        v = MISSING
+        for f in fields:
+            v = field(self.hf, f)
+            if v is not MISSING and v is not None:
+                self.origin[name] = f
+                break
+        if v is MISSING or v is None:
+            if sym.default is not None:
+                try:
+                    v = self.value(sym.default)
+                except (ArithmeticError, TypeError, ValueError) as e:
+                    if isinstance(e, SpecError):
+                        raise
+                    raise SpecError(str(self.loaded.path), f"symbols.{name}.default", f"{e}") from None
+            elif sym.required:
+                what = "missing" if v is MISSING else "null"
+                raise SpecError(
+                    self.source,
+                    " or ".join(fields) or name,
+                    f"{what} (needed by symbol ${name} of {self.loaded.path.name})",
+                )
+            else:
+                v = None
+        self._active.discard(name)
+        self.values[name] = v
+        return v
+
+    def number(self, v: Any, kind: type, where: str) -> Any:
+        """value(v) as int or float; a non-number names the spec field and the config value."""
+        got = self.value(v)
+        try:
+            if isinstance(got, bool) or got is None:
+                raise TypeError
+            return kind(got)
+        except (TypeError, ValueError):
+            sym = v[1:] if isinstance(v, str) and v.startswith("$") else None
+            field = self.origin.get(sym, "") if sym else ""
+            via = f" (symbol ${sym} of {self.loaded.path.name}, for {where})" if sym else ""
+            raise SpecError(self.source, field or where, f"expected a number{via}, got {got!r}") from None
+
+    def value(self, v: Any) -> Any:
+        """A literal, a `$symbol`, or a `= expression` over symbols."""
+        if isinstance(v, str) and v.startswith("$"):
+            return self.symbol(v[1:])
+        if isinstance(v, str) and v.startswith("="):
+            return evaluate(v[1:], self.symbol)
+        return v
