@@ -28,7 +28,7 @@ def context(t: int, groups) -> StepContext:
     state_bytes = sum(g.row for g in groups if g.kind == "state")
     state = None
     if state_bytes:
-        state = StateMeta(torch.zeros(1, state_bytes, dtype=torch.uint8), (0,), (True,), (0, t))
+        state = StateMeta(torch.zeros(1, state_bytes, dtype=torch.uint8), (0,), (False,), (0, t))
     return StepContext(
         input_ids=torch.zeros(t, dtype=torch.int64),
         positions=pos,

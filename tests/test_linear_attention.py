@@ -53,11 +53,11 @@ def test_delta_rule_continued_from_its_state_equals_one_pass(seed: int) -> None:
     assert (s - s_whole).abs().max().item() < TOL
 
 
-def _state_meta(pool: torch.Tensor, rows: list[tuple[int, int]], fresh: list[bool]) -> StateMeta:
+def _state_meta(pool: torch.Tensor, rows: list[tuple[int, int]], has_init: list[bool]) -> StateMeta:
     qs = [0]
     for a, z in rows:
         qs.append(qs[-1] + z - a)
-    return StateMeta(pool, tuple(range(len(rows))), tuple(fresh), tuple(qs))
+    return StateMeta(pool, tuple(range(len(rows))), tuple(has_init), tuple(qs))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -73,7 +73,7 @@ def test_short_conv_continues_its_state(seed: int, kernel: int) -> None:
     state = torch.randn(1, c, kernel - 1, generator=g)  # garbage from an earlier occupant
     got = []
     for i, (a, z) in enumerate([(0, 4), (4, 5), (5, 13)]):
-        meta = _state_meta(None, [(a, z)], [i == 0])
+        meta = _state_meta(None, [(a, z)], [i > 0])
         got.append(short_conv(x[a:z], w, state, meta))
     assert (torch.cat(got) - want).abs().max().item() < TOL
 

@@ -36,7 +36,7 @@ def test_plan_arrays_have_the_documented_shapes_and_dtypes():
     assert table[1, 2] == -1  # 20 tokens need two blocks of 16
     assert len(set(table[0].tolist()) | set(table[1, :2].tolist())) == 5
     answer(s, p)
-    assert s.stop_of(10) == "Decoding"
+    assert s.phase_of(10) == "Decoding"
 
 
 def test_plan_views_outlive_later_steps():
@@ -63,10 +63,10 @@ def test_errors_carry_the_cpp_message_and_change_nothing():
     with pytest.raises(SchedulerError, match="row 0 is request 1, got 2"):
         s.feed(np.array([2]), np.array([1], dtype=np.int32), np.array([4], dtype=np.int32))
     with pytest.raises(
-        SchedulerError, match="event RemoteFillDone is not legal in stop PrefillAwaitingResult"
+        SchedulerError, match="event RemoteFillDone is not legal in phase PrefillAwaitingResult"
     ):
         s.remote_fill_done(1, 3)
-    assert s.stop_of(1) == "PrefillAwaitingResult"
+    assert s.phase_of(1) == "PrefillAwaitingResult"
     answer(s, p)
     assert s.tokens_of(1) == [1, 2, 3, 5]
 
@@ -84,7 +84,7 @@ def test_introspection_counts_stops_and_blocks():
     for i in range(3):
         s.submit(i, np.arange(1 + 100 * i, 30 + 100 * i, dtype=np.int32), max_new_tokens=2)
     p = s.step()
-    counts = s.stop_counts()
+    counts = s.phase_counts()
     assert counts["PrefillAwaitingResult"] == 2 and counts["Submitted"] == 1
     assert s.num_running == 2 and s.num_waiting == 1
     assert s.free_blocks(0) == total - 4

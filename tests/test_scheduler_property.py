@@ -139,7 +139,7 @@ class Harness:
     def stop(self, rid: int) -> str | None:
         """The request's stop, or None once it has finished (reported in a later plan)."""
         try:
-            return self.s.stop_of(rid)
+            return self.s.phase_of(rid)
         except SchedulerError as e:
             assert "is not live" in str(e)
             self.last_seen.pop(rid, None)
@@ -173,7 +173,7 @@ class Harness:
                 self.s.finish(rid)
                 self.last_seen.pop(rid)
             except SchedulerError as e:
-                assert "not legal in stop" in str(e)
+                assert "not legal in phase" in str(e)
 
     def check(self) -> None:
         self.s.check_invariants()
@@ -182,7 +182,7 @@ class Harness:
                 continue
             waited = self.step_no - seen
             assert waited <= STARVATION_BOUND, (
-                f"request {rid} unscheduled for {waited} steps ({self.s.stop_of(rid)})"
+                f"request {rid} unscheduled for {waited} steps ({self.s.phase_of(rid)})"
             )
 
     def drain(self) -> None:

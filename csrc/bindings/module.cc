@@ -27,10 +27,10 @@ std::span<const T> span_of(const In<T>& a) {
   return {a.data(), static_cast<std::size_t>(a.shape(0))};
 }
 
-const char* const kStopNames[] = {"Bootstrapping", "Submitted", "Prefetching", "Prefilling", "PrefillAwaitingResult",
-                                  "Decoding",      "Retracted", "Restoring",   "Finishing",  "Finished",
-                                  "RemoteFill",    "Ready"};
-static_assert(std::size(kStopNames) == std::variant_size_v<Stop>);
+const char* const kPhaseNames[] = {"Bootstrapping", "Submitted", "Prefetching", "Prefilling", "PrefillAwaitingResult",
+                                   "Decoding",      "Retracted", "Restoring",   "Finishing",  "Finished",
+                                   "RemoteFill",    "Ready"};
+static_assert(std::size(kPhaseNames) == std::variant_size_v<Phase>);
 
 #define DZ_VIEW(cls, field) \
   def_property_readonly(#field, [](py::object self) { return view(self.cast<const cls&>().field, self); })
@@ -153,7 +153,7 @@ PYBIND11_MODULE(_scheduler, m) {
           py::arg("req_ids"), py::arg("counts"), py::arg("tokens"))
       .def("check_invariants", &Scheduler::check_invariants)
       .def("flush_prefix_cache", &Scheduler::flush_prefix_cache)
-      .def("stop_of", &Scheduler::stop_of, py::arg("id"))
+      .def("phase_of", &Scheduler::phase_of, py::arg("id"))
       .def("block_table", &Scheduler::block_table, py::arg("id"), py::arg("group") = 0)
       .def("tokens_of", &Scheduler::tokens_of, py::arg("id"))
       .def_property_readonly("capacity", &Scheduler::capacity)
@@ -161,11 +161,11 @@ PYBIND11_MODULE(_scheduler, m) {
       .def_property_readonly("num_running", &Scheduler::running)
       .def_property_readonly("num_live", &Scheduler::live)
       .def_property_readonly("plans_in_flight", &Scheduler::plans_in_flight)
-      .def("stop_counts",
+      .def("phase_counts",
            [](const Scheduler& s) {
              py::dict d;
-             const StopCounts c = s.stop_counts();
-             for (std::size_t i = 0; i < std::size(kStopNames); ++i) d[kStopNames[i]] = c.counts[i];
+             const PhaseCounts c = s.phase_counts();
+             for (std::size_t i = 0; i < std::size(kPhaseNames); ++i) d[kPhaseNames[i]] = c.counts[i];
              return d;
            })
       .def(

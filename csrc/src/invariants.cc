@@ -21,8 +21,8 @@ void Scheduler::check_invariants() const {
   std::set<SlotId> state_slots;
   std::int32_t holders = 0;
   for (const auto& s : slots_) {
-    if (!s.stop) continue;
-    const KvBlocks* kv = kv_of(*s.stop);
+    if (!s.phase) continue;
+    const KvBlocks* kv = kv_of(*s.phase);
     if (!kv) continue;
     ++holders;
     for (std::size_t g = 0; g < ng; ++g)
@@ -55,26 +55,26 @@ void Scheduler::check_invariants() const {
   if (kv_.has_state() && kv_.free_slots() + static_cast<std::int32_t>(state_slots.size()) != cfg_.max_batch_size)
     broken("state slots: " + std::to_string(kv_.free_slots()) + " free + " + std::to_string(state_slots.size()) +
            " held != " + std::to_string(cfg_.max_batch_size));
-  // 4. Queues agree with stops.
+  // 4. Queues agree with phases.
   if (holders != static_cast<std::int32_t>(running_.size()))
     broken(std::to_string(holders) + " requests hold KV but " + std::to_string(running_.size()) + " are running");
   if (static_cast<std::int32_t>(running_.size()) > cfg_.max_batch_size)
     broken("more running requests than max_batch_size");
   for (std::size_t i = 1; i < running_.size(); ++i)
-    if (info_of(*slots_[static_cast<std::size_t>(running_[i - 1])].stop).arrival >=
-        info_of(*slots_[static_cast<std::size_t>(running_[i])].stop).arrival)
+    if (info_of(*slots_[static_cast<std::size_t>(running_[i - 1])].phase).arrival >=
+        info_of(*slots_[static_cast<std::size_t>(running_[i])].phase).arrival)
       broken("running requests out of arrival order");
   for (const auto& r : retracted_)
-    if (!slots_[static_cast<std::size_t>(r.slot)].stop ||
-        !std::holds_alternative<Retracted>(*slots_[static_cast<std::size_t>(r.slot)].stop))
+    if (!slots_[static_cast<std::size_t>(r.slot)].phase ||
+        !std::holds_alternative<Retracted>(*slots_[static_cast<std::size_t>(r.slot)].phase))
       broken("retracted queue holds a request that is not Retracted");
   // 5. Host pages: held by retracted or restoring requests, the cache, or free.
   std::int32_t host_held = kv_.cache().host_pages_held();
   for (const auto& s : slots_) {
-    if (!s.stop) continue;
+    if (!s.phase) continue;
     const HostCopy* h = nullptr;
-    if (auto* r = std::get_if<Retracted>(&*s.stop)) h = &r->host;
-    if (auto* r = std::get_if<Restoring>(&*s.stop)) h = &r->host;
+    if (auto* r = std::get_if<Retracted>(&*s.phase)) h = &r->host;
+    if (auto* r = std::get_if<Restoring>(&*s.phase)) h = &r->host;
     if (!h) continue;
     for (const auto& g : h->blocks)
       host_held += static_cast<std::int32_t>(

@@ -51,7 +51,7 @@ void KvManager::new_step() {
 
 std::vector<BlockTable>& KvManager::tables_of(KvBlocks& kv) { return kv.tables_; }
 
-std::optional<KvBlocks> KvManager::fresh() {
+std::optional<KvBlocks> KvManager::new_kv() {
   Lease slot;
   if (has_state()) {
     if (slots_.empty()) return std::nullopt;

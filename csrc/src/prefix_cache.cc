@@ -16,7 +16,7 @@ std::uint64_t fmix(std::uint64_t h) {  // murmur3 finaliser
   return h;
 }
 
-std::uint64_t absorb(std::uint64_t h, std::uint64_t w, std::uint64_t mul) {
+std::uint64_t mix_word(std::uint64_t h, std::uint64_t w, std::uint64_t mul) {
   h ^= fmix(w + mul);
   h = (h << 27) | (h >> 37);
   return h * mul + 0x52dce729ULL;
@@ -26,12 +26,12 @@ std::uint64_t absorb(std::uint64_t h, std::uint64_t w, std::uint64_t mul) {
 
 BlockKey chain_key(const BlockKey& parent, std::span<const TokenId> block) {
   constexpr std::uint64_t kA = 0x87c37b91114253d5ULL, kB = 0x4cf5ad432745937fULL;
-  std::uint64_t a = absorb(parent.hi, parent.lo, kA), b = absorb(parent.lo, parent.hi, kB);
+  std::uint64_t a = mix_word(parent.hi, parent.lo, kA), b = mix_word(parent.lo, parent.hi, kB);
   for (std::size_t i = 0; i < block.size(); i += 2) {
     std::uint64_t w = static_cast<std::uint32_t>(block[i]);
     if (i + 1 < block.size()) w |= static_cast<std::uint64_t>(static_cast<std::uint32_t>(block[i + 1])) << 32;
-    a = absorb(a, w, kA);
-    b = absorb(b, w ^ 0x9E3779B97F4A7C15ULL, kB);
+    a = mix_word(a, w, kA);
+    b = mix_word(b, w ^ 0x9E3779B97F4A7C15ULL, kB);
   }
   return {fmix(a ^ block.size()), fmix(b + block.size())};
 }
@@ -112,7 +112,7 @@ bool PrefixCache::acquire(const Match& m, std::vector<BlockTable>& tables, SlotI
   for (auto e : m.entries)
     if (!entries_[e].on_device) unlink(e);
   // Device blocks for host entries.
-  std::vector<BlockId> fresh;  // entry-major, group-minor
+  std::vector<BlockId> promoted;  // entry-major, group-minor
   bool ok = true;
   for (std::int32_t i = 0; i < n && ok; ++i) {
     const Entry& e = entries_[m.entries[i]];
@@ -124,7 +124,7 @@ bool PrefixCache::acquire(const Match& m, std::vector<BlockTable>& tables, SlotI
       if (b == kNoBlock)
         ok = false;
       else
-        fresh.push_back(b);
+        promoted.push_back(b);
     }
   }
   if (!ok) {  // give back everything taken above
@@ -132,15 +132,15 @@ bool PrefixCache::acquire(const Match& m, std::vector<BlockTable>& tables, SlotI
     for (std::int32_t i = 0; i < n; ++i) {
       const Entry& e = entries_[m.entries[i]];
       if (e.on_device) continue;
-      for (std::size_t g = 0; g < groups_.size() && k < fresh.size(); ++g)
-        if (e.host[g] && wanted(g, i)) groups_[g].alloc->decref(fresh[k++]);
+      for (std::size_t g = 0; g < groups_.size() && k < promoted.size(); ++g)
+        if (e.host[g] && wanted(g, i)) groups_[g].alloc->decref(promoted[k++]);
     }
     for (auto e : m.entries)
       if (!entries_[e].on_device) link_front(Entry::In::HostLru, e);
     for (auto& t : tables) t.truncate(0);
     return false;
   }
-  // Promote host entries: a fresh block is the entry's reference; the table shares it.
+  // Promote host entries: a new device block is the entry's reference; the table shares it.
   std::size_t k = 0;
   for (std::int32_t i = 0; i < n; ++i) {
     const std::int32_t idx = m.entries[i];
@@ -149,7 +149,7 @@ bool PrefixCache::acquire(const Match& m, std::vector<BlockTable>& tables, SlotI
     for (std::size_t g = 0; g < groups_.size(); ++g) {
       if (!e.host[g]) continue;
       if (wanted(g, i)) {
-        const BlockId b = fresh[k++];
+        const BlockId b = promoted[k++];
         e.blocks[g] = b;
         groups_[g].alloc->set_owner(b, idx);
         tables[g].fill(i, b);  // refcount 2: pins the entry

@@ -9,7 +9,7 @@ namespace dz {
 
 namespace {
 
-std::int32_t kv_len_of(const Stop& s) {
+std::int32_t kv_len_of(const Phase& s) {
   return std::visit(
       [](const auto& x) -> std::int32_t {
         if constexpr (requires { x.kv_len; })
@@ -62,27 +62,27 @@ void Scheduler::submit(ReqId id, std::span<const TokenId> prompt, const SubmitAr
   info.stop_ids = args.stop_ids;
   info.ignore_eos = args.ignore_eos;
   info.remote = args.remote;
-  slots_[static_cast<std::size_t>(slot)].stop.emplace(Bootstrapping{std::move(info)});
+  slots_[static_cast<std::size_t>(slot)].phase.emplace(Bootstrapping{std::move(info)});
   by_id_.emplace(id, slot);
   if (!args.remote) bootstrap_done(id);
 }
 
 void Scheduler::bootstrap_done(ReqId id) {
   const std::int32_t slot = slot_of(id);
-  apply(id, stop(slot), BootstrapDone{});
-  info_of(stop(slot)).arrival = next_arrival_++;
+  apply(id, phase(slot), BootstrapDone{});
+  info_of(phase(slot)).arrival = next_arrival_++;
   waiting_.push_back({slot, slots_[static_cast<std::size_t>(slot)].gen});
 }
 
 void Scheduler::remote_fill_done(ReqId id, TokenId first) {
   if (first < 0) throw SchedulerError("request " + std::to_string(id) + ": negative token id");
-  apply(id, stop(slot_of(id)), RemoteFillDone{first});
+  apply(id, phase(slot_of(id)), RemoteFillDone{first});
 }
 
 void Scheduler::abort(ReqId id) {
   const std::int32_t slot = slot_of(id);
-  apply(id, stop(slot), Abort{});
-  if (std::holds_alternative<Finishing>(stop(slot))) {
+  apply(id, phase(slot), Abort{});
+  if (std::holds_alternative<Finishing>(phase(slot))) {
     finish_request(slot);
   } else {
     pending_.finished_ids.push_back(id);
@@ -93,24 +93,24 @@ void Scheduler::abort(ReqId id) {
 
 void Scheduler::finish(ReqId id) {
   const std::int32_t slot = slot_of(id);
-  apply(id, stop(slot), Finish{FinishReason::Stop});
+  apply(id, phase(slot), Finish{FinishReason::Stop});
   finish_request(slot);
 }
 
 void Scheduler::finish_request(std::int32_t slot) {
-  auto& f = std::get<Finishing>(stop(slot));
+  auto& f = std::get<Finishing>(phase(slot));
   kv_.commit(f.kv(), f.info, f.kv_len);  // the conversation's next turn reuses it
   const ReqId id = f.info.id;
-  apply(id, stop(slot), Release{});
+  apply(id, phase(slot), Release{});
   pending_.finished_ids.push_back(id);
-  pending_.finished_reasons.push_back(static_cast<std::int32_t>(std::get<Finished>(stop(slot)).reason));
+  pending_.finished_reasons.push_back(static_cast<std::int32_t>(std::get<Finished>(phase(slot)).reason));
   remove(slot);
 }
 
 void Scheduler::remove(std::int32_t slot) {
   Slot& s = slots_[static_cast<std::size_t>(slot)];
-  by_id_.erase(info_of(*s.stop).id);
-  s.stop.reset();
+  by_id_.erase(info_of(*s.phase).id);
+  s.phase.reset();
   ++s.gen;
   free_slots_.push_back(slot);
   if (auto it = std::find(running_.begin(), running_.end(), slot); it != running_.end()) running_.erase(it);
@@ -132,7 +132,7 @@ std::shared_ptr<const Plan> Scheduler::step() {
   // Copies logged by earlier plans run before this one: those waits are over.
   std::vector<std::int32_t> ready;
   for (std::int32_t slot : running_) {
-    Stop& s = stop(slot);
+    Phase& s = phase(slot);
     const ReqId id = info_of(s).id;
     if (std::holds_alternative<Prefetching>(s))
       apply(id, s, PrefetchDone{});
@@ -142,7 +142,7 @@ std::shared_ptr<const Plan> Scheduler::step() {
       ready.push_back(slot);
   }
   for (std::int32_t slot : ready) {
-    apply(info_of(stop(slot)).id, stop(slot), StartDecode{});
+    apply(info_of(phase(slot)).id, phase(slot), StartDecode{});
     after_token(slot, 1);  // the remote node's first token may already finish it
   }
 
@@ -154,14 +154,14 @@ std::shared_ptr<const Plan> Scheduler::step() {
   // Blocks whose KV this and earlier plans compute become visible to later admissions.
   for (auto& [slot, end, lease] : snapshots_) {
     const Slot& s = slots_[static_cast<std::size_t>(slot)];
-    if (const KvBlocks* kv = s.stop ? kv_of(*s.stop) : nullptr)
-      kv_.commit(*kv, info_of(stop(slot)), end, std::move(lease));
+    if (const KvBlocks* kv = s.phase ? kv_of(*s.phase) : nullptr)
+      kv_.commit(*kv, info_of(phase(slot)), end, std::move(lease));
   }
   snapshots_.clear();
   for (std::int32_t slot : commit_rows_) {
     const Slot& s = slots_[static_cast<std::size_t>(slot)];
-    if (!s.stop) continue;
-    if (const KvBlocks* kv = kv_of(*s.stop)) kv_.commit(*kv, info_of(stop(slot)), kv_len_of(*s.stop));
+    if (!s.phase) continue;
+    if (const KvBlocks* kv = kv_of(*s.phase)) kv_.commit(*kv, info_of(phase(slot)), kv_len_of(*s.phase));
   }
   commit_rows_.clear();
 
@@ -200,7 +200,7 @@ void Scheduler::schedule_decodes(Plan& p, Budget& b) {
   const std::int32_t max_inflight = cfg_.overlap ? 2 : 1;
   for (std::size_t i = 0; i < running_.size(); ++i) {
     const std::int32_t slot = running_[i];
-    auto* d = std::get_if<Decoding>(&stop(slot));
+    auto* d = std::get_if<Decoding>(&phase(slot));
     if (!d || d->inflight >= max_inflight) continue;
     if (b.rows == 0 || b.tokens < need) break;
     const std::int32_t start = d->kv_len;
@@ -219,7 +219,7 @@ void Scheduler::schedule_decodes(Plan& p, Budget& b) {
 
 void Scheduler::schedule_prefills(Plan& p, Budget& b) {
   for (std::size_t i = 0; i < running_.size() && b.rows > 0 && b.tokens > 0; ++i)
-    if (std::holds_alternative<Prefilling>(stop(running_[i])) && !chunk(p, b, running_[i])) break;
+    if (std::holds_alternative<Prefilling>(phase(running_[i])) && !chunk(p, b, running_[i])) break;
 }
 
 std::int32_t Scheduler::chunk_end(const ReqInfo& info, std::int32_t start, const Budget& b) const {
@@ -236,7 +236,7 @@ std::int32_t Scheduler::chunk_end(const ReqInfo& info, std::int32_t start, const
 }
 
 bool Scheduler::chunk(Plan& p, Budget& b, std::int32_t slot) {
-  auto& f = std::get<Prefilling>(stop(slot));
+  auto& f = std::get<Prefilling>(phase(slot));
   if (b.rows == 0 || b.tokens == 0) return false;
   const std::int32_t bs = kv_.block_size(), len = f.info.len(), start = f.kv_len;
   const std::int32_t end = chunk_end(f.info, start, b);
@@ -258,7 +258,7 @@ bool Scheduler::chunk(Plan& p, Budget& b, std::int32_t slot) {
       snapshots_.push_back({slot, end, std::move(lease)});
     }
   }
-  if (last) apply(f.info.id, stop(slot), LastChunk{});
+  if (last) apply(f.info.id, phase(slot), LastChunk{});
   return true;
 }
 
@@ -268,19 +268,19 @@ void Scheduler::admit(Plan& p, Budget& b) {
   const auto full = [&] { return static_cast<std::int32_t>(running_.size()) >= cfg_.max_batch_size; };
   while (!retracted_.empty() && !full()) {
     const std::int32_t slot = retracted_.front().slot;
-    auto& r = std::get<Retracted>(stop(slot));
+    auto& r = std::get<Retracted>(phase(slot));
     const bool recompute = r.host.empty();
     if (recompute && (b.rows == 0 || b.tokens == 0)) return;
-    auto kv = kv_.fresh();
+    auto kv = kv_.new_kv();
     if (!kv) return;
     if (!recompute) {
       if (!kv_.copy_to_device(*kv, r.host)) return;
-      apply(r.info.id, stop(slot), Restore{std::move(*kv)});
+      apply(r.info.id, phase(slot), Restore{std::move(*kv)});
     } else {
       const auto m = acquire_prefix(r.info, *kv, /*device_only=*/true);
       if (!kv_.grow(*kv, chunk_end(r.info, m.hit_tokens, b))) return;  // kv goes back; still first in line
       kv_.cache().record(r.info.len(), m.hit_tokens);
-      apply(r.info.id, stop(slot), Recompute{std::move(*kv), m.hit_tokens});
+      apply(r.info.id, phase(slot), Recompute{std::move(*kv), m.hit_tokens});
     }
     retracted_.erase(retracted_.begin());
     enter_running(slot);
@@ -289,7 +289,7 @@ void Scheduler::admit(Plan& p, Budget& b) {
   while (!waiting_.empty() && !full() && b.rows > 0 && b.tokens > 0) {
     const RowRef r = waiting_.front();
     const Slot& s = slots_[static_cast<std::size_t>(r.slot)];
-    if (s.gen != r.gen || !s.stop || !std::holds_alternative<Submitted>(*s.stop)) {
+    if (s.gen != r.gen || !s.phase || !std::holds_alternative<Submitted>(*s.phase)) {
       waiting_.pop_front();  // aborted while waiting
       continue;
     }
@@ -299,13 +299,13 @@ void Scheduler::admit(Plan& p, Budget& b) {
 }
 
 bool Scheduler::admit_one(Plan& p, Budget& b, std::int32_t slot) {
-  auto& sub = std::get<Submitted>(stop(slot));
+  auto& sub = std::get<Submitted>(phase(slot));
   const ReqId id = sub.info.id;
-  auto kv = kv_.fresh();
+  auto kv = kv_.new_kv();
   if (!kv) return false;
   if (sub.info.remote) {
     if (!kv_.grow(*kv, sub.info.prompt_len)) return false;
-    apply(id, stop(slot), AdmitRemote{std::move(*kv)});
+    apply(id, phase(slot), AdmitRemote{std::move(*kv)});
     enter_running(slot);
     pending_.remote_fill_ids.push_back(id);
     return true;
@@ -316,9 +316,9 @@ bool Scheduler::admit_one(Plan& p, Budget& b, std::int32_t slot) {
   if (m.host_blocks == 0 && !kv_.grow(*kv, chunk_end(sub.info, m.hit_tokens, b))) return false;
   kv_.cache().record(sub.info.len(), m.hit_tokens);
   if (m.host_blocks > 0) {
-    apply(id, stop(slot), AdmitFromHost{std::move(*kv), m.hit_tokens});
+    apply(id, phase(slot), AdmitFromHost{std::move(*kv), m.hit_tokens});
   } else {
-    apply(id, stop(slot), Admit{std::move(*kv), m.hit_tokens});
+    apply(id, phase(slot), Admit{std::move(*kv), m.hit_tokens});
   }
   enter_running(slot);
   if (m.host_blocks == 0) chunk(p, b, slot);
@@ -326,9 +326,9 @@ bool Scheduler::admit_one(Plan& p, Budget& b, std::int32_t slot) {
 }
 
 void Scheduler::enter_running(std::int32_t slot) {
-  const auto arrival = info_of(stop(slot)).arrival;
+  const auto arrival = info_of(phase(slot)).arrival;
   running_.insert(std::upper_bound(running_.begin(), running_.end(), arrival,
-                                   [&](std::uint64_t a, std::int32_t s) { return a < info_of(stop(s)).arrival; }),
+                                   [&](std::uint64_t a, std::int32_t s) { return a < info_of(phase(s)).arrival; }),
                   slot);
 }
 
@@ -341,10 +341,10 @@ PrefixCache::Match Scheduler::acquire_prefix(ReqInfo& info, KvBlocks& kv, bool d
 // ---------------------------------------------------------------- pressure
 
 bool Scheduler::make_room(std::int32_t for_slot) {
-  const std::uint64_t arrival = info_of(stop(for_slot)).arrival;
+  const std::uint64_t arrival = info_of(phase(for_slot)).arrival;
   for (auto j = static_cast<std::ptrdiff_t>(running_.size()) - 1; j >= 0; --j) {
     const std::int32_t v = running_[static_cast<std::size_t>(j)];
-    const Stop& s = stop(v);
+    const Phase& s = phase(v);
     if (info_of(s).arrival <= arrival) return false;
     const auto* d = std::get_if<Decoding>(&s);
     const auto* f = std::get_if<Prefilling>(&s);
@@ -357,7 +357,7 @@ bool Scheduler::make_room(std::int32_t for_slot) {
 }
 
 void Scheduler::retract(std::int32_t slot) {
-  Stop& s = stop(slot);
+  Phase& s = phase(slot);
   ReqInfo& info = info_of(s);
   const ReqId id = info.id;
   if (auto* d = std::get_if<Decoding>(&s)) {
@@ -371,10 +371,10 @@ void Scheduler::retract(std::int32_t slot) {
   }
   running_.erase(std::find(running_.begin(), running_.end(), slot));
   const RowRef ref{slot, slots_[static_cast<std::size_t>(slot)].gen};
-  const auto arrival = info_of(stop(slot)).arrival;
+  const auto arrival = info_of(phase(slot)).arrival;
   retracted_.insert(
       std::upper_bound(retracted_.begin(), retracted_.end(), arrival,
-                       [&](std::uint64_t a, const RowRef& r) { return a < info_of(stop(r.slot)).arrival; }),
+                       [&](std::uint64_t a, const RowRef& r) { return a < info_of(phase(r.slot)).arrival; }),
       ref);
   pending_.retracted_ids.push_back(id);
 }
@@ -413,8 +413,8 @@ void Scheduler::feed(std::span<const ReqId> ids, std::span<const std::int32_t> c
     off += got.size();
     const RowRef r = rec.rows[i];
     Slot& sl = slots_[static_cast<std::size_t>(r.slot)];
-    if (sl.gen != r.gen || !sl.stop) continue;  // finished or aborted meanwhile
-    Stop& s = *sl.stop;
+    if (sl.gen != r.gen || !sl.phase) continue;  // finished or aborted meanwhile
+    Phase& s = *sl.phase;
     if (auto* f = std::get_if<Prefilling>(&s)) {
       --f->inflight;
     } else if (auto* a = std::get_if<PrefillAwaitingResult>(&s)) {
@@ -437,13 +437,13 @@ void Scheduler::feed(std::span<const ReqId> ids, std::span<const std::int32_t> c
   inflight_.pop_front();
 }
 
-bool Scheduler::after_token(std::int32_t slot, std::int32_t fresh) {
-  auto& d = std::get<Decoding>(stop(slot));
+bool Scheduler::after_token(std::int32_t slot, std::int32_t new_tokens) {
+  auto& d = std::get<Decoding>(phase(slot));
   ReqInfo& info = d.info;
   FinishReason why = FinishReason::None;
   std::int32_t keep = info.len();
   if (!info.ignore_eos) {
-    for (std::int32_t k = info.len() - fresh; k < info.len(); ++k) {
+    for (std::int32_t k = info.len() - new_tokens; k < info.len(); ++k) {
       if (std::find(info.stop_ids.begin(), info.stop_ids.end(), info.tokens[static_cast<std::size_t>(k)]) !=
           info.stop_ids.end()) {
         why = FinishReason::Stop;
@@ -460,7 +460,7 @@ bool Scheduler::after_token(std::int32_t slot, std::int32_t fresh) {
   }
   if (why == FinishReason::None) return false;
   info.tokens.resize(static_cast<std::size_t>(keep));
-  apply(info.id, stop(slot), Finish{why});
+  apply(info.id, phase(slot), Finish{why});
   finish_request(slot);
   return true;
 }
@@ -473,7 +473,7 @@ void Scheduler::build_tables(Plan& p) {
   p.block_table_width.assign(ng, 0);
   std::vector<const KvBlocks*> kvs;
   kvs.reserve(p.req_slots.size());
-  for (std::int32_t slot : p.req_slots) kvs.push_back(kv_of(stop(slot)));
+  for (std::int32_t slot : p.req_slots) kvs.push_back(kv_of(phase(slot)));
   for (std::size_t g = 0; g < ng; ++g) {
     if (kv_.group(g).kind == GroupKind::State) continue;
     std::int32_t width = 0;
@@ -494,30 +494,32 @@ std::int32_t Scheduler::waiting() const {
   std::int32_t n = static_cast<std::int32_t>(retracted_.size());
   for (const auto& r : waiting_) {
     const Slot& s = slots_[static_cast<std::size_t>(r.slot)];
-    n += s.gen == r.gen && s.stop && std::holds_alternative<Submitted>(*s.stop) ? 1 : 0;
+    n += s.gen == r.gen && s.phase && std::holds_alternative<Submitted>(*s.phase) ? 1 : 0;
   }
   return n;
 }
 
-StopCounts Scheduler::stop_counts() const {
-  StopCounts c;
+PhaseCounts Scheduler::phase_counts() const {
+  PhaseCounts c;
   for (const auto& s : slots_)
-    if (s.stop) ++c.counts[s.stop->index()];
+    if (s.phase) ++c.counts[s.phase->index()];
   return c;
 }
 
-std::string Scheduler::stop_of(ReqId id) const { return name_of(*slots_[static_cast<std::size_t>(slot_of(id))].stop); }
+std::string Scheduler::phase_of(ReqId id) const {
+  return name_of(*slots_[static_cast<std::size_t>(slot_of(id))].phase);
+}
 
 std::vector<BlockId> Scheduler::block_table(ReqId id, std::size_t group) const {
   if (group >= kv_.num_groups()) throw SchedulerError("no cache group " + std::to_string(group));
-  const KvBlocks* kv = kv_of(*slots_[static_cast<std::size_t>(slot_of(id))].stop);
+  const KvBlocks* kv = kv_of(*slots_[static_cast<std::size_t>(slot_of(id))].phase);
   if (!kv) return {};
   const auto ids = kv->table(group).ids();
   return {ids.begin(), ids.end()};
 }
 
 std::vector<TokenId> Scheduler::tokens_of(ReqId id) const {
-  return info_of(*slots_[static_cast<std::size_t>(slot_of(id))].stop).tokens;
+  return info_of(*slots_[static_cast<std::size_t>(slot_of(id))].phase).tokens;
 }
 
 }  // namespace dz

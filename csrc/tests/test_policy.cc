@@ -112,15 +112,15 @@ TEST(Disaggregation, RemoteFillThenDecode) {
   s.submit(1, seq(9), {.max_new_tokens = 3, .remote = true});
   auto p = s.step();
   EXPECT_EQ(p->rows(), 0);
-  EXPECT_EQ(s.stop_of(1), "Bootstrapping");
+  EXPECT_EQ(s.phase_of(1), "Bootstrapping");
   s.bootstrap_done(1);
   p = s.step();
   EXPECT_EQ(p->rows(), 0);  // blocks allocated, the remote node writes them
-  EXPECT_EQ(s.stop_of(1), "RemoteFill");
+  EXPECT_EQ(s.phase_of(1), "RemoteFill");
   EXPECT_EQ(s.block_table(1).size(), 3u);
   EXPECT_THROW(s.feed(std::vector<ReqId>{1}, std::vector<std::int32_t>{1}, std::vector<TokenId>{1}), SchedulerError);
   s.remote_fill_done(1, 77);
-  EXPECT_EQ(s.stop_of(1), "Ready");
+  EXPECT_EQ(s.phase_of(1), "Ready");
   EXPECT_THROW(s.remote_fill_done(1, 78), SchedulerError);  // not legal twice
   p = s.step();
   ASSERT_EQ(p->rows(), 1);
@@ -187,7 +187,7 @@ TEST(HostPrefix, DemotedPrefixComesBackThroughPrefetching) {
   answer(s, *p);
   s.submit(3, seq(9), {.max_new_tokens = 1});
   p = s.step();
-  EXPECT_EQ(s.stop_of(3), "Prefetching");
+  EXPECT_EQ(s.phase_of(3), "Prefetching");
   EXPECT_EQ(p->copies.to_device_src.size(), 2u);
   EXPECT_EQ(p->rows(), 0);
   p = s.step();
@@ -214,7 +214,7 @@ TEST(Admission, ARequestWithoutRoomForItsFirstChunkWaitsUnadmitted) {
     auto p = s.step();
     EXPECT_TRUE(p->retracted_ids.empty());  // waiting is not retraction
     if (s.live() == 2) {
-      EXPECT_EQ(s.stop_of(2), "Submitted");
+      EXPECT_EQ(s.phase_of(2), "Submitted");
       waited = true;
     }
     if (p->rows() > 0) test::answer(s, *p);

@@ -23,7 +23,7 @@ struct CacheFixture : ::testing::Test {
 
   // A request that computed `n` tokens and committed them.
   KvBlocks compute(ReqInfo& info, std::int32_t n) {
-    auto blocks = *kv.fresh();
+    auto blocks = *kv.new_kv();
     EXPECT_TRUE(kv.grow(blocks, n));
     kv.commit(blocks, info, n);
     return blocks;
@@ -42,7 +42,7 @@ TEST_F(CacheFixture, HitSharesBlocksAndNeverCoversTheLastToken) {
   ReqInfo b = req(test::seq(12));  // same 12 tokens: at most 8 cached (last token recomputed)
   auto m = kv.match(b);
   EXPECT_EQ(m.hit_tokens, 8);
-  auto kb = *kv.fresh();
+  auto kb = *kv.new_kv();
   ASSERT_TRUE(kv.acquire(m, kb));
   EXPECT_EQ(kb.table(0).ids()[0], ka.table(0).ids()[0]);
   EXPECT_EQ(kv.allocator(0)->refcount(ka.table(0).ids()[0]), 3);  // a, b, cache
@@ -62,7 +62,7 @@ TEST_F(CacheFixture, UnusedEntriesAreEvictedLeafFirstWhenMemoryRunsOut) {
   { KvBlocks ka = compute(a, 16); }  // released: 4 cached blocks, all evictable
   EXPECT_EQ(kv.cache().evictable(), 4);
   EXPECT_EQ(kv.free_pages(), 4);
-  auto big = *kv.fresh();
+  auto big = *kv.new_kv();
   ASSERT_TRUE(kv.grow(big, 20));  // needs 5 pages: evicts one entry, the leaf
   EXPECT_EQ(kv.cache().size(), 3);
   ReqInfo again = req(test::seq(16));
@@ -72,7 +72,7 @@ TEST_F(CacheFixture, UnusedEntriesAreEvictedLeafFirstWhenMemoryRunsOut) {
 TEST_F(CacheFixture, ReferencedEntriesAreNeverEvicted) {
   ReqInfo a = req(test::seq(16));
   KvBlocks ka = compute(a, 16);  // still held
-  auto other = *kv.fresh();
+  auto other = *kv.new_kv();
   EXPECT_TRUE(kv.grow(other, 16));
   EXPECT_FALSE(kv.grow(other, 20));  // nothing evictable
   EXPECT_EQ(kv.cache().size(), 4);
@@ -86,12 +86,12 @@ TEST(PrefixCacheHost, DemotedEntriesComeBackThroughCopies) {
   a.tokens = test::seq(9);
   a.prompt_len = 9;
   {
-    auto ka = *kv.fresh();
+    auto ka = *kv.new_kv();
     ASSERT_TRUE(kv.grow(ka, 8));
     kv.commit(ka, a, 8);
   }
   kv.new_step();
-  auto filler = *kv.fresh();
+  auto filler = *kv.new_kv();
   ASSERT_TRUE(kv.grow(filler, 16));  // all four pages: both entries demoted to host
   EXPECT_EQ(kv.cache().host_entries(), 2);
   EXPECT_EQ(kv.ops().to_host_src.size(), 2u);
@@ -103,7 +103,7 @@ TEST(PrefixCacheHost, DemotedEntriesComeBackThroughCopies) {
   auto m = kv.match(b);
   EXPECT_EQ(m.hit_tokens, 8);
   EXPECT_EQ(m.host_blocks, 2);
-  auto kb = *kv.fresh();
+  auto kb = *kv.new_kv();
   ASSERT_TRUE(kv.acquire(m, kb));
   EXPECT_EQ(kv.ops().to_device_dst.size(), 2u);
   EXPECT_EQ(kv.ops().to_device_dst[0], kb.table(0).ids()[0]);

@@ -19,7 +19,7 @@ TEST(Scheduler, PrefillThenDecodeUntilLength) {
   EXPECT_TRUE(p->is_prefill[0] && p->sample[0]);
   EXPECT_EQ(p->block_table_width[0], 3);
   answer(s, *p, 50);
-  EXPECT_EQ(s.stop_of(1), "Decoding");
+  EXPECT_EQ(s.phase_of(1), "Decoding");
   p = s.step();
   ASSERT_EQ(p->rows(), 1);
   EXPECT_EQ(p->input_ids, std::vector<TokenId>{50});
@@ -43,7 +43,7 @@ TEST(Scheduler, StopTokenFinishesAndIgnoreEosDoesNot) {
   auto p = s.step();
   answer(s, *p, 7);
   EXPECT_EQ(s.live(), 1);
-  EXPECT_EQ(s.stop_of(2), "Decoding");
+  EXPECT_EQ(s.phase_of(2), "Decoding");
   p = s.step();
   EXPECT_EQ(p->finished_reasons, std::vector<std::int32_t>{static_cast<int>(FinishReason::Stop)});
 }
@@ -108,7 +108,7 @@ TEST(Scheduler, BatchCapAdmitsInArrivalOrder) {
   for (ReqId id = 1; id <= 3; ++id) s.submit(id, seq(4), {.max_new_tokens = 2});
   auto p = s.step();
   EXPECT_EQ(p->req_ids, (std::vector<ReqId>{1, 2}));
-  EXPECT_EQ(s.stop_of(3), "Submitted");
+  EXPECT_EQ(s.phase_of(3), "Submitted");
   answer(s, *p);
   answer(s, *s.step());  // 1 and 2 finish
   p = s.step();
@@ -124,7 +124,7 @@ TEST(Scheduler, BadFeedIsRejectedAndChangesNothing) {
   EXPECT_THROW(s.feed(std::vector<ReqId>{2}, one, tok), SchedulerError);                // wrong request
   EXPECT_THROW(s.feed(p->req_ids, std::vector<std::int32_t>{2}, tok), SchedulerError);  // too many tokens
   EXPECT_THROW(s.feed(p->req_ids, one, std::vector<TokenId>{-3}), SchedulerError);      // bad token
-  EXPECT_EQ(s.stop_of(1), "PrefillAwaitingResult");
+  EXPECT_EQ(s.phase_of(1), "PrefillAwaitingResult");
   s.feed(p->req_ids, one, tok);
   EXPECT_EQ(s.tokens_of(1).back(), 5);
   EXPECT_THROW(s.feed(p->req_ids, one, tok), SchedulerError);  // nothing in flight
@@ -154,9 +154,9 @@ TEST(Scheduler, AbortFromEveryStopFreesEverything) {
   auto p = s.step();
   answer(s, *p);
   p = s.step();
-  EXPECT_EQ(s.stop_of(1), "Prefilling");
-  EXPECT_EQ(s.stop_of(2), "Decoding");
-  EXPECT_EQ(s.stop_of(3), "Bootstrapping");
+  EXPECT_EQ(s.phase_of(1), "Prefilling");
+  EXPECT_EQ(s.phase_of(2), "Decoding");
+  EXPECT_EQ(s.phase_of(3), "Bootstrapping");
   s.abort(1);
   s.abort(2);
   s.abort(3);

@@ -11,7 +11,7 @@ TEST(Transitions, IllegalRuntimeEventIsRejectedAndChangesNothing) {
   ReqInfo info;
   info.id = 42;
   info.tokens = {1, 2, 3};
-  Stop s = Submitted{info};
+  Phase s = Submitted{info};
   try {
     apply(42, s, FirstToken{9});
     FAIL() << "FirstToken accepted while Submitted";
@@ -29,10 +29,10 @@ TEST(Transitions, AbortFromAStopWithKvGoesThroughFinishingAndReleases) {
   SchedulerConfig cfg = test::paged(4);
   MemoryLayout layout = MemoryLayout::plan(cfg);
   KvManager kv(cfg, layout);
-  auto blocks = *kv.fresh();
+  auto blocks = *kv.new_kv();
   ASSERT_TRUE(kv.grow(blocks, 8));
   EXPECT_EQ(kv.free_pages(), 2);
-  Stop s = Decoding(ReqInfo{}, std::move(blocks), 8, 0);
+  Phase s = Decoding(ReqInfo{}, std::move(blocks), 8, 0);
   apply(1, s, Abort{});
   ASSERT_TRUE(std::holds_alternative<Finishing>(s));
   EXPECT_EQ(std::get<Finishing>(s).reason, FinishReason::Abort);
@@ -42,7 +42,7 @@ TEST(Transitions, AbortFromAStopWithKvGoesThroughFinishingAndReleases) {
   EXPECT_EQ(kv.free_pages(), 4);
 }
 
-// Every live stop can be aborted; nothing can be aborted twice; a few pairs that must not exist.
+// Every live phase can be aborted; nothing can be aborted twice; a few pairs that must not exist.
 static_assert(LegalTransition<Bootstrapping, Abort> && LegalTransition<Submitted, Abort> &&
               LegalTransition<Prefetching, Abort> && LegalTransition<Prefilling, Abort> &&
               LegalTransition<PrefillAwaitingResult, Abort> && LegalTransition<Decoding, Abort> &&

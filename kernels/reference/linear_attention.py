@@ -16,7 +16,7 @@ def _rows(meta):
     qs = meta.query_start_cpu
     for r in range(len(qs) - 1):
         if qs[r + 1] > qs[r]:
-            yield meta.slots_cpu[r], meta.fresh_cpu[r], qs[r], qs[r + 1]
+            yield meta.slots_cpu[r], meta.has_initial_state_cpu[r], qs[r], qs[r + 1]
 
 
 @register("short_conv", "reference")
@@ -28,8 +28,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, meta)
     """
     out = torch.empty_like(x)
     k = weight.shape[-1]
-    for slot, fresh, a, b in _rows(meta):
-        prev = torch.zeros_like(state[slot]) if fresh else state[slot]  # [C, K - 1]
+    for slot, has_init, a, b in _rows(meta):
+        prev = state[slot] if has_init else torch.zeros_like(state[slot])  # [C, K - 1]
         seq = torch.cat((prev.to(x.dtype), x[a:b].t()), dim=1)  # [C, K - 1 + n]
         y = F.conv1d(seq[None].to(weight.dtype), weight, groups=seq.shape[0])[0]  # [C, n]
         out[a:b] = F.silu(y).t().to(x.dtype)
@@ -108,10 +108,10 @@ def kda_recurrence(
     """
     out = torch.empty_like(v)
     scale = q.shape[-1] ** -0.5
-    for slot, fresh, a, b in _rows(meta):
+    for slot, has_init, a, b in _rows(meta):
         qr, kr = _l2norm(q[a:b].float()) * scale, _l2norm(k[a:b].float())
         args = [x.transpose(0, 1) for x in (qr, kr, v[a:b].float(), g[a:b].float(), beta[a:b].float())]
-        s0 = torch.zeros_like(state[slot]) if fresh else state[slot]
+        s0 = state[slot] if has_init else torch.zeros_like(state[slot])
         o, s = (kda_chunks if chunked and b - a > 1 else kda_steps)(*args, s0)
         out[a:b] = o.transpose(0, 1).to(v.dtype)
         state[slot] = s

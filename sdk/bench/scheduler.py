@@ -57,7 +57,7 @@ class Ours:
         return len(ids)
 
     def all_decoding(self) -> bool:
-        return self.s.stop_counts()["Decoding"] == self.n
+        return self.s.phase_counts()["Decoding"] == self.n
 
 
 class TokenSpeed:

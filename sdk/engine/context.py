@@ -15,12 +15,13 @@ class StateMeta:
     """The rows' fixed-size states (linear attention): one slot per running request.
 
     pool [num_slots, slot_bytes] uint8 (a layer views its byte range in its own dtypes);
-    slots_cpu[r] the slot of row r; fresh_cpu[r]: the row starts at position 0, so its state
-    is the initial (zero) state, not whatever the slot held before."""
+    slots_cpu[r] the slot of row r; has_initial_state_cpu[r]: the row continues an earlier step's
+    state; False for a row starting at position 0, whose state starts from zeros (not whatever the
+    slot held before)."""
 
     pool: torch.Tensor
     slots_cpu: tuple[int, ...]
-    fresh_cpu: tuple[bool, ...]
+    has_initial_state_cpu: tuple[bool, ...]
     query_start_cpu: tuple[int, ...]
 
 
@@ -77,7 +78,7 @@ def build_context(
         state = StateMeta(
             pool=state_pool,
             slots_cpu=slots,
-            fresh_cpu=tuple(bool(f == 0) for f in first),
+            has_initial_state_cpu=tuple(bool(f > 0) for f in first),
             query_start_cpu=qs_cpu,
         )
     return StepContext(

@@ -257,7 +257,7 @@ def abort_all(state: ServerState, choices: list[Choice]) -> None:
             state.engine.abort(c.rid)
 
 
-def absorb(state: ServerState, c: Choice, u: Update) -> None:
+def apply_update(state: ServerState, c: Choice, u: Update) -> None:
     """Apply one engine update to a choice; a stop string ends it (and its engine request)."""
     if u.error:
         c.finish = "abort"
@@ -307,7 +307,7 @@ async def respond(
                     abort_all(state, choices)
                     state.metrics.requests.labels("disconnected").inc()
                     return Response(status_code=499)
-                absorb(state, c, u)
+                apply_update(state, c, u)
     except BaseException:
         abort_all(state, choices)
         raise
@@ -411,7 +411,7 @@ async def stream(
             for f in done:
                 c = waits[f]
                 before = len(c.tokens)
-                absorb(state, c, f.result())
+                apply_update(state, c, f.result())
                 text = c.detok.take(final=c.finish is not None)
                 lp = logprob_block(state, c, before, len(c.tokens), chat) if want_logprobs else None
                 if text or c.finish or lp:

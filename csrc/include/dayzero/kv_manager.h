@@ -9,8 +9,8 @@
 
 #include "dayzero/handles.h"
 #include "dayzero/memory.h"
+#include "dayzero/phases.h"
 #include "dayzero/prefix_cache.h"
-#include "dayzero/stops.h"
 
 namespace dz {
 
@@ -29,7 +29,7 @@ class KvManager {
   const CacheGroupSpec& group(std::size_t g) const { return groups_[g]; }
 
   // Empty tables and, for models with State groups, a state slot (nullopt if none is free).
-  std::optional<KvBlocks> fresh();
+  std::optional<KvBlocks> new_kv();
   // Blocks for the first `tokens` tokens in every paged group; false if memory ran out
   // (blocks already added stay with the request).
   bool grow(KvBlocks& kv, std::int32_t tokens);

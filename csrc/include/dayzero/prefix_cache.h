@@ -72,7 +72,7 @@ class PrefixCache final : public PinListener {
   // token must be computed to produce logits).
   // device_only: stop at the first entry that lives on the host.
   Match match(std::span<const TokenId> tokens, const std::vector<BlockKey>& keys, bool device_only) const;
-  // Takes references for a match into fresh tables; brings host entries back
+  // Takes references for a match into new (empty) tables; brings host entries back
   // (device blocks allocated, copies logged). Returns false, having taken
   // nothing, when device blocks for host entries cannot be found.
   bool acquire(const Match& m, std::vector<BlockTable>& tables, SlotId state_slot, CopyOps& ops);

@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "dayzero/kv_manager.h"
+#include "dayzero/phases.h"
 #include "dayzero/plan.h"
-#include "dayzero/stops.h"
 
 namespace dz {
 
@@ -34,8 +34,8 @@ struct SubmitArgs {
   bool remote = false;  // decode-side of disaggregation: KV comes from a remote prefill
 };
 
-struct StopCounts {
-  std::int32_t counts[std::variant_size_v<Stop>] = {};
+struct PhaseCounts {
+  std::int32_t counts[std::variant_size_v<Phase>] = {};
 };
 
 class Scheduler {
@@ -65,8 +65,8 @@ class Scheduler {
   std::int32_t waiting() const;
   std::int32_t running() const { return static_cast<std::int32_t>(running_.size()); }
   std::int32_t plans_in_flight() const { return static_cast<std::int32_t>(inflight_.size()); }
-  StopCounts stop_counts() const;
-  std::string stop_of(ReqId id) const;
+  PhaseCounts phase_counts() const;
+  std::string phase_of(ReqId id) const;
   std::vector<BlockId> block_table(ReqId id, std::size_t group = 0) const;
   std::vector<TokenId> tokens_of(ReqId id) const;
   std::int32_t capacity() const { return static_cast<std::int32_t>(slots_.size()); }
@@ -75,7 +75,7 @@ class Scheduler {
 
  private:
   struct Slot {
-    std::optional<Stop> stop;
+    std::optional<Phase> phase;
     std::uint32_t gen = 0;
   };
   struct RowRef {
@@ -93,7 +93,7 @@ class Scheduler {
   };
 
   std::int32_t slot_of(ReqId id) const;
-  Stop& stop(std::int32_t slot) { return *slots_[static_cast<std::size_t>(slot)].stop; }
+  Phase& phase(std::int32_t slot) { return *slots_[static_cast<std::size_t>(slot)].phase; }
   void add_row(Plan& p, std::int32_t slot, const ReqInfo& info, const KvBlocks& kv, std::int32_t start, std::int32_t n,
                bool prefill, bool sample);
   void schedule_decodes(Plan& p, Budget& b);
@@ -106,8 +106,8 @@ class Scheduler {
   bool chunk(Plan& p, Budget& b, std::int32_t slot);
   bool make_room(std::int32_t for_slot);  // retracts one victim later than for_slot
   void retract(std::int32_t slot);
-  void finish_request(std::int32_t slot);                   // Finishing -> Finished, reported and freed
-  bool after_token(std::int32_t slot, std::int32_t fresh);  // Decoding: finishes it if a stop condition holds
+  void finish_request(std::int32_t slot);                        // Finishing -> Finished, reported and freed
+  bool after_token(std::int32_t slot, std::int32_t new_tokens);  // Decoding: finishes it if a stop condition holds
   void remove(std::int32_t slot);
   void build_tables(Plan& p);
 
@@ -119,7 +119,7 @@ class Scheduler {
   std::unordered_map<ReqId, std::int32_t> by_id_;
   std::deque<RowRef> waiting_;         // Submitted (and Bootstrapping until done), arrival order
   std::vector<RowRef> retracted_;      // arrival order
-  std::vector<std::int32_t> running_;  // stops holding KV, arrival order
+  std::vector<std::int32_t> running_;  // phases holding KV, arrival order
   std::deque<InFlight> inflight_;
   std::uint64_t next_arrival_ = 0;
   std::int64_t step_ = 0;

@@ -1,10 +1,10 @@
-// Events and the legal transitions between stops.
+// Events and the legal transitions between phases.
 //
-// A transition is an overload `on(Stop&&, Event) -> NextStop`: it consumes the
-// old stop and returns the new one. There is no generic overload: a pair that is
+// A transition is an overload `on(Phase&&, Event) -> NextPhase`: it consumes the
+// old phase and returns the new one. There is no generic overload: a pair that is
 // not listed here does not compile. apply() dispatches an event that arrives at
 // run time; for an illegal pair it raises SchedulerError naming the request, the
-// event and the stop, and leaves the request as it was.
+// event and the phase, and leaves the request as it was.
 //
 //   Bootstrapping --BootstrapDone--> Submitted
 //   Submitted     --Admit--> Prefilling | --AdmitFromHost--> Prefetching | --AdmitRemote--> RemoteFill
@@ -16,14 +16,14 @@
 //   Restoring     --RestoreDone--> Decoding
 //   Finishing     --Release--> Finished
 //   RemoteFill    --RemoteFillDone--> Ready --StartDecode--> Decoding
-//   any stop but Finishing/Finished --Abort--> Finishing (holds KV) or Finished (holds none)
+//   any phase but Finishing/Finished --Abort--> Finishing (holds KV) or Finished (holds none)
 #pragma once
 
 #include <string>
 #include <type_traits>
 #include <utility>
 
-#include "dayzero/stops.h"
+#include "dayzero/phases.h"
 
 namespace dz {
 
@@ -88,7 +88,7 @@ struct Abort {
   static constexpr const char* kName = "Abort";
 };
 
-// The only way KV leaves a KvOwner stop: these transitions, and no other code.
+// The only way KV leaves a KvOwner phase: these transitions, and no other code.
 class KvHandover {
   static KvBlocks take(KvOwner& s) { return std::move(s.kv_); }
 
@@ -148,7 +148,7 @@ inline Ready on(RemoteFill&& s, RemoteFillDone e) {
 }
 inline Decoding on(Ready&& s, StartDecode) { return {std::move(s.info), KvHandover::take(s), s.kv_len, 0}; }
 
-// Abort: stops without KV finish at once; stops with KV go through Finishing.
+// Abort: phases without KV finish at once; phases with KV go through Finishing.
 inline Finished on(Bootstrapping&& s, Abort) { return {std::move(s.info), FinishReason::Abort}; }
 inline Finished on(Submitted&& s, Abort) { return {std::move(s.info), FinishReason::Abort}; }
 inline Finished on(Retracted&& s, Abort) { return {std::move(s.info), FinishReason::Abort}; }
@@ -177,19 +177,19 @@ concept LegalTransition = requires(S&& s, E&& e) {
   on(std::move(s), std::move(e));
 };
 
-// Applies a run-time event to whatever stop `stop` is in.
+// Applies a run-time event to whatever phase `phase` is in.
 template <class E>
-void apply(ReqId id, Stop& stop, E&& event) {
+void apply(ReqId id, Phase& phase, E&& event) {
   std::visit(
       [&]<class S>(S& s) {
         if constexpr (LegalTransition<S, std::decay_t<E>>) {
-          stop = on(std::move(s), std::forward<E>(event));
+          phase = on(std::move(s), std::forward<E>(event));
         } else {
           throw SchedulerError("request " + std::to_string(id) + ": event " + std::decay_t<E>::kName +
-                               " is not legal in stop " + S::kName);
+                               " is not legal in phase " + S::kName);
         }
       },
-      stop);
+      phase);
 }
 
 }  // namespace dz

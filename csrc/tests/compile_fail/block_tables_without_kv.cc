@@ -1,13 +1,13 @@
-// Claim (b): stops that own no KV have no accessor for block tables.
+// Claim (b): phases that own no KV have no accessor for block tables.
 #include "dayzero/transitions.h"
 
 using namespace dz;
 
 std::size_t attempt() {
 #ifdef DZ_MUST_FAIL
-#if DZ_STOP == 1
+#if DZ_PHASE == 1
   Submitted s{ReqInfo{}};
-#elif DZ_STOP == 2
+#elif DZ_PHASE == 2
   Retracted s{ReqInfo{}, HostCopy{}};
 #else
   Finished s{ReqInfo{}, FinishReason::Stop};

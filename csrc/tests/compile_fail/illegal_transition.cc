@@ -1,4 +1,4 @@
-// Claim (d): an event has no overload for a stop it is not legal in.
+// Claim (d): an event has no overload for a phase it is not legal in.
 #include "dayzero/transitions.h"
 
 using namespace dz;

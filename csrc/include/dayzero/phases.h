@@ -1,9 +1,9 @@
-// The twelve stops of a request's life, each its own type.
+// The twelve phases of a request's life, each its own type.
 //
-// A stop owns exactly the resources that exist at that stop. Device KV
-// (KvBlocks) lives in the KvOwner stops as a private member: it can be read
+// A phase owns exactly the resources that exist in that phase. Device KV
+// (KvBlocks) lives in the KvOwner phases as a private member: it can be read
 // (kv() const) and grown in place, never moved out or released, except by the
-// transitions listed as friends of KvHandover in transitions.h. A stop that owns
+// transitions listed as friends of KvHandover in transitions.h. A phase that owns
 // no KV has no kv() at all.
 #pragma once
 
@@ -20,7 +20,7 @@ namespace dz {
 
 class KvManager;
 
-// Identity and token history; travels with the request through every stop.
+// Identity and token history; travels with the request through every phase.
 struct ReqInfo {
   ReqId id = 0;
   std::uint64_t arrival = 0;    // admission order; a retracted request keeps its place
@@ -149,17 +149,17 @@ struct Ready : KvOwner {
   std::int32_t kv_len;
 };
 
-using Stop = std::variant<Bootstrapping, Submitted, Prefetching, Prefilling, PrefillAwaitingResult, Decoding, Retracted,
-                          Restoring, Finishing, Finished, RemoteFill, Ready>;
+using Phase = std::variant<Bootstrapping, Submitted, Prefetching, Prefilling, PrefillAwaitingResult, Decoding,
+                           Retracted, Restoring, Finishing, Finished, RemoteFill, Ready>;
 
-inline const ReqInfo& info_of(const Stop& s) {
+inline const ReqInfo& info_of(const Phase& s) {
   return std::visit([](const auto& x) -> const ReqInfo& { return x.info; }, s);
 }
-inline ReqInfo& info_of(Stop& s) {
+inline ReqInfo& info_of(Phase& s) {
   return std::visit([](auto& x) -> ReqInfo& { return x.info; }, s);
 }
-// The KV of a stop that holds some, or nullptr.
-inline const KvBlocks* kv_of(const Stop& s) {
+// The KV of a phase that holds some, or nullptr.
+inline const KvBlocks* kv_of(const Phase& s) {
   return std::visit(
       [](const auto& x) -> const KvBlocks* {
         if constexpr (std::derived_from<std::decay_t<decltype(x)>, KvOwner>)
@@ -169,7 +169,7 @@ inline const KvBlocks* kv_of(const Stop& s) {
       },
       s);
 }
-inline const char* name_of(const Stop& s) {
+inline const char* name_of(const Phase& s) {
   return std::visit([](const auto& x) { return std::decay_t<decltype(x)>::kName; }, s);
 }
 
