@@ -1,9 +1,13 @@
-"""The Triton packed-weight kernels (kernels/triton/packed.py) run in Triton's CPU interpreter
-against the reference backend, so CI checks their indexing and decoding without a GPU: both
-paths (one row a program; tensor-core tiles with experts sorted and padded), every format, fp32
-activations (the interpreter emulates bf16 wrongly). Tolerance 1e-5 of the output scale: the
-same fp32 weights, summed in another order. The interpreter must be chosen before Triton compiles
-anything, so the check runs in a fresh process."""
+"""The Triton kernels run in Triton's CPU interpreter against the reference backend, so CI checks
+their indexing without a GPU: the packed-weight GEMMs (kernels/triton/packed.py: both paths, one
+row a program and tensor-core tiles with experts sorted and padded, every format), paged
+attention (kernels/triton/attention.py: decode rows, prefill chunks longer than a query tile and
+a fresh prompt in one step, GQA groups of 3 and 1, head sizes 24 and 32 (padded tiles), sliding
+windows, softcaps, a freed block before the window, keys split over 1 and 3 programs) and the
+bf16 experts' decode GEMVs (kernels/triton/moe.py). fp32 activations (the interpreter emulates
+bf16 wrongly). Tolerance 1e-5 of the output scale: the same fp32 numbers, summed in another
+order. The interpreter must be chosen before Triton compiles anything, so the check runs in a
+fresh process."""
 
 from __future__ import annotations
 
@@ -16,6 +20,91 @@ import pytest
 import torch
 
 SEEDS = (0, 3)
+
+
+def _interpreter_index_fix() -> None:
+    """Triton 3.6's interpreter turns a scalar tensor into a Python int with int() of a 1-element
+    array, which NumPy >= 2.4 refuses; a loop bounded by loaded values (the attention kernel's
+    key range) needs it. Take the element instead (the interpreter only: compiled kernels are
+    untouched)."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def _paged(rows: list[tuple[int, int]], bs: int, blocks: int, g: torch.Generator, freed: int = 0):
+    """PagedMeta for rows of (new tokens, KV length after the step) on shuffled blocks; the first
+    `freed` blocks of the last row are given back (-1), as a sliding window does."""
+    from dayzero.kernels.ops import PagedMeta
+
+    perm = torch.randperm(blocks, generator=g)
+    table = torch.full((len(rows), max(-(-kv // bs) for _, kv in rows)), -1, dtype=torch.int64)
+    qs, pos, slots, used = [0], [], [], 0
+    for r, (n, kv) in enumerate(rows):
+        nb = -(-kv // bs)
+        table[r, :nb], used = perm[used : used + nb], used + nb
+        qs.append(qs[-1] + n)
+        pos += range(kv - n, kv)
+        slots += [int(table[r, p // bs]) * bs + p % bs for p in range(kv - n, kv)]
+    table[-1, :freed] = -1
+    lens = tuple(kv for _, kv in rows)
+    return PagedMeta(
+        torch.tensor(qs),
+        torch.tensor(lens),
+        torch.tensor(pos),
+        table,
+        torch.tensor(slots),
+        bs,
+        tuple(qs),
+        lens,
+    )
+
+
+def check_attention(g: torch.Generator) -> list[str]:
+    from dayzero.kernels.reference.attention import gqa_attention as reference
+    from dayzero.kernels.triton import attention
+
+    out = []
+    for h, hk, d in ((6, 2, 24), (4, 4, 32)):
+        rows = [(1, 13), (7, 9), (5, 5), (1, 40)]  # decode, a chunk of 2 query tiles, a fresh prompt, decode
+        t, bs, blocks = sum(n for n, _ in rows), 4, 40
+        q = torch.randn(t, h, d, generator=g)
+        kc, vc = torch.randn(blocks * bs, hk, d, generator=g), torch.randn(blocks * bs, hk, d, generator=g)
+        for window, cap in ((None, None), (6, None), (None, 3.0), (6, 2.0)):
+            meta = _paged(rows, bs, blocks, g, freed=8 if window else 0)  # keys 0..31 lie before the window
+            want = reference(q, kc, vc, meta, 0.3, window, cap)
+            for splits in (1, 3):
+                got = attention.gqa_attention(q, kc, vc, meta, 0.3, window, cap, splits=splits)
+                err = (got - want).abs().max() / want.abs().max()
+                out.append(
+                    f"attention h={h} hk={hk} d={d} window={window} cap={cap} splits={splits} {err:.2e}"
+                )
+    return out
+
+
+def check_moe(g: torch.Generator) -> list[str]:
+    from dayzero.kernels.reference.moe import moe_experts as reference
+    from dayzero.kernels.triton import moe
+
+    out = []
+    for t in (1, 3, 20):  # pairs <= 2 an expert: the GEMVs; 40 pairs: the fallback
+        x = torch.randn(t, 96, generator=g)
+        up, down = (
+            torch.randn(8, 80, 96, generator=g) / 96**0.5,
+            torch.randn(8, 96, 40, generator=g) / 40**0.5,
+        )
+        ids, wts = torch.rand(t, 8, generator=g).topk(2, dim=-1).indices, torch.rand(t, 2, generator=g)
+        for fp32, limit in ((False, None), (True, 0.7)):
+            want = reference(x, up, down, wts, ids, fp32, limit)
+            err = (moe.moe_experts(x, up, down, wts, ids, fp32, limit) - want).abs().max() / want.abs().max()
+            out.append(f"moe t={t} fp32={fp32} limit={limit} {err:.2e}")
+    return out
 
 
 def check(seed: int) -> list[str]:
@@ -54,7 +143,7 @@ def check(seed: int) -> list[str]:
                 tp.moe_experts_packed(x, up, down, wts, ids, True, 3.0) - want
             ).abs().max() / want.abs().max()
             out.append(f"{fmt} moe t={t} {err.item():.2e}")
-    return out
+    return out + check_attention(g) + check_moe(g)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -66,10 +155,11 @@ def test_triton_kernels_in_the_interpreter(seed: int) -> None:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
-    assert len(lines) == 3 * 7, r.stdout
+    assert len(lines) == 3 * 7 + 2 * 4 * 2 + 3 * 2, r.stdout
     for ln in lines:
         assert float(ln.split()[-1]) <= 1e-5, ln
 
 
 if __name__ == "__main__":
+    _interpreter_index_fix()
     print("\n".join(check(int(sys.argv[1]))))

@@ -1,6 +1,8 @@
-"""Triton backend (CUDA): packed-weight GEMMs. Registered only where `triton` imports (CUDA builds
-of torch bring it); every kernel is checked against the reference backend on the GPU
-(scripts/gpu_bringup.sh runs tests/gpu/test_triton_packed.py)."""
+"""Triton backend (CUDA): packed-weight GEMMs (`packed`), paged GQA attention reading the cache
+in place (`attention`) and the bf16 experts' decode GEMVs (`moe`). Registered only where
+`triton` imports (CUDA builds of torch bring it); every kernel is checked against the reference
+backend in Triton's CPU interpreter in CI (tests/test_triton_interpreter.py) and on the GPU
+(scripts/gpu_bringup.sh runs tests/test_triton_packed.py and tests/test_triton_cuda.py)."""
 
 import importlib.util
 
@@ -10,19 +12,34 @@ from dayzero.kernels.ops import PACKED_FORMATS
 from dayzero.kernels.registry import Capabilities, register
 
 if importlib.util.find_spec("triton") is not None:
-    from dayzero.kernels.triton import packed
+    from dayzero.kernels.triton import attention, moe, packed
 
-    _caps = dict(
-        devices=frozenset({"cuda"}),
-        dtypes=frozenset({torch.bfloat16, torch.float16}),
-        min_capability=(9, 0),
-        priority=10,
+    _half = dict(
+        devices=frozenset({"cuda"}), dtypes=frozenset({torch.bfloat16, torch.float16}), min_capability=(9, 0)
     )
-    register("linear_packed", "triton", Capabilities(features=frozenset({"bias", *PACKED_FORMATS}), **_caps))(
-        packed.linear_packed
-    )
+    _any = dict(devices=frozenset({"cuda"}), min_capability=(8, 0), priority=10)
+    register(
+        "linear_packed",
+        "triton",
+        Capabilities(features=frozenset({"bias", *PACKED_FORMATS}), priority=10, **_half),
+    )(packed.linear_packed)
     register(
         "moe_experts_packed",
         "triton",
-        Capabilities(features=frozenset({"fp32", "limit", *PACKED_FORMATS}), **_caps),
+        Capabilities(features=frozenset({"fp32", "limit", *PACKED_FORMATS}), priority=10, **_half),
     )(packed.moe_experts_packed)
+    register(
+        "gqa_attention",
+        "triton",
+        Capabilities(
+            features=frozenset({"causal", "sliding_window", "softcap"}),
+            head_dims=frozenset(range(16, 257, 8)),
+            **_any,
+        ),
+    )(attention.gqa_attention)
+    # above the grouped GEMMs (priority 10), which it runs itself for prefill shapes
+    register(
+        "moe_experts",
+        "triton",
+        Capabilities(features=frozenset({"fp32", "limit"}), **(_any | {"priority": 20})),
+    )(moe.moe_experts)

@@ -1,0 +1,194 @@
+"""Paged GQA attention in Triton, reading K/V in place from the paged cache (no gathered or padded
+copies): prefill chunks, decode rows and mixed batches in one kernel, lengths as data.
+
+Math (the reference's, kernels/reference/attention.py): for query token t at position p_t of
+row r, key position j < kv_lens[r], kv head g = h // (H / Hk):
+    s[t, h, j] = scale * <q[t, h], K_r[j, g]>              (cap * tanh(s / cap) with a softcap)
+    allowed iff j <= p_t, j's block is held (table >= 0), and j > p_t - window when windowed
+    out[t, h] = sum_j softmax_j(s)[j] * V_r[j, g]
+in fp32 with an online softmax over key tiles; the probabilities are rounded to V's dtype
+before the V product, as the reference does.
+
+A program takes one kv head, BM (query, head) pairs of one row (BQ queries x the G query heads
+sharing that kv head, so every key tile is loaded once for all of them) and one split of the
+row's keys. Decode rows have one query, so a step of few rows splits each row's keys over
+several programs (flash-decoding); the splits' partial results (normalised output and
+log-sum-exp) are merged by `_merge`. The grid depends only on the row count, the longest query
+of the step and the split count, never on the context lengths, so a decode step can be captured
+in a CUDA graph and replayed at any lengths.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+from dayzero.kernels.ops import PagedMeta
+
+
+@triton.jit
+def _paged_attention(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,  # [T, H, S, D] fp32: each split's normalised output
+    lse_ptr,  # [T, H, S] fp32: each split's log-sum-exp (-inf: no key allowed)
+    qs_ptr,
+    kv_lens_ptr,
+    table_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_tr,
+    scale,
+    softcap,
+    window,
+    q_tiles,
+    block_size,
+    H: tl.constexpr,
+    S: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    BQ: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid, kh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r, qt = pid // q_tiles, pid % q_tiles
+    q0 = tl.load(qs_ptr + r)
+    n_q = tl.load(qs_ptr + r + 1) - q0
+    if qt * BQ >= n_q:
+        return
+    kv_len = tl.load(kv_lens_ptr + r)
+    m = tl.arange(0, BM)
+    i = qt * BQ + m // G  # query of the row
+    h = kh * G + m % G  # query head
+    valid = (m < BQ * G) & (i < n_q)
+    tok = (q0 + i).to(tl.int64)
+    pos = kv_len - n_q + i  # [BM] query positions
+    d = tl.arange(0, BD)
+    dm = d < D
+    qmask = valid[:, None] & dm[None, :]
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    first = kv_len - n_q + qt * BQ  # the tile's first query position
+    hi = tl.minimum(kv_len, first + BQ)  # keys past the tile's last query are never allowed
+    lo = 0
+    if WINDOW:
+        lo = tl.maximum(first - window + 1, 0)
+    # this split's key range, whole BN tiles
+    per = tl.cdiv(tl.cdiv(hi - lo, S), BN) * BN
+    start = lo + split * per
+    stop = tl.minimum(start + per, hi)
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM, BD), tl.float32)
+    for j0 in range(start, stop, BN):
+        j = j0 + tl.arange(0, BN)
+        jm = j < stop
+        blk = tl.load(table_ptr + r * stride_tr + j // block_size, mask=jm, other=-1)
+        held = jm & (blk >= 0)
+        slot = blk.to(tl.int64) * block_size + j % block_size
+        kvm = held[:, None] & dm[None, :]
+        k = tl.load(k_ptr + slot[:, None] * stride_kn + kh * stride_kh + d[None, :], mask=kvm, other=0.0)
+        if IEEE:  # noqa: SIM108  (a compile-time branch in Triton)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        if SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        allowed = held[None, :] & (j[None, :] <= pos[:, None])
+        if WINDOW:
+            allowed &= j[None, :] > pos[:, None] - window
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + slot[:, None] * stride_vn + kh * stride_vh + d[None, :], mask=kvm, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    row = (tok * H + h) * S + split  # [BM] index into [T, H, S]
+    tl.store(o_ptr + row[:, None] * D + d[None, :], out, mask=qmask)
+    lse = m_i + tl.log(tl.where(seen, l_i, 1.0))
+    tl.store(lse_ptr + row, tl.where(seen, lse, float("-inf")), mask=valid)
+
+
+@functools.cache
+def _sms(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _splits(rows: int, kv_heads: int, q_max: int, device: torch.device) -> int:
+    """Key splits per row: enough programs to fill the GPU when the step has few decode rows."""
+    if q_max > 1 or device.type != "cuda":
+        return 1
+    return max(1, min(16, triton.cdiv(2 * _sms(device.index or 0), rows * kv_heads)))
+
+
+def _merge(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """o [T, H, S, D], lse [T, H, S] -> [T, H, D]: the splits' outputs weighted by their share
+    of the softmax mass, exp(lse_s - logsumexp(lse)); a query with no allowed key gives 0."""
+    if o.shape[2] == 1:
+        return o[:, :, 0].to(dtype)
+    total = torch.logsumexp(lse, dim=-1, keepdim=True)  # [T, H, 1]
+    w = torch.exp(lse - torch.where(torch.isinf(total), 0.0, total)).nan_to_num_(0.0)
+    return (o * w[..., None]).sum(2).to(dtype)
+
+
+def gqa_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedMeta,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """q [T, H, D], caches [N, Hk, D] (views of the paged pool; rows may be strided) -> [T, H, D].
+    `splits`: key splits per row (default: by the GPU's size for decode steps, else 1)."""
+    t, h, dh = q.shape
+    hk = k_cache.shape[1]
+    g = h // hk
+    qs = meta.query_start_cpu
+    rows = len(qs) - 1
+    q_max = max((b - a for a, b in itertools.pairwise(qs)), default=0)
+    bd = triton.next_power_of_2(dh)
+    bm = max(16, triton.next_power_of_2(g)) if q_max <= 1 else (32 if bd > 128 else 64)
+    bm = max(bm, triton.next_power_of_2(g))
+    bq = max(1, bm // g)
+    bn = 32 if bd > 128 else 64
+    splits = splits or _splits(rows, hk, q_max, q.device)
+    q_tiles = max(1, triton.cdiv(q_max, bq))
+    if t == 0 or rows == 0:
+        return q.new_zeros(t, h, dh)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    o = torch.empty(t, h, splits, dh, dtype=torch.float32, device=q.device)
+    lse = torch.empty(t, h, splits, dtype=torch.float32, device=q.device)
+    table = meta.block_table
+    _paged_attention[(rows * q_tiles, hk, splits)](
+        q, k_cache, v_cache, o, lse, meta.query_start, meta.kv_lens, table,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        table.stride(0), scale, softcap or 1.0, window or 0, q_tiles, meta.block_size,
+        H=h, S=splits, G=g, D=dh, BD=bd, BQ=bq, BM=bm, BN=bn,
+        SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=q.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return _merge(o, lse, q.dtype)
