@@ -84,6 +84,9 @@ class Capabilities:
     head_dims: frozenset[int] | None = None  # None: any
     min_capability: tuple[int, int] | None = None  # CUDA compute capability
     priority: int = 0  # higher wins among the kernels that fit
+    # reads only the step's device tensors (no host copies of them, no host sync, shapes from the
+    # row count alone): a decode step of kernels that all are can be captured in a CUDA graph
+    graphs: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,11 +109,14 @@ def declare_op(name: str, doc: str, features: Iterable[str] = (), packed: str | 
     OPS.add(name, OpDecl(name, doc, frozenset(features), packed))
 
 
-def register(op: str, backend: str, caps: Capabilities | None = None) -> Callable[[Callable], Callable]:
+def register(
+    op: str, backend: str, caps: Capabilities | None = None, graphs: bool = False
+) -> Callable[[Callable], Callable]:
+    """`graphs` marks a kernel of default capabilities graph-safe (Capabilities.graphs)."""
     OPS.get(op)  # an unknown op fails here, listing the known ones
 
     def wrap(fn: Callable) -> Callable:
-        c = caps or Capabilities(features=OPS.get(op).features)
+        c = caps or Capabilities(features=OPS.get(op).features, graphs=graphs)
         KERNELS.add(f"{op}/{backend}", Kernel(op, backend, fn, c))
         return fn
 

@@ -130,6 +130,11 @@ class OpTable:
     def needs(self) -> dict[str, Need]:
         return dict(self._needs)
 
+    def not_graph_safe(self) -> list[str]:
+        """The model's ops whose selected kernel cannot run inside a CUDA graph (sampling runs
+        outside the graph and is not counted)."""
+        return sorted(op for op, k in self._chosen.items() if op != "sample" and not k.caps.graphs)
+
     def chosen(self) -> dict[str, str]:
         return {op: k.backend for op, k in sorted(self._chosen.items())}
 

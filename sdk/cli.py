@@ -184,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--profile", action="store_true", help="decode: profile batch-1 steps (torch.profiler)")
     b.add_argument(
+        "--prefill-len", type=int, default=8192, help="decode: prefill tokens timed at batch 1 (0: skip)"
+    )
+    b.add_argument("--enforce-eager", action="store_true", help="decode: no CUDA graphs (as vLLM's flag)")
+    b.add_argument(
         "--quantization",
         default=None,
         help="decode: nvfp4, mxfp4 or fp8_block weights for dayzero (ModelOpt layout; transformers: bf16)",

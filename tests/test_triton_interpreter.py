@@ -4,10 +4,10 @@ row a program and tensor-core tiles with experts sorted and padded, every format
 attention (kernels/triton/attention.py: decode rows, prefill chunks longer than a query tile and
 a fresh prompt in one step, GQA groups of 3 and 1, head sizes 24 and 32 (padded tiles), sliding
 windows, softcaps, a freed block before the window, keys split over 1 and 3 programs) and the
-bf16 experts' decode GEMVs (kernels/triton/moe.py). fp32 activations (the interpreter emulates
-bf16 wrongly). Tolerance 1e-5 of the output scale: the same fp32 numbers, summed in another
-order. The interpreter must be chosen before Triton compiles anything, so the check runs in a
-fresh process."""
+stacked experts (kernels/triton/moe.py: the decode GEMVs and the sorted-pair tensor-core
+tiles). fp32 activations (the interpreter emulates bf16 wrongly). Tolerance 1e-5 of the output
+scale: the same fp32 numbers, summed in another order. The interpreter must be chosen before
+Triton compiles anything, so the check runs in a fresh process."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def check_moe(g: torch.Generator) -> list[str]:
     from dayzero.kernels.triton import moe
 
     out = []
-    for t in (1, 3, 20):  # pairs <= 2 an expert: the GEMVs; 40 pairs: the fallback
+    for t in (1, 3, 20):  # 2, 6 pairs of 8 experts: the GEMVs; 40: sorted pairs, tensor-core tiles
         x = torch.randn(t, 96, generator=g)
         up, down = (
             torch.randn(8, 80, 96, generator=g) / 96**0.5,

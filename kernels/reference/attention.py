@@ -19,13 +19,13 @@ def row_slots(meta: PagedMeta, r: int, lo: int, kv_len: int) -> tuple[torch.Tens
     return pos_k, blocks * bs + pos_k % bs
 
 
-@register("cache_write", "reference")
+@register("cache_write", "reference", graphs=True)
 def cache_write(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
     """cache[slots[t]] = rows[t]; rows [T, W] (or [T, ..]), cache [N, W]."""
     cache[slots] = rows.reshape(rows.shape[0], -1).to(cache.dtype)
 
 
-@register("kv_write", "reference")
+@register("kv_write", "reference", graphs=True)
 def kv_write(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:

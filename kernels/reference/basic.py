@@ -8,22 +8,22 @@ import torch.nn.functional as F
 from dayzero.kernels.registry import register
 
 
-@register("embedding", "reference")
+@register("embedding", "reference", graphs=True)
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, weight)  # [T, Dm]
 
 
-@register("linear", "reference")
+@register("linear", "reference", graphs=True)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
-@register("layer_norm", "reference")
+@register("layer_norm", "reference", graphs=True)
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-@register("rms_norm", "reference")
+@register("rms_norm", "reference", graphs=True)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False) -> torch.Tensor:
     """y = x / sqrt(mean(x^2) + eps) * w, the statistic in fp32.
 
@@ -37,7 +37,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
     return weight * h.to(x.dtype)
 
 
-@register("rope", "reference")
+@register("rope", "reference", graphs=True)
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, neox: bool = True) -> torch.Tensor:
     """Rotary embedding on the first 2 * len(inv_freq) channels of x [T, H, D].
 
@@ -57,7 +57,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, neox:
     return torch.cat((out.to(x.dtype), x[..., rot:]), dim=-1)
 
 
-@register("swiglu", "reference")
+@register("swiglu", "reference", graphs=True)
 def swiglu(
     gate: torch.Tensor, up: torch.Tensor, fp32: bool = False, limit: float | None = None
 ) -> torch.Tensor:
@@ -70,7 +70,7 @@ def swiglu(
     return F.silu(gate) * up
 
 
-@register("softcap", "reference")
+@register("softcap", "reference", graphs=True)
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     """cap * tanh(x / cap) in fp32 (bf16 tanh saturates badly); returns fp32."""
     return torch.tanh(x.float() / cap) * cap

@@ -11,7 +11,7 @@ from dayzero.kernels.reference.basic import swiglu
 from dayzero.kernels.registry import register
 
 
-@register("moe_route", "reference")
+@register("moe_route", "reference", graphs=True)
 def moe_route(
     logits: torch.Tensor,
     top_k: int,

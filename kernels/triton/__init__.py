@@ -17,7 +17,7 @@ if importlib.util.find_spec("triton") is not None:
     _half = dict(
         devices=frozenset({"cuda"}), dtypes=frozenset({torch.bfloat16, torch.float16}), min_capability=(9, 0)
     )
-    _any = dict(devices=frozenset({"cuda"}), min_capability=(8, 0), priority=10)
+    _any = dict(devices=frozenset({"cuda"}), min_capability=(8, 0), priority=10, graphs=True)
     register(
         "linear_packed",
         "triton",

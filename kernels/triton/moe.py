@@ -7,8 +7,9 @@ on the CUDA cores, the expert found by id (no sorting, no copy of any expert's w
     y[p] = W_down[e_p] h[p]                                  (`_down`)
     out[t] = sum_k weights[t, k] y[t * k + slot]             (fp32)
 Each projection's output is rounded to x's dtype before the activation, as the reference's
-linear outputs are. Many pairs (prefill) take the batched backend's grouped GEMMs (bf16), which
-also read the experts in place, or the reference loop over experts.
+linear outputs are. Many pairs (prefill, large decode batches): the pairs sorted by expert on the
+device, then tensor-core tiles of one expert's block of pairs (`_grouped`, gate/up + SwiGLU
+fused, then down). Neither path syncs with the host or copies an expert's weights.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dayzero.kernels.batched.moe import moe_experts as grouped_experts
 from dayzero.kernels.reference.moe import moe_experts as expert_loop
+from dayzero.kernels.triton.packed import _align, _rows_tile
 
 
 @triton.jit
@@ -101,6 +102,76 @@ def _down(
     tl.store(y_ptr + p.to(tl.int64) * stride_ym + offs_n, y, mask=n_ok)
 
 
+@triton.jit
+def _grouped(
+    x_ptr,
+    y_ptr,
+    w_ptr,  # [E, N, K], or [E, 2N, K] with SWIGLU (gate rows [0, N), up rows [N, 2N))
+    rows_ptr,  # [S] pair ids sorted by expert, each expert's run padded to BM with M
+    expert_ptr,  # [S / BM] the expert of each block of BM rows, -1 past the last
+    M,
+    N,
+    K: tl.constexpr,
+    stride_xm,
+    stride_ym,
+    stride_we,
+    stride_wn,
+    x_row_div,
+    limit,
+    SWIGLU: tl.constexpr,
+    LIMIT: tl.constexpr,
+    IEEE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """Tensor-core tiles over one block of BM pairs of one expert and BN output columns:
+    y[p, n] = sum_k W_e[n, k] x[p // x_row_div, k] (with SWIGLU: swiglu(gate, up) of the two
+    halves), each output rounded to y's dtype as a linear's is."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(expert_ptr + pid_m)
+    if e < 0:
+        return
+    rows = tl.load(rows_ptr + pid_m * BM + tl.arange(0, BM))
+    row_ok = rows < M
+    xrows = (rows // x_row_div).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    wbase = w_ptr + e.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BM, BN), tl.float32)
+    acc_u = tl.zeros((BM, BN), tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        km = offs_k < K
+        x = tl.load(
+            x_ptr + xrows[:, None] * stride_xm + offs_k[None, :],
+            mask=row_ok[:, None] & km[None, :],
+            other=0.0,
+        )
+        wm = n_ok[:, None] & km[None, :]
+        w = tl.load(wbase + offs_k[None, :], mask=wm, other=0.0)
+        if IEEE:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+        if SWIGLU:
+            wu = tl.load(wbase + N * stride_wn + offs_k[None, :], mask=wm, other=0.0)
+            if IEEE:
+                acc_u += tl.dot(x, tl.trans(wu), input_precision="ieee")
+            else:
+                acc_u += tl.dot(x, tl.trans(wu))
+    dt = y_ptr.dtype.element_ty if SWIGLU else x_ptr.dtype.element_ty
+    out = acc.to(dt).to(tl.float32)
+    if SWIGLU:
+        u = acc_u.to(dt).to(tl.float32)
+        if LIMIT:
+            out = tl.minimum(out, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        out = out / (1.0 + tl.exp(-out)) * u
+    dst = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(dst, out.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
 @functools.cache
 def _sms(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -132,9 +203,10 @@ def moe_experts(
     for no more than that)."""
     t, k = ids.shape
     e, two_i, dm = gate_up.shape
-    if t * k > GEMV_PAIRS * e or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
-        grouped = x.dtype == torch.bfloat16 and x.is_cuda and hasattr(torch, "_grouped_mm")
-        return (grouped_experts if grouped else expert_loop)(x, gate_up, down, weights, ids, fp32, limit)
+    if gate_up.stride(-1) != 1 or down.stride(-1) != 1:  # rows must be contiguous (never so far)
+        return expert_loop(x, gate_up, down, weights, ids, fp32, limit)
+    if t * k > GEMV_PAIRS * e:
+        return _grouped_experts(x, gate_up, down, weights, ids, limit)
     x = x.contiguous()
     flat = ids.reshape(-1).contiguous()
     p, i = t * k, two_i // 2
@@ -149,5 +221,34 @@ def moe_experts(
     _down[(p, triton.cdiv(dm, bn))](
         h, y, down, flat, dm, i, h.stride(0), y.stride(0), down.stride(0), down.stride(1),
         BN=bn, BK=128, num_warps=4,
+    )  # fmt: skip
+    return (y * weights.reshape(-1, 1).float()).view(t, k, dm).sum(1).to(x.dtype)
+
+
+def _grouped_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    limit,
+) -> torch.Tensor:
+    """Many pairs: sorted by expert on the device (`_align`, no host sync), tensor-core tiles."""
+    t, k = ids.shape
+    e, two_i, dm = gate_up.shape
+    p, i = t * k, two_i // 2
+    x = x.contiguous()
+    bm = _rows_tile(p // e + 1)  # rows an expert gets on average
+    rows, blocks = _align(ids, e, bm)
+    ieee = x.dtype == torch.float32
+    h = torch.empty(p, i, dtype=x.dtype, device=x.device)
+    _grouped[(blocks.shape[0], triton.cdiv(i, 64))](
+        x, h, gate_up, rows, blocks, p, i, dm, x.stride(0), h.stride(0), gate_up.stride(0), gate_up.stride(1),
+        k, limit or 0.0, SWIGLU=True, LIMIT=limit is not None, IEEE=ieee, BM=bm, BN=64, BK=64, num_warps=4,
+    )  # fmt: skip
+    y = torch.empty(p, dm, dtype=torch.float32, device=x.device)
+    _grouped[(blocks.shape[0], triton.cdiv(dm, 64))](
+        h, y, down, rows, blocks, p, dm, i, h.stride(0), y.stride(0), down.stride(0), down.stride(1),
+        1, 0.0, SWIGLU=False, LIMIT=False, IEEE=ieee, BM=bm, BN=64, BK=64, num_warps=4,
     )  # fmt: skip
     return (y * weights.reshape(-1, 1).float()).view(t, k, dm).sum(1).to(x.dtype)

@@ -271,7 +271,10 @@ def _align(ids: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torc
     p = ids.numel()
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts)
+    counts = torch.zeros(experts, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+    # (not bincount: on CUDA it reads the largest id back to size its output, a host sync)
     padded = (counts + bm - 1) // bm * bm
     ends = padded.cumsum(0)
     sorted_e = flat[order]

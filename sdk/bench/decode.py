@@ -99,7 +99,8 @@ def _bytes(w: torch.Tensor | PackedWeight) -> int:
     return w.nbytes() if isinstance(w, PackedWeight) else w.numel() * w.element_size()
 
 
-def time_ours(eng: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> float:
+def time_ours(eng: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> tuple[float, float]:
+    """(tokens/s, wall ms a decode step) over the timed steps."""
     rng = np.random.default_rng(batch)
     params = SamplingParams(max_tokens=new_tokens + 64, temperature=0, ignore_eos=True)
     ids = [eng.add(rng.integers(0, vocab, prompt_len).tolist(), params) for _ in range(batch)]
@@ -116,7 +117,70 @@ def time_ours(eng: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: 
         eng.abort(i)
     while eng.has_work():
         eng.step()
-    return batch * steps / dt
+    return batch * steps / dt, 1e3 * dt / max(steps, 1)
+
+
+def gpu_step_ms(eng: Engine, prompt_len: int, vocab: int, steps: int = 16) -> float:
+    """Device time of a batch-1 decode step's forward, median over `steps`: CUDA events around
+    the bucket-1 graph's replay on the last step's inputs (it rewrites that step's key with the
+    same values), or, without graphs, around the eager forward of each step (then the span
+    includes the GPU's idle time while the host launches)."""
+    rid = eng.add(
+        np.random.default_rng(0).integers(0, vocab, prompt_len).tolist(),
+        SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True),
+    )
+    while len(eng.requests[rid].token_ids) < 3:
+        eng.step()
+    times = []
+    if eng.graphs is not None:
+        times = eng.graphs.replay_ms(1, steps)
+    else:
+        forward = eng.model.forward
+        for _ in range(steps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+            def timed(ctx, a=a, b=b):
+                a.record()
+                out = forward(ctx)
+                b.record()
+                return out
+
+            eng.model.forward = timed
+            eng.step()
+            eng.model.forward = forward
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+    eng.abort(rid)
+    while eng.has_work():
+        eng.step()
+    return float(np.median(times))
+
+
+def time_prefill_ours(eng: Engine, n: int, vocab: int, runs: int = 3) -> float:
+    """Seconds from submitting one n-token prompt to its first token (median of runs)."""
+    rng, times = np.random.default_rng(n), []
+    for _ in range(runs + 1):  # the first run warms the kernels up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.generate([rng.integers(0, vocab, n).tolist()], SamplingParams(max_tokens=1, temperature=0))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        eng.scheduler.flush_prefix_cache()
+    return float(np.median(times[1:]))
+
+
+def time_prefill_transformers(ref: torch.nn.Module, n: int, vocab: int, runs: int = 3) -> float:
+    """Seconds of transformers' generate for one n-token prompt and one new token (median)."""
+    g, times = torch.Generator().manual_seed(n), []
+    for _ in range(runs + 1):
+        ids = torch.randint(0, vocab, (1, n), generator=g).cuda()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                     disable_compile=True, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]))
 
 
 def time_transformers(
@@ -162,6 +226,7 @@ def profile_decode(model, cfg, ops, prompt_len: int, vocab: int, steps: int = 8)
             block_size=64,
             max_batch_size=1,
             max_tokens_per_step=8192,
+            decode_graphs="off",  # the kernels one by one (a graph replays them as one launch)
         ),
     )
     rid = eng.add(
@@ -237,7 +302,8 @@ def main(args: argparse.Namespace) -> int:
         f"params {total / 1e9:.2f}B, active {active / 1e9:.2f}B; copy bandwidth {bw / 1e12:.2f} TB/s; "
         f"{bpt / 1e9:.2f} GB per decode step at batch 1 -> roofline {roofline:.0f} tok/s"
     )
-    rows = []
+    rows, host_gpu = [], None
+    graphs = "off" if args.enforce_eager else "auto"
     for b in (int(x) for x in args.batches.split(",")):
         eng = Engine(
             model,
@@ -249,9 +315,13 @@ def main(args: argparse.Namespace) -> int:
                 block_size=64,
                 max_batch_size=b,
                 max_tokens_per_step=8192,
+                decode_graphs=graphs,
             ),
         )
-        ours = time_ours(eng, b, args.prompt_len, args.new_tokens, cfg.embedding.vocab)
+        print(f"batch {b}: {eng.graphs.report if eng.graphs else 'eager decode (no CUDA graphs)'}")
+        ours, step_ms = time_ours(eng, b, args.prompt_len, args.new_tokens, cfg.embedding.vocab)
+        if b == 1:
+            host_gpu = (step_ms, gpu_step_ms(eng, args.prompt_len, cfg.embedding.vocab))
         del eng
         torch.cuda.empty_cache()
         theirs = float("nan")
@@ -262,6 +332,22 @@ def main(args: argparse.Namespace) -> int:
                 print(f"batch {b}: transformers ran out of GPU memory (reported as nan)")
                 torch.cuda.empty_cache()
         rows.append((b, ours, theirs))
+        print(
+            f"batch {b}: dayzero {ours:.1f} tok/s ({step_ms:.2f} ms a step), transformers {theirs:.1f} tok/s"
+        )
+    prefill = None
+    if args.prefill_len:
+        n = min(args.prefill_len, (cfg.max_position or args.prefill_len + 1) - 1)  # room for the token
+        eng = Engine(
+            model, cfg, ops,
+            EngineConfig(kv_cache_bytes=8 << 30, host_cache_bytes=0, block_size=64, max_batch_size=1,
+                         max_tokens_per_step=n, decode_graphs="off"),
+        )  # fmt: skip
+        ours_s = time_prefill_ours(eng, n, cfg.embedding.vocab)
+        del eng
+        torch.cuda.empty_cache()
+        theirs_s = time_prefill_transformers(ref, n, cfg.embedding.vocab) if ref is not None else float("nan")
+        prefill = (n, ours_s, theirs_s)
     if args.profile:
         profile_decode(model, cfg, ops, args.prompt_len, cfg.embedding.vocab)
     print(
@@ -275,6 +361,16 @@ def main(args: argparse.Namespace) -> int:
             f"{b:>5} {ours:>14.1f} {theirs:>19.1f} {ours / theirs:>6.2f} "
             f"{roofs[b]:>15.0f} {ours / roofs[b]:>17.3f}"
         )
+    if host_gpu is not None:
+        print(
+            f"batch 1 decode step: {host_gpu[0]:.2f} ms wall (host), {host_gpu[1]:.2f} ms forward on the GPU"
+        )
+    if prefill is not None:
+        n, o, t = prefill
+        print(
+            f"prefill {n} tokens, batch 1: dayzero {o:.3f} s ({n / o:.0f} tok/s), "
+            f"transformers {t:.3f} s ({n / t:.0f} tok/s), transformers / dayzero {t / o:.2f}"
+        )
     print(
         f"decode_{fam.name} "
         + " ".join(f"b{b}={o:.1f}" for b, o, _ in rows)
@@ -282,5 +378,10 @@ def main(args: argparse.Namespace) -> int:
         + " ".join(f"roofline_b{b}={roofs[b]:.0f}" for b, _, _ in rows)
         + " "
         + " ".join(f"hf_b{b}={t:.1f}" for b, _, t in rows)
+    )
+    print(
+        "decode_vs_roofline "
+        + " ".join(f"B{b}={o / roofs[b]:.3f}" for b, o, _ in rows)
+        + f" prefill_vs_transformers P={prefill[2] / prefill[1] if prefill else float('nan'):.2f}"
     )
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,10 +17,13 @@ import torch
 from dayzero.sdk.config.model import ModelConfig
 from dayzero.sdk.engine.context import build_context
 from dayzero.sdk.engine.geometry import scheduler_groups
+from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
 from dayzero.sdk.engine.kv_pool import KvPool
 from dayzero.sdk.scheduler import FinishReason, Scheduler, SchedulerError, make_config
 
 MAX_TOP_LOGPROBS = 20
+GRAPH_MODES = ("auto", "off", "buffers")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,14 @@ class EngineConfig:
     # recurrent-state snapshots kept for prefix-cache hits (models with a State cache group);
     # default: one per batch slot
     snapshot_slots: int | None = None
+    # decode steps from CUDA graphs (sdk/engine/graphs.py): auto = captured on CUDA when every
+    # kernel of the model is graph-safe; off = eager (vLLM's --enforce-eager); buffers = the
+    # graphs' static buffers run eagerly (any device: what the CPU tests check)
+    decode_graphs: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.decode_graphs not in GRAPH_MODES:
+            raise ValueError(f"decode_graphs {self.decode_graphs!r}; known: {', '.join(GRAPH_MODES)}")
 
 
 _REASONS = {
@@ -107,7 +119,29 @@ class Engine:
         self.params: dict[int, SamplingParams] = {}  # live requests only
         self.generators: dict[int, torch.Generator] = {}
         self._ids = itertools.count()
-        self.stats = {"steps": 0, "retracted": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        self.stats = {"steps": 0, "retracted": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0}
+        self.graphs = self._decode_graphs()
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        mode, cfg = self.config.decode_graphs, self.cfg
+        if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        why = []
+        if any(g.kind == "state" for g in cfg.cache_groups):
+            why.append("a State cache group")
+        if not self.max_model_len:
+            why.append("no maximum model length")
+        if mode == "auto" and (unsafe := self.ops.not_graph_safe()):
+            why.append(f"kernels not graph-safe: {', '.join(unsafe)}")
+        if why:
+            log.info("decode runs eagerly (no CUDA graphs): %s", "; ".join(why))
+            return None
+        top = self.config.max_batch_size
+        sizes = (*(s for s in DEFAULT_SIZES if s < top), min(top, DEFAULT_SIZES[-1]))
+        max_blocks = -(-self.max_model_len // self.config.block_size)
+        return DecodeGraphs(
+            self.model, self.pool, self.config.block_size, max_blocks, sizes, self.device, mode == "auto"
+        )
 
     # ---- requests ------------------------------------------------------------------------
     def add(
@@ -170,8 +204,12 @@ class Engine:
         if plan.rows == 0:
             self.pool.apply_after(plan.copies)
             return list(touched.values())
-        ctx = build_context(plan, self.pool.views, self.config.block_size, self.device, self.pool.slots)
-        logits = self.model(ctx)  # [S, V] fp32
+        if self.graphs is not None and self.graphs.fits(plan):
+            logits = self.graphs.run(plan)  # [R, V] fp32
+            self.stats["graph_steps"] += 1
+        else:
+            ctx = build_context(plan, self.pool.views, self.config.block_size, self.device, self.pool.slots)
+            logits = self.model(ctx)  # [S, V] fp32
         self.pool.apply_after(plan.copies)
         sample_ids = plan.req_ids[np.asarray(plan.sample, dtype=bool)].tolist()
         tokens, logprobs = self._sample(logits, sample_ids)

@@ -1,6 +1,8 @@
 """Physical KV memory behind the scheduler's logical blocks.
 
-Device pool bytes: [ state slots: num_slots x state_slot_bytes ][ pages: num_pages x page_bytes ].
+Device pool bytes: [ state slots: num_slots x state_slot_bytes ][ pages: num_pages x page_bytes ]
+[ one scratch page ]. The scratch page lies past every block the scheduler hands out: the
+padding rows of a captured decode step write their keys there (`scratch_slot`).
 Block b of paged group g is rows [b * block_size, (b + 1) * block_size) of that group's view
 [num_pages * blocks_per_page[g] * block_size, padded_row_bytes[g]], seen in the cache dtype.
 Host pool: num_host_pages x page_bytes (pinned on CUDA), for retraction and demoted prefixes.
@@ -19,7 +21,8 @@ class KvPool:
         self.layout, self.block_size, self.dtype, self.device = layout, block_size, dtype, device
         self.state_bytes = layout["num_slots"] * layout["state_slot_bytes"]
         self.page_bytes = layout["page_bytes"]
-        total = self.state_bytes + layout["num_pages"] * self.page_bytes
+        pages_held = layout["num_pages"] + 1  # + the scratch page
+        total = self.state_bytes + pages_held * self.page_bytes
         self.pool = torch.zeros(total, dtype=torch.uint8, device=device)
         pin = device.type == "cuda"
         self.host = torch.zeros(layout["num_host_pages"] * self.page_bytes, dtype=torch.uint8, pin_memory=pin)
@@ -32,11 +35,15 @@ class KvPool:
                 self.block_bytes.append(None)
                 self.views.append(None)
                 continue
-            blocks = pages.view(layout["num_pages"] * bpp, block_size * padded)
+            blocks = pages.view(pages_held * bpp, block_size * padded)
             self.block_bytes.append(blocks)
             self.views.append(blocks.view(-1, padded).view(dtype))
         self.host_pages = self.host.view(-1, self.page_bytes) if self.page_bytes else self.host
         self.slots = self.pool[: self.state_bytes].view(-1, layout["state_slot_bytes"] or 1)
+
+    def scratch_slot(self, group: int) -> int:
+        """A cache slot of `group` that no request owns (in the scratch page)."""
+        return self.layout["num_pages"] * self.layout["blocks_per_page"][group] * self.block_size
 
     def apply(self, c) -> None:
         """The plan's copies that run before the forward pass (offload, reload, state restore)."""

@@ -58,6 +58,7 @@ def engine_config(args: argparse.Namespace, device: str):
         chunk_size=chunk,
         prefix_cache=args.enable_prefix_caching,
         max_model_len=args.max_model_len,
+        decode_graphs="off" if args.enforce_eager else "auto",
     )
 
 
@@ -184,5 +185,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="NVFP4 activation quantization with the checkpoint's input scales (default: weight-only)",
     )
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eagerly"
+    )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")

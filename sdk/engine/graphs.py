@@ -1,0 +1,193 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode-only step (every row one new token) of R rows runs in the smallest captured bucket
+B >= R. The step's inputs live in static device buffers that the graph reads: token ids,
+positions, KV lengths and, per paged cache group, each row's new-token slot and block table.
+The host fills a pinned staging copy of them and moves it with one host-to-device copy (plus one
+2-D copy of each group's used table columns), then replays the graph; the logits [B, V] come
+out in a static buffer and the first R rows are sampled outside the graph. Rows R..B-1 are
+padding: KV length 0 (they attend to nothing) and their keys go to the pool's scratch slot.
+
+Lengths are data, not shapes: the graph's kernels (Capabilities.graphs) size their grids from
+the row count alone, so one capture serves every context length. On the CPU (or with
+`capture=False`) the same buffers run the model eagerly: the path CI tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dayzero.kernels.ops import PagedMeta
+from dayzero.sdk.engine.context import StepContext
+from dayzero.sdk.engine.kv_pool import KvPool
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def decode_only(plan) -> bool:
+    """Every row of the plan computes one new token and samples it."""
+    n = np.asarray(plan.num_tokens)
+    return plan.rows > 0 and bool((n == 1).all()) and bool(np.asarray(plan.sample, dtype=bool).all())
+
+
+@dataclass
+class _Bucket:
+    size: int
+    ctx: StepContext
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None  # [B, V] fp32, the graph's output
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KvPool,
+        block_size: int,
+        max_blocks: int,
+        sizes: tuple[int, ...],
+        device: torch.device,
+        capture: bool,
+    ) -> None:
+        """max_blocks: the widest block table a request can have (max model length / block size)."""
+        self.model, self.pool, self.block_size, self.device = model, pool, block_size, device
+        self.sizes = tuple(sorted(set(sizes)))
+        b, w = self.sizes[-1], max_blocks
+        self.groups = [g for g, v in enumerate(pool.views) if v is not None]  # paged groups
+        n = len(self.groups)
+        pin = device.type == "cuda"
+        # [ids | positions | kv_lens | slots of each paged group], B each; one copy a step
+        self.staging = torch.zeros((3 + n) * b, dtype=torch.int64, pin_memory=pin)
+        self.vec = torch.zeros((3 + n) * b, dtype=torch.int64, device=device)
+        self.tables_host = [torch.zeros(b, w, dtype=torch.int32, pin_memory=pin) for _ in self.groups]
+        self.tables = [torch.zeros(b, w, dtype=torch.int32, device=device) for _ in self.groups]
+        self.query_start = torch.arange(b + 1, device=device)
+        self.sample_index = torch.arange(b, device=device)
+        self.scratch = [pool.scratch_slot(g) for g in self.groups]
+        self.buckets = {s: _Bucket(s, self._context(s)) for s in self.sizes}
+        self._copied = torch.cuda.Event() if pin else None  # the last staging copy is done
+        self.report = f"decode buffers for batch sizes {', '.join(map(str, self.sizes))} (not captured)"
+        if capture:
+            self._capture()
+
+    def _field(self, i: int, size: int) -> torch.Tensor:
+        b = self.sizes[-1]
+        return self.vec[i * b : i * b + size]
+
+    def _context(self, size: int, kv_lens_cpu: tuple[int, ...] | None = None) -> StepContext:
+        """The step context of bucket `size` over the static buffers. kv_lens_cpu: the host copy
+        the reference kernels read when the buffers run eagerly (graph-safe kernels never do)."""
+        ids, pos, kv = self._field(0, size), self._field(1, size), self._field(2, size)
+        paged: list[PagedMeta | None] = [None] * len(self.pool.views)
+        for j, g in enumerate(self.groups):
+            paged[g] = PagedMeta(
+                query_start=self.query_start[: size + 1],
+                kv_lens=kv,
+                positions=pos,
+                block_table=self.tables[j][:size],
+                slots=self._field(3 + j, size),
+                block_size=self.block_size,
+                query_start_cpu=tuple(range(size + 1)),
+                kv_lens_cpu=kv_lens_cpu or (0,) * size,
+            )
+        return StepContext(
+            input_ids=ids,
+            positions=pos,
+            paged=paged,
+            caches=self.pool.views,
+            sample_index=self.sample_index[:size],
+        )
+
+    def fits(self, plan) -> bool:
+        return plan.rows <= self.sizes[-1] and decode_only(plan)
+
+    def _fill(self, plan, size: int) -> None:
+        """Stage the plan's rows (and padding up to `size`) and copy them to the device."""
+        r, b = plan.rows, self.sizes[-1]
+        if self._copied is not None:
+            self._copied.synchronize()  # the staging buffers are free again
+        s = self.staging.numpy()
+        s[:] = 0
+        s[0:r] = plan.input_ids
+        s[b : b + r] = plan.positions
+        s[2 * b : 2 * b + r] = plan.kv_lens
+        width = 0
+        for j, g in enumerate(self.groups):
+            table = np.asarray(plan.block_tables[g])  # [R, w] int32, -1: freed
+            pos = np.asarray(plan.positions, dtype=np.int64)
+            blocks = table[np.arange(r), pos // self.block_size].astype(np.int64)
+            s[(3 + j) * b : (3 + j) * b + r] = blocks * self.block_size + pos % self.block_size
+            s[(3 + j) * b + r : (3 + j) * b + size] = self.scratch[j]
+            width = max(width, table.shape[1])
+            self.tables_host[j].numpy()[:r, : table.shape[1]] = table
+        self.vec.copy_(self.staging, non_blocking=True)
+        for j in range(len(self.groups)):
+            self.tables[j][:r, :width].copy_(self.tables_host[j][:r, :width], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    @torch.inference_mode()
+    def run(self, plan) -> torch.Tensor:
+        """Logits [R, V] fp32 of a decode-only plan that `fits`."""
+        size = next(s for s in self.sizes if s >= plan.rows)
+        bucket = self.buckets[size]
+        self._fill(plan, size)
+        if bucket.graph is None:  # eager over the same buffers (CPU, or capture off)
+            lens = tuple(int(x) for x in plan.kv_lens) + (0,) * (size - plan.rows)
+            return self.model(self._context(size, lens))[: plan.rows]
+        bucket.graph.replay()
+        return bucket.logits[: plan.rows]
+
+    def replay_ms(self, size: int, n: int) -> list[float]:
+        """Device milliseconds of n replays of bucket `size` on the buffers as they are (benchmarks)."""
+        graph, out = self.buckets[size].graph, []
+        for _ in range(n):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        return out
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """Warm up and capture every bucket, largest first, in one memory pool."""
+        t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for size in reversed(self.sizes):
+            bucket = self.buckets[size]
+            self._pad_all(size)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compile the Triton kernels, settle the allocator
+                    self.model(bucket.ctx)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                bucket.logits = self.model(bucket.ctx)
+            bucket.graph = graph
+        torch.cuda.synchronize(self.device)
+        used = free0 - torch.cuda.mem_get_info(self.device)[0]
+        self.report = (
+            f"CUDA graphs: batch sizes {', '.join(map(str, self.sizes))} captured in "
+            f"{time.perf_counter() - t0:.1f} s, {used / 2**20:.0f} MiB"
+        )
+        log.info(self.report)
+
+    def _pad_all(self, size: int) -> None:
+        """Inputs of `size` padding rows (what capture runs on): nothing read, keys to scratch."""
+        b = self.sizes[-1]
+        s = self.staging.numpy()
+        s[:] = 0
+        for j in range(len(self.groups)):
+            s[(3 + j) * b : (3 + j) * b + size] = self.scratch[j]
+        self.vec.copy_(self.staging)
