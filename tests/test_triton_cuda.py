@@ -83,6 +83,23 @@ def test_expert_gemvs_at_beam_widths(t: int) -> None:
     assert got <= 2 * own + 1e-3, (got, own)
 
 
+def test_norm_and_rope_bf16() -> None:
+    from dayzero.kernels.reference import basic
+    from dayzero.kernels.triton import norm
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 48, 128, generator=g).to(CUDA), torch.randn(128, generator=g).to(CUDA)
+    for fp32 in (False, True):
+        want = basic.rms_norm(x, w, 1e-6, fp32)
+        own = _rel(basic.rms_norm(x.bfloat16(), w.bfloat16(), 1e-6, fp32), want)
+        assert _rel(norm.rms_norm(x.bfloat16(), w.bfloat16(), 1e-6, fp32), want) <= 2 * own + 1e-3
+    pos = torch.randint(0, 8192, (64,), generator=g).to(CUDA)
+    inv = (1.0 / (10000 ** (torch.arange(32) / 32))).to(CUDA)
+    want = basic.rope(x, pos, inv, True)
+    own = _rel(basic.rope(x.bfloat16(), pos, inv, True), want)
+    assert _rel(norm.rope(x.bfloat16(), pos, inv, True), want) <= 2 * own + 1e-3
+
+
 MEDIUM = {
     "beam": {
         "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,

@@ -3,11 +3,12 @@ their indexing without a GPU: the packed-weight GEMMs (kernels/triton/packed.py:
 row a program and tensor-core tiles with experts sorted and padded, every format), paged
 attention (kernels/triton/attention.py: decode rows, prefill chunks longer than a query tile and
 a fresh prompt in one step, GQA groups of 3 and 1, head sizes 24 and 32 (padded tiles), sliding
-windows, softcaps, a freed block before the window, keys split over 1 and 3 programs) and the
+windows, softcaps, a freed block before the window, keys split over 1 and 3 programs), the
 stacked experts (kernels/triton/moe.py: the decode GEMVs and the sorted-pair tensor-core
-tiles). fp32 activations (the interpreter emulates bf16 wrongly). Tolerance 1e-5 of the output
-scale: the same fp32 numbers, summed in another order. The interpreter must be chosen before
-Triton compiles anything, so the check runs in a fresh process."""
+tiles), RMSNorm, RoPE and the splits' merge (kernels/triton/norm.py, attention.py). fp32
+activations (the interpreter emulates bf16 wrongly). Tolerance 1e-5 of the output scale: the
+same fp32 numbers, summed in another order. The interpreter must be chosen before Triton
+compiles anything, so the check runs in a fresh process."""
 
 from __future__ import annotations
 
@@ -107,6 +108,38 @@ def check_moe(g: torch.Generator) -> list[str]:
     return out
 
 
+def check_norm(g: torch.Generator) -> list[str]:
+    """RMSNorm (both weight orders, [T, D] and [T, H, D]), RoPE (neox and interleaved, full and
+    partial, on a strided view), the attention splits' merge (a query no split saw gives 0)."""
+    from dayzero.kernels.reference import basic
+    from dayzero.kernels.triton import attention, norm
+
+    out = []
+    for shape in ((5, 24), (3, 4, 32)):
+        x, w = torch.randn(*shape, generator=g), torch.randn(shape[-1], generator=g)
+        for fp32 in (False, True):
+            want = basic.rms_norm(x, w, 1e-6, fp32)
+            err = (norm.rms_norm(x, w, 1e-6, fp32) - want).abs().max() / want.abs().max()
+            out.append(f"rms_norm {shape} weight_in_fp32={fp32} {err:.2e}")
+    x = torch.randn(7, 3, 40, generator=g)[:, :, :32]  # a q-like view: rows strided
+    pos = torch.randint(0, 500, (7,), generator=g)
+    for half in (16, 12, 5):  # 12, 5: partial rotary dims, 5 not a power of 2
+        inv = 1.0 / (10000 ** (torch.arange(half) / half))
+        for neox in (True, False):
+            want = basic.rope(x, pos, inv, neox)
+            err = (norm.rope(x, pos, inv, neox) - want).abs().max() / want.abs().max()
+            out.append(f"rope half={half} neox={neox} {err:.2e}")
+    o, lse = torch.randn(4, 3, 5, 24, generator=g), torch.randn(4, 3, 5, generator=g)
+    lse[0, 0], lse[1, 1, 2] = float("-inf"), float("-inf")
+    total = torch.logsumexp(lse, -1, keepdim=True)
+    w = torch.exp(lse - torch.where(torch.isinf(total), 0.0, total)).nan_to_num(0.0)
+    want = (o * w[..., None]).sum(2)
+    out.append(
+        f"merge {((attention._merge(o, lse, torch.float32) - want).abs().max() / want.abs().max()):.2e}"
+    )
+    return out
+
+
 def check(seed: int) -> list[str]:
     from dayzero.kernels.packed import PackedWeight
     from dayzero.kernels.reference import packed as ref
@@ -143,7 +176,7 @@ def check(seed: int) -> list[str]:
                 tp.moe_experts_packed(x, up, down, wts, ids, True, 3.0) - want
             ).abs().max() / want.abs().max()
             out.append(f"{fmt} moe t={t} {err.item():.2e}")
-    return out + check_attention(g) + check_moe(g)
+    return out + check_attention(g) + check_moe(g) + check_norm(g)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -155,7 +188,7 @@ def test_triton_kernels_in_the_interpreter(seed: int) -> None:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
-    assert len(lines) == 3 * 7 + 2 * 4 * 2 + 3 * 2, r.stdout
+    assert len(lines) == 3 * 7 + 2 * 4 * 2 + 3 * 2 + 4 + 6 + 1, r.stdout
     for ln in lines:
         assert float(ln.split()[-1]) <= 1e-5, ln
 

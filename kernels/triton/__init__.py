@@ -1,8 +1,8 @@
 """Triton backend (CUDA): packed-weight GEMMs (`packed`), paged GQA attention reading the cache
-in place (`attention`) and the bf16 experts' decode GEMVs (`moe`). Registered only where
-`triton` imports (CUDA builds of torch bring it); every kernel is checked against the reference
-backend in Triton's CPU interpreter in CI (tests/test_triton_interpreter.py) and on the GPU
-(scripts/gpu_bringup.sh runs tests/test_triton_packed.py and tests/test_triton_cuda.py)."""
+in place (`attention`), stacked experts read in place (`moe`), RMSNorm and RoPE (`norm`).
+Registered only where `triton` imports (CUDA builds of torch bring it); every kernel is checked
+against the reference backend in Triton's CPU interpreter in CI (tests/test_triton_interpreter.py)
+and on the GPU (scripts/gpu_bringup.sh runs tests/test_triton_packed.py, tests/test_triton_cuda.py)."""
 
 import importlib.util
 
@@ -12,7 +12,7 @@ from dayzero.kernels.ops import PACKED_FORMATS
 from dayzero.kernels.registry import Capabilities, register
 
 if importlib.util.find_spec("triton") is not None:
-    from dayzero.kernels.triton import attention, moe, packed
+    from dayzero.kernels.triton import attention, moe, norm, packed
 
     _half = dict(
         devices=frozenset({"cuda"}), dtypes=frozenset({torch.bfloat16, torch.float16}), min_capability=(9, 0)
@@ -37,6 +37,10 @@ if importlib.util.find_spec("triton") is not None:
             **_any,
         ),
     )(attention.gqa_attention)
+    register("rms_norm", "triton", Capabilities(features=frozenset({"weight_in_fp32"}), **_any))(
+        norm.rms_norm
+    )
+    register("rope", "triton", Capabilities(features=frozenset({"partial", "neox"}), **_any))(norm.rope)
     # above the grouped GEMMs (priority 10), which it runs itself for prefill shapes
     register(
         "moe_experts",

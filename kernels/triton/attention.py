@@ -142,14 +142,36 @@ def _splits(rows: int, kv_heads: int, q_max: int, device: torch.device) -> int:
     return max(1, min(16, triton.cdiv(2 * _sms(device.index or 0), rows * kv_heads)))
 
 
+@triton.jit
+def _merge_splits(
+    o_ptr, lse_ptr, y_ptr, S: tl.constexpr, BS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr
+):
+    """One (token, head): y = sum_s exp(lse_s - logsumexp(lse)) o_s; 0 when no split saw a key."""
+    r = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BS)
+    lse = tl.load(lse_ptr + r * S + s, mask=s < S, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - tl.where(top == float("-inf"), 0.0, top)))
+    d = tl.arange(0, BD)
+    o = tl.load(
+        o_ptr + (r * S + s[:, None]) * D + d[None, :], mask=(s[:, None] < S) & (d[None, :] < D), other=0.0
+    )
+    total = tl.sum(w, 0)
+    y = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(y_ptr + r * D + d, y.to(y_ptr.dtype.element_ty), mask=d < D)
+
+
 def _merge(o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """o [T, H, S, D], lse [T, H, S] -> [T, H, D]: the splits' outputs weighted by their share
     of the softmax mass, exp(lse_s - logsumexp(lse)); a query with no allowed key gives 0."""
-    if o.shape[2] == 1:
+    t, h, splits, d = o.shape
+    if splits == 1:
         return o[:, :, 0].to(dtype)
-    total = torch.logsumexp(lse, dim=-1, keepdim=True)  # [T, H, 1]
-    w = torch.exp(lse - torch.where(torch.isinf(total), 0.0, total)).nan_to_num_(0.0)
-    return (o * w[..., None]).sum(2).to(dtype)
+    y = torch.empty(t, h, d, dtype=dtype, device=o.device)
+    _merge_splits[(t * h,)](
+        o, lse, y, S=splits, BS=triton.next_power_of_2(splits), D=d, BD=triton.next_power_of_2(d)
+    )
+    return y
 
 
 def gqa_attention(
