@@ -18,6 +18,10 @@ def _bench(args: argparse.Namespace) -> int:
 
         scheduler.run(tuple(int(x) for x in args.sizes.split(",")), args.steps)
         return 0
+    if args.part == "agentic":
+        from dayzero.sdk.bench import agentic
+
+        return agentic.main(args)
     from dayzero.sdk.bench import decode
 
     return decode.main(args)
@@ -167,7 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure a part of dayzero (prints a table and a summary line)")
     b.add_argument(
-        "part", choices=["scheduler", "decode"], help="scheduler: control plane vs TokenSpeed; decode: GPU"
+        "part",
+        choices=["scheduler", "decode", "agentic"],
+        help="scheduler: control plane vs TokenSpeed; decode: GPU; agentic: agents through the server",
     )
     b.add_argument("--sizes", default="32,256,1024", help="scheduler: live request counts (comma separated)")
     b.add_argument("--steps", type=int, default=1000, help="scheduler: timed decode steps per size")
@@ -192,6 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="decode: nvfp4, mxfp4 or fp8_block weights for dayzero (ModelOpt layout; transformers: bf16)",
     )
+    b.add_argument(
+        "--model", default=None, help="agentic: MODEL for dayzero serve (default: the embedded one)"
+    )
+    b.add_argument("--agents", type=int, default=1, help="agentic: concurrent agents")
+    b.add_argument("--turns", default="10-15", help="agentic: turns per agent, N or LO-HI (seeded)")
+    b.add_argument("--first-turn", type=int, default=50_000, help="agentic: tokens of the first prompt")
+    b.add_argument("--turn-tokens", type=int, default=800, help="agentic: new tokens each later turn")
+    b.add_argument("--max-output", type=int, default=500, help="agentic: answer tokens at most")
+    b.add_argument("--seed", type=int, default=0, help="agentic: seeds the token content and turn counts")
+    b.add_argument("--port", type=int, default=0, help="agentic: server port (0: a free one)")
+    b.add_argument("--serve-flags", default="", help="agentic: more `dayzero serve` flags, as one string")
     device_flags(b)
     b.set_defaults(fn=_bench)
 

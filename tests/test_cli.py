@@ -32,6 +32,31 @@ def test_bench_scheduler_prints_a_table_and_the_summary_line():
             assert 0 < float(value) < 10
 
 
+def test_bench_agentic_prints_turns_and_the_summary_line(tmp_path):
+    """The agentic shape on the CPU: a tiny checkpoint served by `dayzero serve`, 2 agents of 2-3
+    turns (seeded), small sizes; the output's shape and that later turns hit the prefix cache
+    (whole 16-token blocks of the history: at least the first prompt's 48 tokens)."""
+    from dayzero.sdk.parity.tiny import write_tiny
+
+    ckpt = write_tiny("llama", tmp_path / "ckpt", seed=4)
+    r = run(
+        "bench", "agentic", "--model", str(ckpt), "--agents", "2", "--turns", "2-3", "--first-turn", "48",
+        "--turn-tokens", "16", "--max-output", "6", "--device", "cpu", "--seed", "3",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    rows = [ln.split() for ln in lines if re.match(r"^\s+[01]\s+[1-3]\s", ln)]
+    assert {int(x[0]) for x in rows} == {0, 1} and 4 <= len(rows) <= 6
+    for _agent, turn, _prompt, cached, output, *_ in rows:
+        assert int(output) == 6 and (int(cached) == 0 if turn == "1" else int(cached) >= 48), rows
+    m = re.fullmatch(
+        r"agentic per_user_tok_s=([\d.]+) ttft_p50=([\d.]+) ttft_p99=([\d.]+) hit_rate=([\d.]+)"
+        r" total_s=([\d.]+)",
+        lines[-1],
+    )
+    assert m and 0 < float(m[4]) <= 1 and float(m[1]) > 0, lines[-1]
+
+
 def test_unknown_bench_part_is_refused():
     r = run("bench", "nonsense")
     assert r.returncode == 2

@@ -118,3 +118,14 @@ def test_moe_shared_expert_with_gate_matches_the_formula() -> None:
         shared = (torch.nn.functional.silu(sg) * su) @ moe.shared.down.T
         want = 1.5 * want + torch.sigmoid(x @ moe.shared_gate.T) * shared
         torch.testing.assert_close(moe(x), want, atol=1e-5, rtol=1e-5)
+
+
+def test_cached_tokens_count_the_prefix_hit(llm: LLM) -> None:
+    """A request's cached_tokens are the prompt tokens found in the prefix cache at admission:
+    whole blocks (8 tokens) of an earlier request's prompt; none for a fresh prompt."""
+    eng = llm.engine
+    eng.scheduler.flush_prefix_cache()
+    prompt = list(range(3, 30))  # 27 tokens: 3 whole blocks
+    (first,) = eng.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
+    (second,) = eng.generate([[*prompt, 5, 6]], SamplingParams(max_tokens=2, temperature=0))
+    assert first.cached_tokens == 0 and second.cached_tokens == 24

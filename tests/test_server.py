@@ -60,6 +60,19 @@ def test_chat_says_paris(client) -> None:
     )
 
 
+def test_usage_reports_the_cached_prompt_tokens(client) -> None:
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field): 0 for a new prompt, whole
+    cached blocks when a second request repeats its start (the next agent turn's shape)."""
+    ids = [(7 * i + 11) % 40000 + 1000 for i in range(100)]  # token ids no other test sends
+    first = client.completions.create(model="SmolLM2-135M-Instruct", prompt=ids, max_tokens=2, temperature=0)
+    again = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=[*ids, 5, 6, 7], max_tokens=2, temperature=0
+    )
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == 96, cached  # the 6 whole blocks (serve's block size 16) of the shared 100 tokens
+
+
 def test_streaming_equals_whole_for_completions_and_chat(client) -> None:
     whole = client.completions.create(
         model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=12, temperature=0

@@ -156,6 +156,7 @@ PYBIND11_MODULE(_scheduler, m) {
       .def("phase_of", &Scheduler::phase_of, py::arg("id"))
       .def("block_table", &Scheduler::block_table, py::arg("id"), py::arg("group") = 0)
       .def("tokens_of", &Scheduler::tokens_of, py::arg("id"))
+      .def("cached_tokens_of", &Scheduler::cached_tokens_of, py::arg("id"))
       .def_property_readonly("capacity", &Scheduler::capacity)
       .def_property_readonly("num_waiting", &Scheduler::waiting)
       .def_property_readonly("num_running", &Scheduler::running)

@@ -522,4 +522,8 @@ std::vector<TokenId> Scheduler::tokens_of(ReqId id) const {
   return info_of(*slots_[static_cast<std::size_t>(slot_of(id))].phase).tokens;
 }
 
+std::int32_t Scheduler::cached_tokens_of(ReqId id) const {
+  return info_of(*slots_[static_cast<std::size_t>(slot_of(id))].phase).cached;
+}
+
 }  // namespace dz

@@ -97,6 +97,7 @@ TEST(Scheduler, NextTurnReusesPromptAndGeneratedTokens) {
   // 8 prompt + 3 generated tokens have KV (the last generated token was never input): 8 cached.
   EXPECT_EQ(p->kv_lens[0] - p->num_tokens[0], 8);
   EXPECT_EQ(p->positions[0], 8);
+  EXPECT_EQ(s.cached_tokens_of(2), 8);  // reported per request (the server's usage)
   answer(s, *p);
   s.check_invariants();
 }
@@ -143,7 +144,7 @@ TEST(Scheduler, BadSubmitIsRejected) {
   EXPECT_EQ(s.live(), 2);
 }
 
-TEST(Scheduler, AbortFromEveryStopFreesEverything) {
+TEST(Scheduler, AbortFromEveryPhaseFreesEverything) {
   auto cfg = test::paged(32);
   cfg.chunk_size = 4;
   Scheduler s(cfg);

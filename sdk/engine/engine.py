@@ -56,6 +56,7 @@ class RequestOutput:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when asked for
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    cached_tokens: int = 0  # prompt tokens the prefix cache held when the request was admitted
 
     @property
     def finished(self) -> bool:
@@ -214,6 +215,9 @@ class Engine:
         sample_ids = plan.req_ids[np.asarray(plan.sample, dtype=bool)].tolist()
         tokens, logprobs = self._sample(logits, sample_ids)
         tops = self._top_logprobs(logits, sample_ids)
+        for rid in sample_ids:  # a request's first token: admitted, so its prefix hit is known
+            if not self.requests[rid].token_ids:
+                self.requests[rid].cached_tokens = self.scheduler.cached_tokens_of(rid)
         self.scheduler.feed(plan.req_ids, plan.sample.astype(np.int32), tokens.astype(np.int32))
         prefill = int(np.asarray(plan.num_tokens)[np.asarray(plan.is_prefill, dtype=bool)].sum())
         self.stats["prefill_tokens"] += prefill

@@ -54,6 +54,7 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish: str | None = None
+    cached: int = 0  # prompt tokens its request found in the prefix cache
 
 
 @dataclass
@@ -262,6 +263,7 @@ def apply_update(state: ServerState, c: Choice, u: Update) -> None:
     if u.error:
         c.finish = "abort"
         return
+    c.cached = max(c.cached, u.cached_tokens)
     c.tokens += u.token_ids
     c.logprobs += u.logprobs
     c.top += u.top_logprobs
@@ -317,15 +319,22 @@ async def respond(
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": state.model_name,
-        "choices": [whole_choice(state, c, chat, want_logprobs) for c in choices],
+        "choices": [whole_choice(state, c, chat, want_logprobs, req.return_token_ids) for c in choices],
         "usage": usage(ids, choices),
     }
     return JSONResponse(body)
 
 
 def usage(ids: list[int], choices: list[Choice]) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens: the prompt tokens the first choice's
+    request found in the prefix cache (the others may also hit the blocks it computed)."""
     out = sum(len(c.tokens) for c in choices)
-    return {"prompt_tokens": len(ids), "completion_tokens": out, "total_tokens": len(ids) + out}
+    return {
+        "prompt_tokens": len(ids),
+        "completion_tokens": out,
+        "total_tokens": len(ids) + out,
+        "prompt_tokens_details": {"cached_tokens": choices[0].cached if choices else 0},
+    }
 
 
 def token_text(state: ServerState, t: int) -> str:
@@ -354,17 +363,18 @@ def logprob_block(state: ServerState, c: Choice, start: int, stop: int, chat: bo
     }
 
 
-def whole_choice(state: ServerState, c: Choice, chat: bool, want_logprobs: bool) -> dict:
+def whole_choice(state: ServerState, c: Choice, chat: bool, want_logprobs: bool, token_ids: bool) -> dict:
     text = c.detok.take(final=True)
     lp = logprob_block(state, c, 0, len(c.tokens), chat) if want_logprobs else None
+    ids = {"token_ids": list(c.tokens)} if token_ids else {}
     if chat:
         return {
             "index": c.index,
             "message": {"role": "assistant", "content": text},
             "logprobs": lp,
             "finish_reason": c.finish,
-        }
-    return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish}
+        } | ids
+    return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish} | ids
 
 
 async def stream(
@@ -379,7 +389,7 @@ async def stream(
 ) -> AsyncIterator[str]:
     created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(index: int, text: str, finish: str | None, lp: dict | None, first: bool = False) -> str:
+    def chunk(index: int, text: str, finish: str | None, lp: dict | None, first: bool = False, ids=()) -> str:
         if chat:
             delta = (
                 ({"role": "assistant", "content": text} if first else {"content": text})
@@ -389,6 +399,8 @@ async def stream(
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        if req.return_token_ids:
+            choice["token_ids"] = list(ids)
         body = {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [choice]}
         return f"data: {json.dumps(body)}\n\n"
 
@@ -414,8 +426,8 @@ async def stream(
                 apply_update(state, c, f.result())
                 text = c.detok.take(final=c.finish is not None)
                 lp = logprob_block(state, c, before, len(c.tokens), chat) if want_logprobs else None
-                if text or c.finish or lp:
-                    yield chunk(c.index, text, c.finish, lp)
+                if text or c.finish or lp or (req.return_token_ids and len(c.tokens) > before):
+                    yield chunk(c.index, text, c.finish, lp, ids=c.tokens[before:])
                 if c.finish is not None:
                     del pending[c.index]
         if req.stream_options and req.stream_options.include_usage:

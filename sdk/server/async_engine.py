@@ -36,6 +36,7 @@ class Update:
     top_logprobs: list[list[tuple[int, float]]]
     finish_reason: str | None = None
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -135,7 +136,10 @@ class AsyncEngine:
                     s.first_token = now
                     if self.metrics:
                         self.metrics.ttft.observe(now - s.submitted)
-                upd = Update(out.token_ids[new], out.logprobs[new], out.top_logprobs[new], out.finish_reason)
+                upd = Update(
+                    out.token_ids[new], out.logprobs[new], out.top_logprobs[new], out.finish_reason,
+                    cached_tokens=out.cached_tokens,
+                )  # fmt: skip
                 s.sent = len(out.token_ids)
                 s.loop.call_soon_threadsafe(s.queue.put_nowait, upd)
                 if out.finished:

@@ -44,6 +44,7 @@ class Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    return_token_ids: bool = False  # vLLM's: each choice (and stream chunk) also lists its token ids
     user: str | None = None
 
     @model_validator(mode="after")

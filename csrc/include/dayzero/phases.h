@@ -32,6 +32,7 @@ struct ReqInfo {
   bool remote = false;         // KV filled by a remote prefill node
   std::vector<BlockKey> keys;  // chained keys of full blocks, extended lazily
   std::int32_t committed = 0;  // blocks registered in the prefix cache
+  std::int32_t cached = 0;     // prompt tokens found in the prefix cache at first admission
 
   std::int32_t generated() const { return static_cast<std::int32_t>(tokens.size()) - prompt_len; }
   std::int32_t len() const { return static_cast<std::int32_t>(tokens.size()); }

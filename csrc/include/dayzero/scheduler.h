@@ -69,6 +69,7 @@ class Scheduler {
   std::string phase_of(ReqId id) const;
   std::vector<BlockId> block_table(ReqId id, std::size_t group = 0) const;
   std::vector<TokenId> tokens_of(ReqId id) const;
+  std::int32_t cached_tokens_of(ReqId id) const;  // prompt tokens the prefix cache held at admission
   std::int32_t capacity() const { return static_cast<std::int32_t>(slots_.size()); }
   // Throws SchedulerError describing the first broken invariant.
   void check_invariants() const;

@@ -111,8 +111,14 @@ class KvHandover {
 };
 
 inline Submitted on(Bootstrapping&& s, BootstrapDone) { return {std::move(s.info)}; }
-inline Prefilling on(Submitted&& s, Admit e) { return {std::move(s.info), std::move(e.kv), e.cached}; }
-inline Prefetching on(Submitted&& s, AdmitFromHost e) { return {std::move(s.info), std::move(e.kv), e.cached}; }
+inline Prefilling on(Submitted&& s, Admit e) {
+  s.info.cached = e.cached;
+  return {std::move(s.info), std::move(e.kv), e.cached};
+}
+inline Prefetching on(Submitted&& s, AdmitFromHost e) {
+  s.info.cached = e.cached;
+  return {std::move(s.info), std::move(e.kv), e.cached};
+}
 inline RemoteFill on(Submitted&& s, AdmitRemote e) { return {std::move(s.info), std::move(e.kv)}; }
 inline Prefilling on(Prefetching&& s, PrefetchDone) { return {std::move(s.info), KvHandover::take(s), s.kv_len}; }
 inline PrefillAwaitingResult on(Prefilling&& s, LastChunk) {
