@@ -20,7 +20,6 @@ in a CUDA graph and replayed at any lengths.
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import torch
@@ -28,6 +27,7 @@ import triton
 import triton.language as tl
 
 from dayzero.kernels.ops import PagedMeta
+from dayzero.kernels.triton.packed import _sms
 
 
 @triton.jit
@@ -128,11 +128,6 @@ def _paged_attention(
     tl.store(o_ptr + row[:, None] * D + d[None, :], out, mask=qmask)
     lse = m_i + tl.log(tl.where(seen, l_i, 1.0))
     tl.store(lse_ptr + row, tl.where(seen, lse, float("-inf")), mask=valid)
-
-
-@functools.cache
-def _sms(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _splits(rows: int, kv_heads: int, q_max: int, device: torch.device) -> int:

@@ -14,14 +14,12 @@ fused, then down). Neither path syncs with the host or copies an expert's weight
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from dayzero.kernels.reference.moe import moe_experts as expert_loop
-from dayzero.kernels.triton.packed import _align, _rows_tile
+from dayzero.kernels.triton.packed import _align, _rows_tile, _sms
 
 
 @triton.jit
@@ -170,11 +168,6 @@ def _grouped(
         out = out / (1.0 + tl.exp(-out)) * u
     dst = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(dst, out.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
-
-
-@functools.cache
-def _sms(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _tile(pairs: int, n: int, device: torch.device) -> int:
