@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_meta import paged_meta
 
-from dayzero.kernels.ops import PagedMeta
 from dayzero.kernels.reference.attention import gqa_attention as reference_attention
 from dayzero.kernels.reference.moe import moe_experts as reference_moe
 from dayzero.kernels.triton import attention, moe
@@ -28,32 +28,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-def _paged(rows: list[tuple[int, int]], bs: int, g: torch.Generator) -> tuple[PagedMeta, int]:
-    blocks = sum(-(-kv // bs) for _, kv in rows)
-    perm = torch.randperm(blocks, generator=g)
-    table = torch.full((len(rows), max(-(-kv // bs) for _, kv in rows)), -1, dtype=torch.int64)
-    qs, pos, slots, used = [0], [], [], 0
-    for r, (n, kv) in enumerate(rows):
-        nb = -(-kv // bs)
-        table[r, :nb], used = perm[used : used + nb], used + nb
-        qs.append(qs[-1] + n)
-        pos += range(kv - n, kv)
-        slots += [int(table[r, p // bs]) * bs + p % bs for p in range(kv - n, kv)]
-    lens = tuple(kv for _, kv in rows)
-    meta = PagedMeta(
-        torch.tensor(qs, device=CUDA), torch.tensor(lens, device=CUDA), torch.tensor(pos, device=CUDA),
-        table.to(CUDA), torch.tensor(slots, device=CUDA), bs, tuple(qs), lens,
-    )  # fmt: skip
-    return meta, blocks
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("window,cap", [(None, None), (512, None), (None, 30.0)])
 def test_paged_attention_at_beam_widths(seed: int, window, cap) -> None:
     g = torch.Generator().manual_seed(seed)
     h, hk, d, bs = 48, 8, 128, 64
     for rows in ([(1, 517), (1, 3000)], [(1, 40), (700, 800), (300, 300)]):  # decode; mixed
-        meta, blocks = _paged(rows, bs, g)
+        meta, blocks = paged_meta(rows, bs, g, device=CUDA)
         t = sum(n for n, _ in rows)
         q = torch.randn(t, h, d, generator=g).to(CUDA)
         kc = torch.randn(blocks * bs, hk, d, generator=g).to(CUDA)

@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+from paged_meta import paged_meta
 
 SEEDS = (0, 3)
 
@@ -39,34 +40,6 @@ def _interpreter_index_fix() -> None:
     interpreter._patch_lang_tensor = patched
 
 
-def _paged(rows: list[tuple[int, int]], bs: int, blocks: int, g: torch.Generator, freed: int = 0):
-    """PagedMeta for rows of (new tokens, KV length after the step) on shuffled blocks; the first
-    `freed` blocks of the last row are given back (-1), as a sliding window does."""
-    from dayzero.kernels.ops import PagedMeta
-
-    perm = torch.randperm(blocks, generator=g)
-    table = torch.full((len(rows), max(-(-kv // bs) for _, kv in rows)), -1, dtype=torch.int64)
-    qs, pos, slots, used = [0], [], [], 0
-    for r, (n, kv) in enumerate(rows):
-        nb = -(-kv // bs)
-        table[r, :nb], used = perm[used : used + nb], used + nb
-        qs.append(qs[-1] + n)
-        pos += range(kv - n, kv)
-        slots += [int(table[r, p // bs]) * bs + p % bs for p in range(kv - n, kv)]
-    table[-1, :freed] = -1
-    lens = tuple(kv for _, kv in rows)
-    return PagedMeta(
-        torch.tensor(qs),
-        torch.tensor(lens),
-        torch.tensor(pos),
-        table,
-        torch.tensor(slots),
-        bs,
-        tuple(qs),
-        lens,
-    )
-
-
 def check_attention(g: torch.Generator) -> list[str]:
     from dayzero.kernels.reference.attention import gqa_attention as reference
     from dayzero.kernels.triton import attention
@@ -78,7 +51,9 @@ def check_attention(g: torch.Generator) -> list[str]:
         q = torch.randn(t, h, d, generator=g)
         kc, vc = torch.randn(blocks * bs, hk, d, generator=g), torch.randn(blocks * bs, hk, d, generator=g)
         for window, cap in ((None, None), (6, None), (None, 3.0), (6, 2.0)):
-            meta = _paged(rows, bs, blocks, g, freed=8 if window else 0)  # keys 0..31 lie before the window
+            meta, _ = paged_meta(
+                rows, bs, g, blocks, freed=8 if window else 0
+            )  # keys 0..31: before the window
             want = reference(q, kc, vc, meta, 0.3, window, cap)
             for splits in (1, 3):
                 got = attention.gqa_attention(q, kc, vc, meta, 0.3, window, cap, splits=splits)

@@ -1,0 +1,38 @@
+"""PagedMeta for kernel tests: rows of (new tokens, KV length after the step) on shuffled blocks."""
+
+from __future__ import annotations
+
+import torch
+
+from dayzero.kernels.ops import PagedMeta
+
+
+def paged_meta(
+    rows: list[tuple[int, int]],
+    bs: int,
+    g: torch.Generator,
+    blocks: int | None = None,
+    freed: int = 0,
+    device: torch.device | str = "cpu",
+) -> tuple[PagedMeta, int]:
+    """(meta, blocks in the pool). The rows' blocks are a random permutation of the pool's
+    (default: exactly as many as the rows need); the first `freed` blocks of the last row are
+    given back (-1), as a sliding window does."""
+    need = sum(-(-kv // bs) for _, kv in rows)
+    blocks = blocks or need
+    perm = torch.randperm(blocks, generator=g)
+    table = torch.full((len(rows), max(-(-kv // bs) for _, kv in rows)), -1, dtype=torch.int64)
+    qs, pos, slots, used = [0], [], [], 0
+    for r, (n, kv) in enumerate(rows):
+        nb = -(-kv // bs)
+        table[r, :nb], used = perm[used : used + nb], used + nb
+        qs.append(qs[-1] + n)
+        pos += range(kv - n, kv)
+        slots += [int(table[r, p // bs]) * bs + p % bs for p in range(kv - n, kv)]
+    table[-1, :freed] = -1
+    lens = tuple(kv for _, kv in rows)
+    meta = PagedMeta(
+        torch.tensor(qs, device=device), torch.tensor(lens, device=device), torch.tensor(pos, device=device),
+        table.to(device), torch.tensor(slots, device=device), bs, tuple(qs), lens,
+    )  # fmt: skip
+    return meta, blocks
