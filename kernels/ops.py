@@ -37,6 +37,25 @@ class PagedMeta:
     memo: dict = field(default_factory=dict, compare=False, repr=False)
 
 
+@dataclass(frozen=True)
+class SamplingBatch:
+    """One step's per-row sampling parameters [S] on the logits' device, and what the host knows
+    of them: a kernel decides its work from the host fields, never by reading the device back.
+
+    temperature 0: greedy; top_k <= 0, top_p 1, min_p 0: off. generators[s]: the row's seeded
+    generator (None: the default one)."""
+
+    temperature: torch.Tensor  # [S] fp32
+    top_k: torch.Tensor  # [S] int64
+    top_p: torch.Tensor  # [S] fp32
+    min_p: torch.Tensor  # [S] fp32
+    generators: tuple[torch.Generator | None, ...]
+    sampled_rows: tuple[int, ...]  # rows with temperature > 0
+    top_k_on: bool = False
+    top_p_on: bool = False
+    min_p_on: bool = False
+
+
 declare_op("embedding", "ids [T] -> weight[ids] [T, Dm]")
 declare_op("linear", "x [.., K] @ w[N, K]^T (+ b) -> [.., N]", features={"bias"}, packed="linear_packed")
 PACKED_FORMATS = ("nvfp4", "mxfp4", "fp8_block")  # kernels/packed.py
@@ -47,6 +66,17 @@ declare_op(
 )
 declare_op("layer_norm", "(x - mean) / sqrt(var + eps) * w + b over the last dim")
 declare_op("rms_norm", "x / rms(x) * w over the last dim, in fp32", features={"weight_in_fp32"})
+declare_op(
+    "add_rms_norm",
+    "x' = x + y (y <- rms_norm(y) first: sandwich; scaled: depth-scaled) -> (x', rms_norm(x'))",
+    features={"weight_in_fp32", "post_norm", "scaled"},
+)
+declare_op(
+    "norm_rope",
+    "per head of [T, H, D]: rms_norm, then rope, then log-position query scaling (each optional)",
+    features={"norm", "weight_in_fp32", "rope", "partial", "neox", "log_scaling"},
+)
+declare_op("sigmoid_gate", "o * sigmoid(gate (+ bias[h])) over [T, H, D]", features={"bias"})
 declare_op(
     "rope", "rotate the first rotary_dim channels of [T, H, D] by position", features={"partial", "neox"}
 )
@@ -97,6 +127,6 @@ declare_op(
 declare_op("softcap", "cap * tanh(x / cap), in fp32")
 declare_op(
     "sample",
-    "logits [S, V] -> (token ids [S], chosen-token logprobs [S])",
-    features={"greedy", "temperature", "top_k", "top_p", "seed"},
+    "logits [S, V], SamplingBatch -> (token ids [S], chosen-token logprobs [S])",
+    features={"greedy", "temperature", "top_k", "top_p", "min_p", "seed"},
 )

@@ -194,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--enforce-eager", action="store_true", help="decode: no CUDA graphs (as vLLM's flag)")
     b.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="decode: read each step's tokens back before planning the next (as SGLang's flag)",
+    )
+    b.add_argument(
         "--quantization",
         default=None,
         help="decode: nvfp4, mxfp4 or fp8_block weights for dayzero (ModelOpt layout; transformers: bf16)",

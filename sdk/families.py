@@ -85,10 +85,20 @@ def kernel_needs(cfg: ModelConfig, ops: OpTable, packed: frozenset[str] = frozen
     ops.need("embedding")
     ops.need("rms_norm", {"weight_in_fp32"} if cfg.final_norm.weight_in_fp32 else ())
     ops.need("linear")
-    ops.need("sample", {"greedy", "temperature", "top_k", "top_p", "seed"})
+    ops.need("sample", {"greedy", "temperature", "top_k", "top_p", "min_p", "seed"})
     if cfg.head.softcap is not None:
         ops.need("softcap")
     for layer in cfg.layers:
+        for res in (layer.attn_res, layer.mlp_res):
+            if res.kind != "hyper":  # a residual's add and the next block's norm: one fused op
+                n = res.norm
+                post = {"post_norm"} if res.kind == "sandwich" else set()
+                feats = (
+                    post
+                    | ({"scaled"} if res.add_index else set())
+                    | ({"weight_in_fp32"} if n.weight_in_fp32 else set())
+                )
+                ops.need("add_rms_norm", feats)
         for kind, sub in ((layer.attn_kind, layer.attn), (layer.mlp_kind, layer.mlp)):
             for op, features, head_dim in BLOCKS.get(kind).needs(sub):
                 ops.need(op, features, head_dim)

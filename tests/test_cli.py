@@ -87,7 +87,7 @@ def test_kernels_shows_every_op_and_the_selection():
         "moe_route": "reference",
         "rms_norm": "reference",
         "rope": "reference",
-        "sample": "reference",
+        "sample": "batched",
         "swiglu": "reference",
     }
     for op, backend in expected.items():  # grouped_mm MoE is CUDA-only: the CPU keeps the reference

@@ -12,12 +12,13 @@ import torch.nn.functional as F
 from conftest import SEEDS
 
 from dayzero.kernels.batched.attention import gqa_attention as batched_attention
-from dayzero.kernels.ops import PagedMeta
+from dayzero.kernels.batched.sampling import sample as batched_sample
+from dayzero.kernels.ops import PagedMeta, SamplingBatch
 from dayzero.kernels.reference.attention import gqa_attention as reference_attention
 from dayzero.kernels.reference.attention import kv_write
 from dayzero.kernels.reference.basic import rms_norm, rope
 from dayzero.kernels.reference.moe import moe_route
-from dayzero.kernels.reference.sampling import sample
+from dayzero.kernels.reference.sampling import sample as reference_sample
 from dayzero.kernels.registry import KERNELS, OPS, Capabilities, UnknownKeyError, declare_op, register
 from dayzero.kernels.selection import KernelSelectionError, Need, OpTable, select
 
@@ -395,6 +396,33 @@ def test_interleaved_rope_is_neox_on_permuted_channels(seed: int) -> None:
 V = 50
 
 
+SAMPLERS = {"reference": reference_sample, "batched": batched_sample}
+
+
+@pytest.fixture(params=sorted(SAMPLERS))
+def sample(request) -> Callable:
+    """sample(logits, temperature, top_k, top_p, generators, min_p=None) through one backend."""
+    fn = SAMPLERS[request.param]
+
+    def call(logits, temp, top_k, top_p, gens, min_p=None):
+        min_p = torch.zeros_like(temp) if min_p is None else min_p
+        on = temp > 0
+        batch = SamplingBatch(
+            temperature=temp.float(),
+            top_k=top_k.long(),
+            top_p=top_p.float(),
+            min_p=min_p.float(),
+            generators=tuple(gens),
+            sampled_rows=tuple(on.nonzero().flatten().tolist()),
+            top_k_on=bool(((top_k > 0) & on).any()),
+            top_p_on=bool(((top_p < 1) & on).any()),
+            min_p_on=bool(((min_p > 0) & on).any()),
+        )
+        return fn(logits, batch)
+
+    return call
+
+
 def rows(n: int, value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.full((n,), value, dtype=dtype)
 
@@ -404,14 +432,14 @@ def logits_for(seed: int, s: int = 8) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_temperature_zero_is_argmax(seed: int) -> None:
+def test_temperature_zero_is_argmax(seed: int, sample) -> None:
     logits = logits_for(seed)
     tokens, _ = sample(logits, rows(8, 0.0), rows(8, 0, torch.int64), rows(8, 1.0), [None] * 8)
     assert torch.equal(tokens, logits.argmax(-1))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_top_k_one_is_argmax_at_any_temperature(seed: int) -> None:
+def test_top_k_one_is_argmax_at_any_temperature(seed: int, sample) -> None:
     logits = logits_for(seed)
     temps = torch.tensor([0.05, 0.3, 1.0, 2.0, 5.0, 20.0, 100.0, 1e4])
     gens = [torch.Generator().manual_seed(seed * 100 + i) for i in range(8)]
@@ -420,7 +448,7 @@ def test_top_k_one_is_argmax_at_any_temperature(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_tiny_top_p_keeps_only_the_top_token(seed: int) -> None:
+def test_tiny_top_p_keeps_only_the_top_token(seed: int, sample) -> None:
     logits = logits_for(seed)
     gens = [torch.Generator().manual_seed(seed + i) for i in range(8)]
     tokens, _ = sample(logits, rows(8, 50.0), rows(8, 0, torch.int64), rows(8, 1e-6), gens)
@@ -428,7 +456,7 @@ def test_tiny_top_p_keeps_only_the_top_token(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_top_k_draws_stay_in_the_top_k(seed: int) -> None:
+def test_top_k_draws_stay_in_the_top_k(seed: int, sample) -> None:
     """256 draws at temperature 3 with top_k 3: every token is one of the 3 largest logits."""
     logits = logits_for(seed, 1).expand(256, V)
     gens = [torch.Generator().manual_seed(seed + 1000 * i) for i in range(256)]
@@ -439,7 +467,7 @@ def test_top_k_draws_stay_in_the_top_k(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_top_p_draws_stay_in_the_nucleus(seed: int) -> None:
+def test_top_p_draws_stay_in_the_nucleus(seed: int, sample) -> None:
     """top_p 0.6: every token lies in the smallest prefix of the sorted distribution with mass >= 0.6."""
     logits = torch.randn(1, V, generator=torch.Generator().manual_seed(seed)).expand(256, V)
     probs, order = logits[0].softmax(-1).sort(descending=True)
@@ -450,25 +478,25 @@ def test_top_p_draws_stay_in_the_nucleus(seed: int) -> None:
     assert len(set(tokens.tolist())) > 1
 
 
-def draws(logits: torch.Tensor, gen_seed: int, n: int = 64) -> list[int]:
+def draws(sample, logits: torch.Tensor, gen_seed: int, n: int = 64) -> list[int]:
     g = torch.Generator().manual_seed(gen_seed)
     one = (rows(1, 1.0), rows(1, 0, torch.int64), rows(1, 1.0))
     return [int(sample(logits, *one, [g])[0]) for _ in range(n)]
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_seeded_generators_reproduce_and_differ(seed: int) -> None:
+def test_seeded_generators_reproduce_and_differ(seed: int, sample) -> None:
     """Same generator seed -> the same 64 tokens; another seed -> a different sequence."""
     gen = torch.Generator().manual_seed(seed)
     logits = 0.5 * torch.randn(1, V, generator=gen)  # flat-ish: many candidate tokens
-    a, b, c = draws(logits, seed), draws(logits, seed), draws(logits, seed + 1)
+    a, b, c = draws(sample, logits, seed), draws(sample, logits, seed), draws(sample, logits, seed + 1)
     assert a == b
     assert a != c
     assert len(set(a)) > 5
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_logprobs_are_log_softmax_at_the_chosen_token(seed: int) -> None:
+def test_logprobs_are_log_softmax_at_the_chosen_token(seed: int, sample) -> None:
     """Greedy and sampled rows alike report log_softmax(logits)[token] (the unmodified distribution), 1e-6."""
     logits = logits_for(seed)
     temps = torch.tensor([0.0, 0.7, 1.0, 1.5, 0.0, 2.0, 0.3, 1.0])
@@ -476,9 +504,45 @@ def test_logprobs_are_log_softmax_at_the_chosen_token(seed: int) -> None:
     top_p = torch.tensor([1.0, 1.0, 0.9, 0.8, 1.0, 1.0, 1.0, 0.5])
     gens = [torch.Generator().manual_seed(seed + i) for i in range(8)]
     tokens, logprobs = sample(logits, temps, top_k, top_p, gens)
-    want = torch.log_softmax(logits.double(), -1).gather(1, tokens[:, None]).squeeze(1)
     assert tokens.dtype == torch.int64
+    want = torch.log_softmax(logits.double(), -1).gather(1, tokens[:, None]).squeeze(1)
     torch.testing.assert_close(logprobs.double(), want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_min_p_draws_stay_above_the_threshold(seed: int, sample) -> None:
+    """min_p 0.2: every token has p >= 0.2 * max p (p at the temperature), and draws vary."""
+    logits = 0.5 * torch.randn(1, V, generator=torch.Generator().manual_seed(seed)).expand(256, V)
+    p = (logits[0] / 0.8).softmax(-1)
+    allowed = set((p >= 0.2 * p.max()).nonzero().flatten().tolist())
+    gens = [torch.Generator().manual_seed(seed + 1000 * i) for i in range(256)]
+    tokens, _ = sample(
+        logits, rows(256, 0.8), rows(256, 0, torch.int64), rows(256, 1.0), gens, rows(256, 0.2)
+    )
+    assert set(tokens.tolist()) <= allowed
+    assert len(set(tokens.tolist())) > 1
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_batched_draws_follow_the_distribution(seed: int) -> None:
+    """4,000 seeded draws of the batched sampler at temperature 1.3, top_k 6, top_p 0.9 against
+    the filtered distribution the reference defines (reference.filtered): every token inside its
+    support, each token's frequency within 5 standard errors of its probability."""
+    from dayzero.kernels.reference.sampling import filtered
+
+    n = 4000
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(seed)).expand(n, V)
+    want = filtered(logits[0] / 1.3, 6, 0.9, 0.0).softmax(-1)
+    batch = SamplingBatch(
+        temperature=rows(n, 1.3), top_k=rows(n, 6, torch.int64), top_p=rows(n, 0.9), min_p=rows(n, 0.0),
+        generators=tuple(torch.Generator().manual_seed(seed * 10_000 + i) for i in range(n)),
+        sampled_rows=tuple(range(n)), top_k_on=True, top_p_on=True,
+    )  # fmt: skip
+    tokens, _ = batched_sample(logits, batch)
+    freq = torch.bincount(tokens, minlength=V).double() / n
+    assert set(tokens.tolist()) <= set(want.nonzero().flatten().tolist())
+    se = (want.double() * (1 - want.double()) / n).sqrt()
+    assert ((freq - want.double()).abs() <= 5 * se + 1e-9).all(), (freq, want)
 
 
 # ---- batched MoE (grouped GEMM) against the reference loop --------------------------------------

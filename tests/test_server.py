@@ -186,8 +186,21 @@ def test_seeded_sampling_is_reproducible(client, seed: int) -> None:
     assert ask() == ask()
 
 
+def test_min_p_one_keeps_only_the_most_likely_token(client) -> None:
+    """min_p 1.0 leaves only tokens as likely as the top one: a hot sampler then decodes greedily."""
+
+    def ask(**kw) -> str:
+        r = client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=8, **kw
+        )
+        return r.choices[0].text
+
+    assert ask(temperature=1.5, seed=3, extra_body={"min_p": 1.0}) == ask(temperature=0)
+
+
 BAD = [
     ("/v1/completions", b"{not json", 400),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, 400),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404),
     ("/v1/completions", {"prompt": 5}, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400),

@@ -1,7 +1,8 @@
 """On a CUDA GPU (scripts/gpu_bringup.sh runs it; skipped elsewhere): the Triton paged attention and
 bf16 expert GEMVs at Beam's real widths against the reference backend, and decode steps replayed
 from CUDA graphs against the same static buffers run eagerly (bit-identical) and against the
-plain eager path (fp32: the same tokens, logprobs within 1e-4).
+plain eager path (fp32, the graphs with overlap: the same tokens, logprobs within 1e-4), and the
+fused small ops and routing in bf16.
 
 bf16 tolerance: the kernel's error against the fp32 reference is at most twice the reference's
 own bf16 error plus 1e-3 (relative to the output's largest value)."""
@@ -81,6 +82,54 @@ def test_norm_and_rope_bf16() -> None:
     assert _rel(norm.rope(x.bfloat16(), pos, inv, True), want) <= 2 * own + 1e-3
 
 
+def test_fused_ops_bf16() -> None:
+    """The fused small ops and routing at Beam's widths in bf16 against the fp32 reference."""
+    from dayzero.kernels.reference import basic
+    from dayzero.kernels.reference.moe import moe_route as reference_route
+    from dayzero.kernels.triton import fused, routing
+
+    g = torch.Generator().manual_seed(1)
+
+    def both(fn_ref, fn, *args):  # (kernel's bf16 error, the reference's own bf16 error)
+        want = fn_ref(*[a.to(CUDA) if isinstance(a, torch.Tensor) else a for a in args])
+        b16 = [a.to(CUDA).bfloat16() if isinstance(a, torch.Tensor) else a for a in args]
+        return _rel(fn(*b16), want), _rel(fn_ref(*b16), want)
+
+    x, y, w, pw = (
+        torch.randn(8, 5120, generator=g),
+        torch.randn(8, 5120, generator=g),
+        *torch.randn(2, 5120, generator=g),
+    )
+    for scales in (None, (0.8, 0.6)):
+        for i in range(2):
+            ref, ours = (lambda *a, i=i, f=f: f(*a)[i] for f in (basic.add_rms_norm, fused.add_rms_norm))
+            got, own = both(ref, ours, x, y, w, 1e-6, True, pw, scales)
+            assert got <= 2 * own + 1e-3, (scales, i, got, own)
+    q, pos = torch.randn(8, 48, 128, generator=g), torch.randint(0, 8192, (8,), generator=g)
+    qw, inv = torch.randn(128, generator=g), 1.0 / (10000 ** (torch.arange(64) / 64))
+    pos, inv = pos.to(CUDA), inv.to(CUDA)
+    got, own = both(
+        lambda q, w: basic.norm_rope(q, pos, w, 1e-6, True, inv, True, (2048.0, 0.1)),
+        lambda q, w: fused.norm_rope(q, pos, w, 1e-6, True, inv, True, (2048.0, 0.1)),
+        q, qw,
+    )  # fmt: skip
+    assert got <= 2 * own + 1e-3, (got, own)
+    o, gate, bias = (
+        torch.randn(8, 48, 128, generator=g),
+        torch.randn(8, 48, 128, generator=g),
+        torch.randn(48),
+    )
+    got, own = both(basic.sigmoid_gate, fused.sigmoid_gate, o, gate, bias)
+    assert got <= 2 * own + 1e-3, (got, own)
+    gt, up = torch.randn(8, 12288, generator=g), torch.randn(8, 12288, generator=g)
+    got, own = both(basic.swiglu, fused.swiglu, gt, up, True, None)
+    assert got <= 2 * own + 1e-3, (got, own)
+    logits, bias = torch.randn(64, 256, generator=g).to(CUDA), (torch.rand(256, generator=g) * 0.1).to(CUDA)
+    ww, wi = reference_route(logits, 8, "sigmoid", bias, 8, 4, True, 2.5)
+    gw, gi = routing.moe_route(logits, 8, "sigmoid", bias, 8, 4, True, 2.5)
+    assert torch.equal(gi, wi) and _rel(gw, ww) <= 1e-6
+
+
 MEDIUM = {
     "beam": {
         "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64,
@@ -96,13 +145,15 @@ def checkpoint(request, tmp_path_factory):
     return write_tiny(fam, tmp_path_factory.mktemp(fam) / "ckpt", seed=5, overrides=MEDIUM.get(fam, {}))
 
 
-def _engine(path, dtype: str, mode: str) -> LLM:
-    cfg = EngineConfig(block_size=16, kv_cache_bytes=256 << 20, max_batch_size=8, decode_graphs=mode)
+def _engine(path, dtype: str, mode: str, overlap: str = "auto") -> LLM:
+    cfg = EngineConfig(
+        block_size=16, kv_cache_bytes=256 << 20, max_batch_size=8, decode_graphs=mode, overlap=overlap
+    )
     return LLM(path, device="cuda", dtype=dtype, progress=False, engine=cfg)
 
 
 def test_replay_equals_the_buffers_run_eagerly(checkpoint) -> None:
-    eng = _engine(checkpoint, "bfloat16", "auto").engine
+    eng = _engine(checkpoint, "bfloat16", "auto", "off").engine  # the plan below is read by hand
     assert eng.graphs is not None and eng.graphs.buckets[1].graph is not None, eng.ops.not_graph_safe()
     ids = [
         eng.add(list(range(3, 3 + n)), SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
@@ -123,11 +174,13 @@ def test_replay_equals_the_buffers_run_eagerly(checkpoint) -> None:
 def test_graph_decode_equals_the_eager_path(checkpoint) -> None:
     prompts = [list(range(3, 3 + n)) for n in (7, 33, 64, 2)]
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (20, 6, 14, 9)]
+    params[1] = SamplingParams(max_tokens=6, temperature=0.8, top_k=30, top_p=0.9, min_p=0.02, seed=7)
     outs = {}
-    for mode in ("off", "auto"):
-        llm = _engine(checkpoint, "float32", mode)
+    for mode in ("off", "auto"):  # eager and synchronous; graphs with overlap (device-filled inputs)
+        llm = _engine(checkpoint, "float32", mode, "off" if mode == "off" else "on")
         outs[mode] = llm.engine.generate(prompts, params)
         assert (llm.engine.stats["graph_steps"] > 0) == (mode == "auto")
+        assert (llm.engine.stats["device_inputs"] > 0) == (mode == "auto")
     for a, b in zip(outs["off"], outs["auto"], strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4

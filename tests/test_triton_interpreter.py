@@ -5,7 +5,8 @@ attention (kernels/triton/attention.py: decode rows, prefill chunks longer than 
 a fresh prompt in one step, GQA groups of 3 and 1, head sizes 24 and 32 (padded tiles), sliding
 windows, softcaps, a freed block before the window, keys split over 1 and 3 programs), the
 stacked experts (kernels/triton/moe.py: the decode GEMVs and the sorted-pair tensor-core
-tiles), RMSNorm, RoPE and the splits' merge (kernels/triton/norm.py, attention.py). fp32
+tiles), RMSNorm, RoPE and the splits' merge (kernels/triton/norm.py, attention.py), the fused
+small ops and MoE routing (kernels/triton/fused.py, routing.py; see check_fused). fp32
 activations (the interpreter emulates bf16 wrongly). Tolerance 1e-5 of the output scale: the
 same fp32 numbers, summed in another order. The interpreter must be chosen before Triton
 compiles anything, so the check runs in a fresh process."""
@@ -115,6 +116,70 @@ def check_norm(g: torch.Generator) -> list[str]:
     return out
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def check_fused(g: torch.Generator) -> list[str]:
+    """The fused small ops (kernels/triton/fused.py) and the routing kernel (routing.py) against
+    the reference's compositions: residual add + norm (plain, sandwich, depth-scaled, both
+    weight orders; a strided y), head norm + RoPE + query scaling on a strided q view (each part
+    alone and together, partial interleaved RoPE), the output gate (with and without a head
+    bias, a strided gate), SwiGLU (fp32, limit), routing (sigmoid + bias + groups, softmax,
+    renormalized or not, a routed scale; ids must equal, weights within the tolerance)."""
+    from dayzero.kernels.reference import basic
+    from dayzero.kernels.reference.moe import moe_route as reference_route
+    from dayzero.kernels.triton import fused, routing
+
+    out = []
+    x = torch.randn(5, 48, generator=g)
+    y = torch.randn(5, 64, generator=g)[:, 8:56]  # rows strided
+    w, pw = torch.randn(48, generator=g), torch.randn(48, generator=g)
+    for post, scales, fp32 in (
+        (None, None, False),
+        (pw, None, True),
+        (pw, (0.8, 0.6), False),
+        (None, (0.9, 0.4), True),
+    ):
+        want = basic.add_rms_norm(x, y, w, 1e-6, fp32, post, scales)
+        got = fused.add_rms_norm(x, y, w, 1e-6, fp32, post, scales)
+        err = max(_rel(a, b) for a, b in zip(got, want, strict=True))
+        out.append(f"add_rms_norm post={post is not None} scales={scales} w32={fp32} {err:.2e}")
+    q = torch.randn(7, 5, 40, generator=g)[:, :, :32]  # [T, H, D] strided, like a q slice
+    pos = torch.randint(0, 500, (7,), generator=g)
+    qw = torch.randn(32, generator=g)
+    for norm, half, neox, scaling in (
+        (True, 16, True, None), (False, 16, True, None), (True, None, True, (64.0, 0.1)),
+        (True, 12, False, (64.0, 0.1)), (False, None, True, (100.0, 0.3)),
+    ):  # fmt: skip
+        inv = None if half is None else 1.0 / (10000 ** (torch.arange(half) / half))
+        wt = qw if norm else None
+        want = basic.norm_rope(q, pos, wt, 1e-6, True, inv, neox, scaling)
+        got = fused.norm_rope(q, pos, wt, 1e-6, True, inv, neox, scaling)
+        out.append(f"norm_rope norm={norm} half={half} neox={neox} scaling={scaling} {_rel(got, want):.2e}")
+    o = torch.randn(3, 4, 24, generator=g)
+    gate = torch.randn(3, 4, 30, generator=g)[:, :, 3:27]
+    for bias in (None, torch.randn(4, generator=g)):
+        err = _rel(fused.sigmoid_gate(o, gate, bias), basic.sigmoid_gate(o, gate, bias))
+        out.append(f"sigmoid_gate bias={bias is not None} {err:.2e}")
+    gu = torch.randn(4, 2 * 1100, generator=g) * 3  # two column tiles
+    gt, up = gu.chunk(2, dim=-1)
+    for fp32, limit in ((False, None), (True, 2.0)):
+        err = _rel(fused.swiglu(gt, up, fp32, limit), basic.swiglu(gt, up, fp32, limit))
+        out.append(f"swiglu fp32={fp32} limit={limit} {err:.2e}")
+    for e, k, score, bias, groups, topg, renorm, scale in (
+        (64, 8, "sigmoid", True, 8, 4, True, 2.5), (12, 3, "softmax", False, 1, 1, False, 1.0),
+        (32, 6, "sigmoid", False, 4, 2, False, 1.0), (40, 5, "softmax", True, 1, 1, True, 0.5),
+    ):  # fmt: skip
+        logits = torch.randn(9, e, generator=g)
+        b = torch.rand(e, generator=g) * 0.1 if bias else None
+        ww, wi = reference_route(logits, k, score, b, groups, topg, renorm, scale)
+        gw, gi = routing.moe_route(logits, k, score, b, groups, topg, renorm, scale)
+        err = _rel(gw, ww) if torch.equal(gi, wi) else float("inf")
+        out.append(f"moe_route e={e} k={k} {score} groups={groups} renorm={renorm} {err:.2e}")
+    return out
+
+
 def check(seed: int) -> list[str]:
     from dayzero.kernels.packed import PackedWeight
     from dayzero.kernels.reference import packed as ref
@@ -151,7 +216,7 @@ def check(seed: int) -> list[str]:
                 tp.moe_experts_packed(x, up, down, wts, ids, True, 3.0) - want
             ).abs().max() / want.abs().max()
             out.append(f"{fmt} moe t={t} {err.item():.2e}")
-    return out + check_attention(g) + check_moe(g) + check_norm(g)
+    return out + check_attention(g) + check_moe(g) + check_norm(g) + check_fused(g)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -163,7 +228,7 @@ def test_triton_kernels_in_the_interpreter(seed: int) -> None:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
-    assert len(lines) == 3 * 7 + 2 * 4 * 2 + 3 * 2 + 4 + 6 + 1, r.stdout
+    assert len(lines) == 3 * 7 + 2 * 4 * 2 + 3 * 2 + 4 + 6 + 1 + 4 + 5 + 2 + 2 + 4, r.stdout
     for ln in lines:
         assert float(ln.split()[-1]) <= 1e-5, ln
 

@@ -1,4 +1,6 @@
-"""Reference elementwise and matmul ops: embedding, linear, RMSNorm, RoPE, SwiGLU, softcap."""
+"""Reference elementwise and matmul ops: embedding, linear, RMSNorm, RoPE, SwiGLU, softcap, and the
+fused small ops (residual add + RMSNorm, head norm + RoPE + query scaling, the sigmoid output
+gate) as compositions of them: the fused kernels' ground truth, rounding included."""
 
 from __future__ import annotations
 
@@ -55,6 +57,58 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, neox:
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
         out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
     return torch.cat((out.to(x.dtype), x[..., rot:]), dim=-1)
+
+
+@register("add_rms_norm", "reference", graphs=True)
+def add_rms_norm(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_in_fp32: bool = False,
+    post_weight: torch.Tensor | None = None,
+    scales: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One residual add and the next block's norm: y <- rms_norm(y, post_weight) (sandwich),
+    x' = x + y, or x * a + y * b with scales (a, b) (depth-scaled); returns (x', rms_norm(x'))
+    [T, D] each, every intermediate rounded to x's dtype as the unfused ops round it."""
+    if post_weight is not None:
+        y = rms_norm(y, post_weight, eps, weight_in_fp32)
+    x = x + y if scales is None else y * scales[1] + x * scales[0]
+    return x, rms_norm(x, weight, eps, weight_in_fp32)
+
+
+@register("norm_rope", "reference", graphs=True)
+def norm_rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    weight_in_fp32: bool = False,
+    inv_freq: torch.Tensor | None = None,
+    neox: bool = True,
+    log_scaling: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """Per head vector of x [T, H, D], each step optional: rms_norm(x, weight) (qk-norm), then
+    rope at positions (inv_freq), then x * (1 + (p + 1) / base) ** exponent (log_scaling =
+    (base, exponent): scalable-softmax query scaling) in fp32, rounded back."""
+    if weight is not None:
+        x = rms_norm(x, weight, eps, weight_in_fp32)
+    if inv_freq is not None:
+        x = rope(x, positions, inv_freq, neox)
+    if log_scaling is not None:
+        base, exponent = log_scaling
+        s = torch.exp(exponent * torch.log1p((positions.float() + 1) / base))  # [T]
+        x = (x.float() * s[:, None, None]).to(x.dtype)
+    return x
+
+
+@register("sigmoid_gate", "reference", graphs=True)
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """o * sigmoid(gate (+ bias[h])): o, gate [T, H, D], bias [H]."""
+    if bias is not None:
+        gate = gate + bias[None, :, None]
+    return o * torch.sigmoid(gate)
 
 
 @register("swiglu", "reference", graphs=True)

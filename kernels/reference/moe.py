@@ -20,13 +20,15 @@ def moe_route(
     groups: int = 1,
     topk_groups: int = 1,
     renormalize: bool = True,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick top_k experts per token from router logits [T, E] (fp32).
 
     s = sigmoid(logits) or softmax(logits). Selection uses c = s + correction_bias (the bias
     never enters the weights). With groups > 1 the E experts form `groups` equal groups, a
     group scores the sum of its top-2 c, and only experts of the topk_groups best groups may be
-    picked. weights = s at the picked experts, divided by their sum when renormalize.
+    picked. weights = s at the picked experts, divided by their sum when renormalize, times
+    scale (the routed scale: sum_k (scale w_k) y_k = scale sum_k w_k y_k).
     Returns (weights [T, k] fp32, ids [T, k] int64).
     """
     s = logits.float().sigmoid() if score == "sigmoid" else logits.float().softmax(dim=-1)
@@ -41,7 +43,7 @@ def moe_route(
     w = s.gather(1, ids)
     if renormalize:
         w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    return w, ids
+    return w * scale if scale != 1.0 else w, ids
 
 
 @register("moe_experts", "reference")

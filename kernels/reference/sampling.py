@@ -1,39 +1,43 @@
-"""Reference sampler: greedy, temperature, top-k, top-p, per-request seeded generators."""
+"""Reference sampler: a loop over the sampled rows, one multinomial draw each (greedy rows:
+argmax), with the rows' seeded generators."""
 
 from __future__ import annotations
 
 import torch
 
+from dayzero.kernels.ops import SamplingBatch
 from dayzero.kernels.registry import register
 
 
-@register("sample", "reference")
-def sample(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    generators: list[torch.Generator | None],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of logits [S, V].
+def filtered(z: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """The logits z [V] (already divided by the temperature) with the tokens min-p, top-k and
+    top-p rule out set to -inf, in vLLM's order: min_p drops p < min_p * max(p); top_k keeps the
+    k largest (ties at the k-th kept); top_p keeps the smallest prefix of the sorted
+    distribution whose mass reaches top_p (renormalised after top-k)."""
+    if min_p > 0.0:
+        p = z.softmax(-1)
+        z = z.masked_fill(p < min_p * p.max(), float("-inf"))
+    if 0 < top_k < z.shape[0]:
+        z = z.masked_fill(z < z.topk(top_k).values[-1], float("-inf"))
+    if top_p < 1.0:
+        sz, order = z.sort(descending=True)
+        p = sz.softmax(-1)
+        drop = p.cumsum(-1) - p >= top_p  # tokens after the prefix reaching top_p
+        z = z.scatter(0, order, sz.masked_fill(drop, float("-inf")))
+    return z
 
-    temperature[s] == 0 picks argmax. Otherwise p = softmax(logits / T) restricted to the top_k
-    largest (top_k <= 0: all) and to the smallest prefix of the sorted distribution whose mass
-    reaches top_p, renormalised, sampled with the row's generator (None: the global one).
-    Returns (tokens [S] int64, logprob of each token under the unmodified distribution [S]).
-    """
+
+@register("sample", "reference")
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of logits [S, V]: argmax where the temperature is 0, else a draw from
+    softmax(filtered(logits / T)) with the row's generator. Returns (tokens [S] int64, the logprob
+    of each token under the unmodified distribution log_softmax(logits) [S])."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
     tokens = logits.argmax(dim=-1)
-    for s in (temperature > 0).nonzero().flatten().tolist():
-        z = logits[s] / temperature[s]
-        k = int(top_k[s])
-        if 0 < k < z.shape[0]:
-            z = z.masked_fill(z < z.topk(k).values[-1], float("-inf"))
-        if float(top_p[s]) < 1.0:
-            sz, order = z.sort(descending=True)
-            mass = sz.softmax(-1).cumsum(-1)
-            drop = mass - sz.softmax(-1) >= top_p[s]  # tokens after the prefix reaching top_p
-            z = z.scatter(0, order, sz.masked_fill(drop, float("-inf")))
-        tokens[s] = torch.multinomial(z.softmax(-1), 1, generator=generators[s]).squeeze(0)
+    temp, top_k = batch.temperature.tolist(), batch.top_k.tolist()
+    top_p, min_p = batch.top_p.tolist(), batch.min_p.tolist()
+    for s in batch.sampled_rows:
+        z = filtered(logits[s] / temp[s], int(top_k[s]), top_p[s], min_p[s])
+        tokens[s] = torch.multinomial(z.softmax(-1), 1, generator=batch.generators[s]).squeeze(0)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)

@@ -1,5 +1,7 @@
 """Triton backend (CUDA): packed-weight GEMMs (`packed`), paged GQA attention reading the cache
-in place (`attention`), stacked experts read in place (`moe`), RMSNorm and RoPE (`norm`).
+in place (`attention`), stacked experts read in place (`moe`), MoE routing (`routing`), RMSNorm
+and RoPE (`norm`), the fused small ops (`fused`: residual add + norm, head norm + RoPE, output
+gate, SwiGLU).
 Registered only where `triton` imports (CUDA builds of torch bring it); every kernel is checked
 against the reference backend in Triton's CPU interpreter in CI (tests/test_triton_interpreter.py)
 and on the GPU (scripts/gpu_bringup.sh runs tests/test_triton_packed.py, tests/test_triton_cuda.py)."""
@@ -9,10 +11,10 @@ import importlib.util
 import torch
 
 from dayzero.kernels.ops import PACKED_FORMATS
-from dayzero.kernels.registry import Capabilities, register
+from dayzero.kernels.registry import OPS, Capabilities, register
 
 if importlib.util.find_spec("triton") is not None:
-    from dayzero.kernels.triton import attention, moe, norm, packed
+    from dayzero.kernels.triton import attention, fused, moe, norm, packed, routing
 
     _half = dict(
         devices=frozenset({"cuda"}), dtypes=frozenset({torch.bfloat16, torch.float16}), min_capability=(9, 0)
@@ -41,6 +43,14 @@ if importlib.util.find_spec("triton") is not None:
         norm.rms_norm
     )
     register("rope", "triton", Capabilities(features=frozenset({"partial", "neox"}), **_any))(norm.rope)
+    for op, fn in (
+        ("add_rms_norm", fused.add_rms_norm),
+        ("norm_rope", fused.norm_rope),
+        ("sigmoid_gate", fused.sigmoid_gate),
+        ("swiglu", fused.swiglu),
+        ("moe_route", routing.moe_route),
+    ):
+        register(op, "triton", Capabilities(features=OPS.get(op).features, **_any))(fn)
     # above the grouped GEMMs (priority 10), which it runs itself for prefill shapes
     register(
         "moe_experts",

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from dayzero.kernels.reference.moe import moe_experts as expert_loop
-from dayzero.kernels.triton.packed import _align, _rows_tile, _sms
+from dayzero.kernels.triton.packed import _align, _rows_tile, _sms, combine
 
 
 @triton.jit
@@ -215,7 +215,7 @@ def moe_experts(
         h, y, down, flat, dm, i, h.stride(0), y.stride(0), down.stride(0), down.stride(1),
         BN=bn, BK=128, num_warps=4,
     )  # fmt: skip
-    return (y * weights.reshape(-1, 1).float()).view(t, k, dm).sum(1).to(x.dtype)
+    return combine(y, weights, x.dtype)
 
 
 def _grouped_experts(
@@ -244,4 +244,4 @@ def _grouped_experts(
         h, y, down, rows, blocks, p, dm, i, h.stride(0), y.stride(0), down.stride(0), down.stride(1),
         1, 0.0, SWIGLU=False, LIMIT=False, IEEE=ieee, BM=bm, BN=64, BK=64, num_warps=4,
     )  # fmt: skip
-    return (y * weights.reshape(-1, 1).float()).view(t, k, dm).sum(1).to(x.dtype)
+    return combine(y, weights, x.dtype)

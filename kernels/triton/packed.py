@@ -264,6 +264,31 @@ def linear_packed(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     return y if bias is None else y + bias
 
 
+@triton.jit
+def _combine(y_ptr, w_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr):
+    """out[t] = sum_j w[t, j] y[t K + j] in fp32, rounded once to out's dtype (the reference's
+    weighted sum of a token's k expert outputs)."""
+    t, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    n = pid * BN + tl.arange(0, BN)
+    m = n < N
+    acc = tl.zeros((BN,), tl.float32)
+    for j in tl.static_range(K):
+        w = tl.load(w_ptr + t * K + j)
+        acc += w * tl.load(y_ptr + (t * K + j) * N + n, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * N + n, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [T k, N] (each pair's expert output), weights [T, k] -> [T, N] in dtype."""
+    t, k = weights.shape
+    n = y.shape[1]
+    out = torch.empty(t, n, dtype=dtype, device=y.device)
+    if t:
+        bn = min(1024, triton.next_power_of_2(n))
+        _combine[(t, triton.cdiv(n, bn))](y.contiguous(), weights.float().contiguous(), out, n, K=k, BN=bn)
+    return out
+
+
 def _align(ids: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [S], block experts [B]): the pairs of flat ids [P] sorted by expert, each expert's
     run padded to a multiple of bm with P (a row no program writes); block b of bm rows belongs
@@ -313,4 +338,4 @@ def moe_experts_packed(
         _launch(x, h, gate_up, rows, blocks, m=t * k, x_row_div=k, bm=bm)
         g, u = h.chunk(2, dim=-1)
         _launch(swiglu(g, u, fp32, limit).contiguous(), y, down, rows, blocks, m=t * k, bm=bm)
-    return (y.float() * weights.reshape(-1, 1).float()).view(t, k, -1).sum(1).to(x.dtype)
+    return combine(y, weights, x.dtype)

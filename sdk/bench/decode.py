@@ -316,6 +316,7 @@ def main(args: argparse.Namespace) -> int:
                 max_batch_size=b,
                 max_tokens_per_step=8192,
                 decode_graphs=graphs,
+                overlap="off" if args.disable_overlap_schedule else "auto",
             ),
         )
         print(f"batch {b}: {eng.graphs.report if eng.graphs else 'eager decode (no CUDA graphs)'}")

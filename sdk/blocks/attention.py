@@ -114,26 +114,17 @@ class GqaAttention(nn.Module):
         q = q.reshape(t, c.heads, c.head_dim)
         k = k.reshape(t, c.kv_heads, c.head_dim)
         v = v.reshape(t, c.kv_heads, c.head_dim)
-        if self.q_norm is not None:
-            q = ops.rms_norm(q, self.q_norm, c.norm_eps, c.norm_weight_in_fp32)
-            k = ops.rms_norm(k, self.k_norm, c.norm_eps, c.norm_weight_in_fp32)
-        if self.inv_freq is not None:
-            q = ops.rope(q, ctx.positions, self.inv_freq, c.neox)
-            k = ops.rope(k, ctx.positions, self.inv_freq, c.neox)
-        if c.query_scaling is not None:
-            base, exponent = c.query_scaling
-            s = torch.exp(exponent * torch.log1p((ctx.positions.float() + 1) / base))  # [T]
-            q = (q.float() * s[:, None, None]).to(q.dtype)
+        if self.q_norm is not None or self.inv_freq is not None or c.query_scaling is not None:
+            eps, w32, inv, p = c.norm_eps, c.norm_weight_in_fp32, self.inv_freq, ctx.positions
+            q = ops.norm_rope(q, p, self.q_norm, eps, w32, inv, c.neox, c.query_scaling)
+            k = ops.norm_rope(k, p, self.k_norm, eps, w32, inv, c.neox)
         kv = ctx.caches[self.group][:, self.offset : self.offset + 2 * c.kv_heads * c.head_dim]
         kv = kv.view(-1, 2, c.kv_heads, c.head_dim)  # [N, 2, Hk, D]
         meta = ctx.paged[self.group]
         ops.kv_write(k, v, kv[:, 0], kv[:, 1], meta.slots)
         o = ops.gqa_attention(q, kv[:, 0], kv[:, 1], meta, c.scale, c.window, c.softcap)  # [T, H, D]
         if c.output_gate != "none":
-            g = gate.reshape(t, c.heads, c.head_dim)
-            if self.gate_bias is not None:
-                g = g + self.gate_bias[None, :, None]
-            o = o * torch.sigmoid(g)
+            o = ops.sigmoid_gate(o, gate.reshape(t, c.heads, c.head_dim), self.gate_bias)
         return ops.linear(o.reshape(t, -1), self.o_proj, self.o_bias)
 
 
@@ -178,11 +169,19 @@ def _gqa_needs(c: GqaCfg):
         ("kv_write", frozenset(), c.head_dim),
         ("gqa_attention", frozenset(attn), c.head_dim),
     ]
-    if c.qk_norm:
-        needs.append(("rms_norm", frozenset({"weight_in_fp32"} if c.norm_weight_in_fp32 else ()), None))
+    prep = ({"norm"} | ({"weight_in_fp32"} if c.norm_weight_in_fp32 else set())) if c.qk_norm else set()
     if c.rope_theta is not None:
-        rope = ({"partial"} if c.rotary_dim < c.head_dim else set()) | ({"neox"} if c.neox else set())
-        needs.append(("rope", frozenset(rope), None))
+        prep |= (
+            {"rope"} | ({"partial"} if c.rotary_dim < c.head_dim else set()) | ({"neox"} if c.neox else set())
+        )
+    if c.query_scaling is not None:
+        prep.add("log_scaling")
+    if prep:
+        needs.append(("norm_rope", frozenset(prep), None))
+    if c.output_gate != "none":
+        needs.append(
+            ("sigmoid_gate", frozenset({"bias"} if c.output_gate == "sigmoid_head_bias" else ()), None)
+        )
     return needs
 
 

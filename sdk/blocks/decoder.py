@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 class Layer(nn.Module):
     """x <- post(x, attn(h), carry) with (h, carry) = pre(x), then the same around the MLP;
-    pre/post are the spec's residual topology (prenorm, sandwich, depth-scaled, hyper)."""
+    pre/post are the spec's residual topology (prenorm, sandwich, depth-scaled, hyper). A layer
+    takes its first block's input already normed (h, carry) and hands the next layer's on: each
+    residual's post and the next one's pre run as one fused add + norm."""
 
     def __init__(self, cfg: LayerCfg, ops: OpTable, attention: dict[str, type], mlp: dict[str, type]) -> None:
         super().__init__()
@@ -31,11 +33,14 @@ class Layer(nn.Module):
         self.mlp_res = residual(cfg.mlp_res, ops)
         self.mlp = mlp[cfg.mlp_kind](cfg.mlp, ops)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        h, carry = self.attn_res.pre(x)  # x: [T, Dm], or [T, N, Dm] with N residual streams
-        x = self.attn_res.post(x, self.attn(h, ctx), carry)
-        h, carry = self.mlp_res.pre(x)
-        return self.mlp_res.post(x, self.mlp(h), carry)
+    def forward(self, x: torch.Tensor, h: torch.Tensor, carry, ctx: StepContext, nxt: nn.Module | None):
+        """x: [T, Dm], or [T, N, Dm] with N residual streams; h [T, Dm] = attn_res.pre(x);
+        nxt: the next layer's attention residual (None: last layer) -> (x', h', carry')."""
+        x, h, carry = self.attn_res.post_pre(x, self.attn(h, ctx), carry, self.mlp_res)
+        y = self.mlp(h)
+        if nxt is None:
+            return self.mlp_res.post(x, y, carry), None, None
+        return self.mlp_res.post_pre(x, y, carry, nxt)
 
 
 class Decoder(nn.Module):
@@ -52,6 +57,8 @@ class Decoder(nn.Module):
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
         x = self.streams.open(self.embed(ctx.input_ids))  # [T, Dm] or [T, N, Dm]
-        for layer in self.layers:
-            x = layer(x, ctx)
+        h, carry = self.layers[0].attn_res.pre(x)
+        for i, layer in enumerate(self.layers):
+            nxt = self.layers[i + 1].attn_res if i + 1 < len(self.layers) else None
+            x, h, carry = layer(x, h, carry, ctx, nxt)
         return self.head(self.norm(self.streams.close(x[ctx.sample_index])))  # [S, V] fp32

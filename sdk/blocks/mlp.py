@@ -123,12 +123,17 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, ops = self.cfg, self.ops
         logits = ops.linear(x.float(), self.router)  # [T, E] fp32
-        w, ids = ops.moe_route(
-            logits, c.top_k, c.score, self.correction_bias, c.groups, c.topk_groups, c.renormalize
+        w, ids = ops.moe_route(  # w [T, k] fp32, the routed scale folded in
+            logits,
+            c.top_k,
+            c.score,
+            self.correction_bias,
+            c.groups,
+            c.topk_groups,
+            c.renormalize,
+            c.routed_scale,
         )
         y = ops.moe_experts(x, self.gate_up, self.down, w, ids, c.fp32, c.limit)
-        if c.routed_scale != 1.0:
-            y = y * c.routed_scale
         if self.shared is not None:
             s = self.shared(x)
             if self.shared_gate is not None:

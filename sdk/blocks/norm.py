@@ -22,11 +22,13 @@ class RMSNorm(nn.Module):
 
 
 class Residual(nn.Module):
-    """`h, carry = pre(x)` is the block's input; `post(x, f(h), carry)` the next residual state."""
+    """`h, carry = pre(x)` is the block's input; `post(x, f(h), carry)` the next residual state;
+    `post_pre(x, y, carry, nxt)` is post, then the next residual's pre (one fused add + norm
+    where both are plain residuals with the same norm)."""
 
     def __init__(self, cfg: ResidualCfg, ops: OpTable) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.ops = cfg, ops
         self.norm = RMSNorm(cfg.norm, ops)
         self.post_norm = RMSNorm(cfg.norm, ops) if cfg.kind == "sandwich" else None
         k = cfg.add_index
@@ -41,6 +43,16 @@ class Residual(nn.Module):
         if self.scales is None:
             return x + y
         return y * self.scales[1] + x * self.scales[0]
+
+    def post_pre(self, x: torch.Tensor, y: torch.Tensor, carry: None, nxt: nn.Module):
+        """(x', h, carry) = (post(x, y), *nxt.pre(x'))."""
+        if not isinstance(nxt, Residual) or nxt.cfg.norm != self.cfg.norm:
+            x = self.post(x, y, carry)
+            return (x, *nxt.pre(x))
+        n = self.cfg.norm
+        post = None if self.post_norm is None else self.post_norm.weight
+        x, h = self.ops.add_rms_norm(x, y, nxt.norm.weight, n.eps, n.weight_in_fp32, post, self.scales)
+        return x, h, None
 
 
 class HyperResidual(nn.Module):
@@ -91,6 +103,10 @@ class HyperResidual(nn.Module):
         post, comb = carry
         mixed = torch.matmul(comb.to(x.dtype).transpose(-1, -2), x)  # [T, N, D]: sum_i C_ij X_i
         return post.to(x.dtype)[..., None] * y[:, None, :] + mixed
+
+    def post_pre(self, x: torch.Tensor, y: torch.Tensor, carry, nxt: nn.Module):
+        x = self.post(x, y, carry)
+        return (x, *nxt.pre(x))
 
 
 def residual(cfg: ResidualCfg, ops: OpTable) -> nn.Module:

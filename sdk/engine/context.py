@@ -89,3 +89,12 @@ def build_context(
         sample_index=torch.from_numpy((qs[sample_rows + 1] - 1).astype(np.int64)).to(device),
         state=state,
     )
+
+
+def fill_tokens(ids: torch.Tensor, dst: np.ndarray, src: np.ndarray, tokens: torch.Tensor) -> None:
+    """ids[dst] = tokens[src] on the device (the indices travel in one copy, pinned on CUDA)."""
+    idx = torch.from_numpy(np.stack((dst, src)))
+    if ids.device.type == "cuda":
+        idx = idx.pin_memory()
+    idx = idx.to(ids.device, non_blocking=True)
+    ids[idx[0]] = tokens[idx[1]].to(ids.dtype)

@@ -15,37 +15,16 @@ import numpy as np
 import torch
 
 from dayzero.sdk.config.model import ModelConfig
-from dayzero.sdk.engine.context import build_context
+from dayzero.sdk.engine.context import build_context, fill_tokens
 from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
 from dayzero.sdk.engine.kv_pool import KvPool
+from dayzero.sdk.engine.sampling import Pending, Sampler, SamplingParams
 from dayzero.sdk.scheduler import FinishReason, Scheduler, SchedulerError, make_config
 
-MAX_TOP_LOGPROBS = 20
 GRAPH_MODES = ("auto", "off", "buffers")
+OVERLAP_MODES = ("auto", "on", "off")
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0  # <= 0: off
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    top_logprobs: int = 0  # also return this many most likely tokens per step
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass
@@ -80,10 +59,15 @@ class EngineConfig:
     # kernel of the model is graph-safe; off = eager (vLLM's --enforce-eager); buffers = the
     # graphs' static buffers run eagerly (any device: what the CPU tests check)
     decode_graphs: str = "auto"
+    # plan step N+1 and launch it before reading step N's tokens back (the scheduler's overlap;
+    # a decode row's input token is filled in on the device): auto = on CUDA
+    overlap: str = "auto"
 
     def __post_init__(self) -> None:
         if self.decode_graphs not in GRAPH_MODES:
             raise ValueError(f"decode_graphs {self.decode_graphs!r}; known: {', '.join(GRAPH_MODES)}")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap {self.overlap!r}; known: {', '.join(OVERLAP_MODES)}")
 
 
 _REASONS = {
@@ -91,6 +75,18 @@ _REASONS = {
     int(FinishReason.LENGTH): "length",
     int(FinishReason.ABORT): "abort",
 }
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are queued on the device, its tokens not yet fed."""
+
+    plan: object
+    req_ids: np.ndarray  # [R]
+    sample: np.ndarray  # [R] int32
+    sample_ids: list[int]  # request of each sampled row
+    prefill_tokens: int
+    pending: Pending
 
 
 class Engine:
@@ -113,6 +109,8 @@ class Engine:
         if any(g.kind == "state" for g in cfg.cache_groups):
             snaps = config.snapshot_slots
             fields["snapshot_slots"] = config.max_batch_size if snaps is None else snaps
+        self.overlap = config.overlap == "on" or (config.overlap == "auto" and self.device.type == "cuda")
+        fields["overlap"] = self.overlap
         self.scheduler = Scheduler(make_config(self.groups, **fields))
         self.pool = KvPool(self.scheduler.layout, config.block_size, self.dtype, self.device)
         self.max_model_len = config.max_model_len or cfg.max_position
@@ -120,7 +118,10 @@ class Engine:
         self.params: dict[int, SamplingParams] = {}  # live requests only
         self.generators: dict[int, torch.Generator] = {}
         self._ids = itertools.count()
+        self.sampler = Sampler(ops, self.device)
+        self._inflight: _Launched | None = None  # overlap: the step launched last, not yet fed
         self.stats = {"steps": 0, "retracted": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0}
+        self.stats["device_inputs"] = 0  # input tokens filled in on the device (overlap)
         self.graphs = self._decode_graphs()
 
     def _decode_graphs(self) -> DecodeGraphs | None:
@@ -146,9 +147,10 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------
     def add(
-        self, prompt_ids: list[int], params: SamplingParams = SamplingParams(), req_id: int | None = None
+        self, prompt_ids: list[int], params: SamplingParams | None = None, req_id: int | None = None
     ) -> int:
         """Queue a request; raises ValueError (and keeps nothing) when it cannot be served."""
+        params = params or SamplingParams()
         rid = next(self._ids) if req_id is None else req_id
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -185,7 +187,7 @@ class Engine:
                 self.scheduler.abort(rid)
 
     def has_work(self) -> bool:
-        return bool(self.params)
+        return bool(self.params) or self._inflight is not None
 
     def release(self, rid: int) -> RequestOutput:
         """Hand over a finished request's output and forget it."""
@@ -196,42 +198,81 @@ class Engine:
     # ---- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns the requests that gained a token or finished."""
+        """Run one scheduler step; returns the requests that gained a token or finished. With
+        overlap the tokens a call returns are the previous call's step: this call's step is
+        planned and queued on the device first, then the previous one is read back and fed."""
         plan = self.scheduler.step()
         self.stats["steps"] += 1
         self.stats["retracted"] += len(plan.retracted_ids)
         touched = self._finished(plan)
         self.pool.apply(plan.copies)  # a plan may carry copies (restores) and no rows
-        if plan.rows == 0:
-            self.pool.apply_after(plan.copies)
-            return list(touched.values())
+        launched = self._launch(plan) if plan.rows else None
+        self.pool.apply_after(plan.copies)
+        if not self.overlap:
+            done = launched
+        else:
+            done, self._inflight = self._inflight, launched
+        if done is not None:
+            touched |= self._collect(done)
+        return list(touched.values())
+
+    def _launch(self, plan) -> _Launched:
+        """Queue the plan's forward pass and sampling on the device."""
+        prev = self._inflight if self.overlap else None
+        fill = self._device_inputs(plan, prev)
         if self.graphs is not None and self.graphs.fits(plan):
-            logits = self.graphs.run(plan)  # [R, V] fp32
+            logits = self.graphs.run(plan, fill)  # [R, V] fp32
             self.stats["graph_steps"] += 1
         else:
             ctx = build_context(plan, self.pool.views, self.config.block_size, self.device, self.pool.slots)
+            if fill is not None:
+                fill_tokens(ctx.input_ids, *fill)
             logits = self.model(ctx)  # [S, V] fp32
-        self.pool.apply_after(plan.copies)
-        sample_ids = plan.req_ids[np.asarray(plan.sample, dtype=bool)].tolist()
-        tokens, logprobs = self._sample(logits, sample_ids)
-        tops = self._top_logprobs(logits, sample_ids)
-        for rid in sample_ids:  # a request's first token: admitted, so its prefix hit is known
-            if not self.requests[rid].token_ids:
-                self.requests[rid].cached_tokens = self.scheduler.cached_tokens_of(rid)
-        self.scheduler.feed(plan.req_ids, plan.sample.astype(np.int32), tokens.astype(np.int32))
+        sample = np.asarray(plan.sample, dtype=np.int32).copy()
+        req_ids = np.asarray(plan.req_ids).copy()
+        sample_ids = req_ids[sample.astype(bool)].tolist()
+        params = [self.params[i] for i in sample_ids]
+        pending = self.sampler.launch(logits, params, [self.generators.get(i) for i in sample_ids])
         prefill = int(np.asarray(plan.num_tokens)[np.asarray(plan.is_prefill, dtype=bool)].sum())
-        self.stats["prefill_tokens"] += prefill
-        self.stats["decode_tokens"] += plan.num_input_tokens - prefill
+        return _Launched(plan, req_ids, sample, sample_ids, prefill, pending)
+
+    def _device_inputs(self, plan, prev: _Launched | None):
+        """(token indices, indices into prev's sampled rows, prev's device tokens) for the plan's
+        inputs the scheduler left to the device (-1: the token the previous step samples)."""
+        ids = np.asarray(plan.input_ids)
+        dst = np.flatnonzero(ids < 0)
+        if not dst.size:
+            return None
+        if prev is None:
+            raise RuntimeError("the plan asks for device-filled tokens but no step is in flight")
+        self.stats["device_inputs"] += int(dst.size)
+        row = np.repeat(np.arange(plan.rows), np.asarray(plan.num_tokens))[dst]
+        where = {rid: j for j, rid in enumerate(prev.sample_ids)}
+        src = np.asarray([where[int(r)] for r in np.asarray(plan.req_ids)[row]], dtype=np.int64)
+        return dst.astype(np.int64), src, prev.pending.tokens
+
+    def _collect(self, done: _Launched) -> dict[int, RequestOutput]:
+        """Read a launched step's tokens back, feed them to the scheduler, record them."""
+        tokens, logprobs, tops = done.pending.result()
+        for rid in done.sample_ids:  # a request's first token: admitted, so its prefix hit is known
+            if rid in self.params and not self.requests[rid].token_ids:
+                self.requests[rid].cached_tokens = self.scheduler.cached_tokens_of(rid)
+        self.scheduler.feed(done.req_ids, done.sample, tokens.astype(np.int32))
+        self.stats["prefill_tokens"] += done.prefill_tokens
+        self.stats["decode_tokens"] += done.plan.num_input_tokens - done.prefill_tokens
+        touched: dict[int, RequestOutput] = {}
         for row, (rid, tok, lp) in enumerate(
-            zip(sample_ids, tokens.tolist(), logprobs.tolist(), strict=True)
+            zip(done.sample_ids, tokens.tolist(), logprobs.tolist(), strict=True)
         ):
+            if rid not in self.params:  # finished or aborted while this step ran (overlap)
+                continue
             out = self.requests[rid]
             out.token_ids.append(tok)
             out.logprobs.append(lp)
             if row in tops:
                 out.top_logprobs.append(tops[row])
             touched[rid] = out
-        return list(touched.values())
+        return touched
 
     def _finished(self, plan) -> dict[int, RequestOutput]:
         """Mark the requests this plan reports finished; they are no longer live."""
@@ -244,28 +285,6 @@ class Engine:
                 self.generators.pop(rid, None)
                 self.params.pop(rid, None)
         return touched
-
-    def _sample(self, logits: torch.Tensor, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        ps = [self.params[i] for i in ids]
-        dev = logits.device
-        temp = torch.tensor([p.temperature for p in ps], device=dev)
-        top_k = torch.tensor([p.top_k for p in ps], device=dev)
-        top_p = torch.tensor([p.top_p for p in ps], device=dev)
-        gens = [self.generators.get(i) for i in ids]
-        tok, lp = self.ops.sample(logits, temp, top_k, top_p, gens)
-        return tok.cpu().numpy(), lp.cpu().numpy()
-
-    def _top_logprobs(self, logits: torch.Tensor, ids: list[int]) -> dict[int, list[tuple[int, float]]]:
-        """row -> the k most likely (token, logprob) pairs, for the rows whose request asked."""
-        want = {row: self.params[i].top_logprobs for row, i in enumerate(ids) if self.params[i].top_logprobs}
-        if not want:
-            return {}
-        rows = torch.tensor(list(want), device=logits.device)
-        lp, tok = torch.log_softmax(logits[rows].float(), -1).topk(max(want.values()), dim=-1)
-        lp, tok = lp.cpu().tolist(), tok.cpu().tolist()
-        return {
-            row: list(zip(tok[j][: want[row]], lp[j][: want[row]], strict=True)) for j, row in enumerate(want)
-        }
 
     @torch.inference_mode()
     def prompt_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from dayzero.kernels.ops import PagedMeta
-from dayzero.sdk.engine.context import StepContext
+from dayzero.sdk.engine.context import StepContext, fill_tokens
 from dayzero.sdk.engine.kv_pool import KvPool
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class DecodeGraphs:
             self._copied.synchronize()  # the staging buffers are free again
         s = self.staging.numpy()
         s[:] = 0
-        s[0:r] = plan.input_ids
+        s[0:r] = np.maximum(plan.input_ids, 0)  # -1: filled in on the device
         s[b : b + r] = plan.positions
         s[2 * b : 2 * b + r] = plan.kv_lens
         width = 0
@@ -134,11 +134,14 @@ class DecodeGraphs:
             self._copied.record()
 
     @torch.inference_mode()
-    def run(self, plan) -> torch.Tensor:
-        """Logits [R, V] fp32 of a decode-only plan that `fits`."""
+    def run(self, plan, fill=None) -> torch.Tensor:
+        """Logits [R, V] fp32 of a decode-only plan that `fits`; fill: the inputs the device
+        fills in (overlap; see `fill_tokens`)."""
         size = next(s for s in self.sizes if s >= plan.rows)
         bucket = self.buckets[size]
         self._fill(plan, size)
+        if fill is not None:
+            fill_tokens(self._field(0, size), *fill)
         if bucket.graph is None:  # eager over the same buffers (CPU, or capture off)
             lens = tuple(int(x) for x in plan.kv_lens) + (0,) * (size - plan.rows)
             return self.model(self._context(size, lens))[: plan.rows]

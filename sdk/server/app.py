@@ -220,6 +220,7 @@ def sampling_params(
             temperature=req.temperature,
             top_k=max(req.top_k, 0),
             top_p=req.top_p,
+            min_p=req.min_p,
             seed=seed,
             stop_token_ids=tuple(req.stop_token_ids),
             ignore_eos=req.ignore_eos,

@@ -37,6 +37,7 @@ class Sampling(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=100)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0  # vLLM's: drop tokens with p < min_p * max p
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = []

@@ -59,6 +59,7 @@ def engine_config(args: argparse.Namespace, device: str):
         prefix_cache=args.enable_prefix_caching,
         max_model_len=args.max_model_len,
         decode_graphs="off" if args.enforce_eager else "auto",
+        overlap="off" if args.disable_overlap_schedule else "auto",
     )
 
 
@@ -187,6 +188,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eagerly"
+    )
+    p.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="plan each step after the previous step's tokens are back (no CPU/GPU overlap)",
     )
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")

@@ -1,0 +1,56 @@
+"""The sampler for the whole batch at once, on the device: no loop over rows that reads the
+device, no host sync (the engine reads the tokens back once a step).
+
+  z = logits / T (T = 1 for greedy rows), filtered as the reference filters (kernels/reference/
+      sampling.py): min-p on softmax(z), then top-k by rank and top-p over one descending sort
+  token = argmax_v softmax(z)_v / q_v,  q_v ~ Exp(1) i.i.d.   (the exponential race: a draw
+      from softmax(z)), greedy rows: argmax(logits)
+Seeded rows draw their noise from their own generator (one launch a seeded row), the others
+share one draw from the default generator. Ties at the top-k boundary keep the first k in sort
+order (the reference keeps every tied token): a measure-zero difference on real logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dayzero.kernels.ops import SamplingBatch
+from dayzero.kernels.registry import OPS, Capabilities, register
+
+TINY = 1e-20  # keeps q > 0: exponential_ may return 0
+
+
+def _noise(probs: torch.Tensor, gens: tuple[torch.Generator | None, ...]) -> torch.Tensor:
+    q = torch.empty_like(probs).exponential_()
+    for s, g in enumerate(gens):
+        if g is not None:
+            q[s].exponential_(generator=g)
+    return q.clamp_min_(TINY)
+
+
+@register("sample", "batched", Capabilities(features=OPS.get("sample").features, priority=10))
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)  # [S, V]
+    tokens = logits.argmax(dim=-1)  # [S]
+    if batch.sampled_rows:
+        hot = batch.temperature > 0
+        z = logits / torch.where(hot, batch.temperature, 1.0)[:, None]
+        neg = float("-inf")
+        if batch.min_p_on:
+            p = z.softmax(-1)
+            z = z.masked_fill(p < batch.min_p[:, None] * p.amax(-1, keepdim=True), neg)
+        if batch.top_k_on or batch.top_p_on:
+            sz, order = z.sort(dim=-1, descending=True)  # [S, V]
+            if batch.top_k_on:
+                v = z.shape[1]
+                k = torch.where(batch.top_k > 0, batch.top_k.clamp(max=v), v)
+                sz = sz.masked_fill(torch.arange(v, device=z.device)[None, :] >= k[:, None], neg)
+            if batch.top_p_on:
+                p = sz.softmax(-1)
+                sz = sz.masked_fill(p.cumsum(-1) - p >= batch.top_p[:, None], neg)
+            z = torch.empty_like(z).scatter_(1, order, sz)
+        probs = z.softmax(-1)
+        drawn = (probs / _noise(probs, batch.generators)).argmax(dim=-1)
+        tokens = torch.where(hot, drawn, tokens)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)

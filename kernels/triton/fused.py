@@ -1,0 +1,233 @@
+"""Fused small ops in Triton: one launch where the reference takes three to fifteen (a decode step
+calls each about twice a layer). The math and every rounding are the reference's
+(kernels/reference/basic.py), in fp32 with the intermediates rounded to the input's dtype where
+the unfused ops round them:
+
+  add_rms_norm  y <- rmsnorm(y, w_post) (sandwich); x' = x + y, or x a + y b (depth-scaled);
+                h = rmsnorm(x', w)                                       -> (x', h)  [T, D]
+  norm_rope     per head vector [T, H, D]: rmsnorm(w) -> rope(p) -> * (1 + (p + 1) / base) ** e
+  sigmoid_gate  o * sigmoid(g (+ b[h]))                                           [T, H, D]
+  swiglu        silu(min(g, limit)) * clamp(u, -limit, limit)  (fp32: rounded once)  [T, I]
+
+rmsnorm(v, w) = v / sqrt(mean(v^2) + eps) * w; weight_in_fp32: w * h rounded once, else h
+rounded, then times w (rounded). Rows may be strided views (q / k / gate slices of one fused
+projection are read in place); the last dim is contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dayzero.kernels.reference import basic
+
+
+@triton.jit
+def _scaled_norm(v, w, r, dt: tl.constexpr, W_FP32: tl.constexpr):
+    """w * (v * r) with the reference's rounding; fp32 out holding a dt value."""
+    if W_FP32:
+        return (w * (v * r)).to(dt).to(tl.float32)
+    return (w * (v * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _add_rms_norm(
+    x_ptr, y_ptr, w_ptr, pw_ptr, xo_ptr, h_ptr, D, stride_x, stride_y, eps, a, b,
+    BD: tl.constexpr, POST: tl.constexpr, SCALED: tl.constexpr, W_FP32: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BD)
+    m = d < D
+    dt = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + t * stride_x + d, mask=m, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + t * stride_y + d, mask=m, other=0.0).to(tl.float32)
+    if POST:
+        pw = tl.load(pw_ptr + d, mask=m, other=0.0).to(tl.float32)
+        y = _scaled_norm(y, pw, tl.rsqrt(tl.sum(y * y, 0) / D + eps), dt, W_FP32)
+    if SCALED:  # noqa: SIM108  (a constexpr branch)
+        s = (y * b).to(dt).to(tl.float32) + (x * a).to(dt).to(tl.float32)
+    else:
+        s = x + y
+    s = s.to(dt).to(tl.float32)
+    tl.store(xo_ptr + t * D + d, s.to(dt), mask=m)
+    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    h = _scaled_norm(s, w, tl.rsqrt(tl.sum(s * s, 0) / D + eps), dt, W_FP32)
+    tl.store(h_ptr + t * D + d, h.to(dt), mask=m)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_in_fp32: bool = False,
+    post_weight: torch.Tensor | None = None,
+    scales: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    odd = x.dim() != 2 or y.shape != x.shape or x.stride(-1) != 1 or y.stride(-1) != 1
+    if odd or weight.dtype != x.dtype or y.dtype != x.dtype:  # the reference's dtype promotion
+        return basic.add_rms_norm(x, y, weight, eps, weight_in_fp32, post_weight, scales)
+    t, d = x.shape
+    xo, h = torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(x)
+    if t:
+        a, b = scales or (1.0, 1.0)
+        pw = weight if post_weight is None else post_weight
+        _add_rms_norm[(t,)](
+            x, y, weight, pw, xo, h, d, x.stride(0), y.stride(0), eps, a, b,
+            BD=triton.next_power_of_2(d), POST=post_weight is not None, SCALED=scales is not None,
+            W_FP32=weight_in_fp32, num_warps=8 if d > 2048 else 4,
+        )  # fmt: skip
+    return xo, h
+
+
+@triton.jit
+def _load_normed(base, w_ptr, idx, mask, r, dt: tl.constexpr, NORM: tl.constexpr, W_FP32: tl.constexpr):
+    v = tl.load(base + idx, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        v = _scaled_norm(v, tl.load(w_ptr + idx, mask=mask, other=0.0).to(tl.float32), r, dt, W_FP32)
+    return v
+
+
+@triton.jit
+def _norm_rope(
+    x_ptr, pos_ptr, w_ptr, f_ptr, y_ptr, H, stride_t, stride_h, D, eps, base, exponent,
+    HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, W_FP32: tl.constexpr,
+    ROPE: tl.constexpr, NEOX: tl.constexpr, SCALE: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    t, h = row // H, row % H
+    src = x_ptr + t.to(tl.int64) * stride_t + h * stride_h
+    out = y_ptr + row.to(tl.int64) * D
+    dt = y_ptr.dtype.element_ty
+    d = tl.arange(0, BD)
+    r = 0.0
+    if NORM:
+        x = tl.load(src + d, mask=d < D, other=0.0).to(tl.float32)
+        r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    p = tl.load(pos_ptr + t).to(tl.float32)
+    sc = 1.0
+    if SCALE:
+        sc = tl.exp(exponent * tl.log(1.0 + (p + 1.0) / base))
+    if ROPE:
+        j = tl.arange(0, BH)
+        jm = j < HALF
+        ang = p * tl.load(f_ptr + j, mask=jm, other=0.0).to(tl.float32)
+        c, s = tl.cos(ang), tl.sin(ang)
+        i1 = j if NEOX else 2 * j
+        i2 = j + HALF if NEOX else 2 * j + 1
+        a = _load_normed(src, w_ptr, i1, jm, r, dt, NORM, W_FP32)
+        b = _load_normed(src, w_ptr, i2, jm, r, dt, NORM, W_FP32)
+        ya = (a * c - b * s).to(dt).to(tl.float32)
+        yb = (b * c + a * s).to(dt).to(tl.float32)
+        if SCALE:
+            ya, yb = ya * sc, yb * sc
+        tl.store(out + i1, ya.to(dt), mask=jm)
+        tl.store(out + i2, yb.to(dt), mask=jm)
+    rest = (d >= 2 * HALF) & (d < D)
+    v = _load_normed(src, w_ptr, d, rest, r, dt, NORM, W_FP32)
+    if SCALE:
+        v = v * sc
+    tl.store(out + d, v.to(dt), mask=rest)
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """(rows, H, stride over t, stride over h) of x [T, H, D] (last dim contiguous)."""
+    return x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
+
+
+def norm_rope(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    weight_in_fp32: bool = False,
+    inv_freq: torch.Tensor | None = None,
+    neox: bool = True,
+    log_scaling: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    if x.dim() != 3 or (weight is not None and weight.dtype != x.dtype):
+        return basic.norm_rope(x, positions, weight, eps, weight_in_fp32, inv_freq, neox, log_scaling)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows, h, st, sh = _rows(x)
+    half = 0 if inv_freq is None else inv_freq.shape[0]
+    base, exponent = log_scaling or (1.0, 0.0)
+    if rows:
+        _norm_rope[(rows,)](
+            x, positions, x if weight is None else weight, x if inv_freq is None else inv_freq, y,
+            h, st, sh, x.shape[-1], eps, base, exponent,
+            HALF=half, BH=triton.next_power_of_2(max(half, 1)), BD=triton.next_power_of_2(x.shape[-1]),
+            NORM=weight is not None, W_FP32=weight_in_fp32, ROPE=inv_freq is not None, NEOX=neox,
+            SCALE=log_scaling is not None,
+        )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _sigmoid_gate(
+    o_ptr, g_ptr, b_ptr, y_ptr, H, stride_ot, stride_oh, stride_gt, stride_gh, D,
+    BD: tl.constexpr, BIAS: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    t, h = (row // H).to(tl.int64), row % H
+    d = tl.arange(0, BD)
+    m = d < D
+    dt = y_ptr.dtype.element_ty
+    g = tl.load(g_ptr + t * stride_gt + h * stride_gh + d, mask=m, other=0.0).to(tl.float32)
+    if BIAS:
+        g = (g + tl.load(b_ptr + h).to(tl.float32)).to(dt).to(tl.float32)
+    s = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    o = tl.load(o_ptr + t * stride_ot + h * stride_oh + d, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row.to(tl.int64) * D + d, (o * s).to(dt), mask=m)
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    same = gate.dtype == o.dtype and (bias is None or bias.dtype == o.dtype)
+    if o.dim() != 3 or gate.shape != o.shape or not same or o.stride(-1) != 1 or gate.stride(-1) != 1:
+        return basic.sigmoid_gate(o, gate, bias)
+    t, h, d = o.shape
+    y = torch.empty(o.shape, dtype=o.dtype, device=o.device)
+    if t:
+        _sigmoid_gate[(t * h,)](
+            o, gate, o if bias is None else bias, y, h, o.stride(0), o.stride(1), gate.stride(0),
+            gate.stride(1), d, BD=triton.next_power_of_2(d), BIAS=bias is not None,
+        )  # fmt: skip
+    return y
+
+
+@triton.jit
+def _swiglu(
+    g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, limit,
+    BN: tl.constexpr, FP32: tl.constexpr, LIMIT: tl.constexpr,
+):  # fmt: skip
+    t, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    n = pid * BN + tl.arange(0, BN)
+    m = n < N
+    dt = y_ptr.dtype.element_ty
+    g = tl.load(g_ptr + t * stride_g + n, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + t * stride_u + n, mask=m, other=0.0).to(tl.float32)
+    if LIMIT:
+        g = tl.minimum(g, limit).to(dt).to(tl.float32)
+        u = tl.minimum(tl.maximum(u, -limit), limit).to(dt).to(tl.float32)
+    act = g / (1.0 + tl.exp(-g))
+    if not FP32:
+        act = act.to(dt).to(tl.float32)
+    tl.store(y_ptr + t * N + n, (act * u).to(dt), mask=m)
+
+
+def swiglu(
+    gate: torch.Tensor, up: torch.Tensor, fp32: bool = False, limit: float | None = None
+) -> torch.Tensor:
+    if gate.dim() != 2 or up.shape != gate.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        return basic.swiglu(gate, up, fp32, limit)
+    t, n = gate.shape
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if t:
+        bn = min(1024, triton.next_power_of_2(n))
+        _swiglu[(t, triton.cdiv(n, bn))](
+            gate, up, y, n, gate.stride(0), up.stride(0), limit or 0.0,
+            BN=bn, FP32=fp32, LIMIT=limit is not None,
+        )  # fmt: skip
+    return y

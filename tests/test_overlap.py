@@ -1,0 +1,105 @@
+"""The engine's overlap (EngineConfig.overlap): step N+1 is planned and launched before step N's
+tokens are read back, a decode row's input token filled in on the device from the step before.
+On the CPU the device work is synchronous, so what these tests check is the bookkeeping: the
+same requests give the same tokens and logprobs (1e-4, fp32: a request whose last prefill chunk
+is in flight waits a step, so rows batch differently and sums run in another order) with overlap
+on and off, through
+the plain path and the decode buffers, with EOS stops, length limits, seeded sampling, requests
+joining mid-run, aborts while a step is in flight, and prompt_logits after it; no KV block is
+left running and no plan in flight once everything has finished."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import SEEDS
+
+from dayzero.sdk.api import LLM
+from dayzero.sdk.engine.engine import EngineConfig, SamplingParams
+from dayzero.sdk.parity.tiny import write_tiny
+
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=["llama", "beam", "glm53_flash"])
+def checkpoint(request, tmp_path_factory):
+    return write_tiny(request.param, tmp_path_factory.mktemp(request.param) / "ckpt", seed=4)
+
+
+def _engine(path, overlap: str, graphs: str = "off"):
+    cfg = EngineConfig(
+        block_size=4, kv_cache_bytes=4 << 20, max_batch_size=6, decode_graphs=graphs, overlap=overlap
+    )
+    return LLM(path, device="cpu", progress=False, engine=cfg).engine
+
+
+def _same(a, b) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids, (x.id, x.token_ids, y.token_ids)
+        assert x.finish_reason == y.finish_reason
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_overlap_gives_the_tokens_of_the_synchronous_loop(checkpoint, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(1, 100, n).tolist() for n in (3, 9, 17, 6, 25, 11)]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=4, temperature=0),  # may stop at EOS
+        SamplingParams(max_tokens=9, temperature=0.9, top_k=20, seed=seed),
+        SamplingParams(max_tokens=15, temperature=1.2, top_p=0.8, min_p=0.05, seed=seed + 1),
+        SamplingParams(max_tokens=1, temperature=0),
+        SamplingParams(max_tokens=7, temperature=0, stop_token_ids=(7, 42), top_logprobs=3),
+    ]
+    outs = {}
+    for graphs in ("off", "buffers"):
+        for overlap in ("off", "on"):
+            eng = _engine(checkpoint, overlap, graphs)
+            outs[graphs, overlap] = eng.generate(prompts, params)
+            while eng.has_work():  # the step launched with the last tokens is still to be fed
+                eng.step()
+            assert eng.scheduler.num_running == 0 and eng.scheduler.plans_in_flight == 0
+            eng.scheduler.check_invariants()
+            assert (eng.stats["device_inputs"] > 0) == (overlap == "on")
+    ref = outs["off", "off"]
+    for key, got in outs.items():
+        _same(got, ref)
+        assert [len(o.top_logprobs) for o in got] == [len(o.top_logprobs) for o in ref], key
+
+
+def test_requests_joining_and_aborted_while_a_step_is_in_flight(checkpoint) -> None:
+    """A request added between steps joins the next plan; one aborted between steps gives no
+    token past the abort (its in-flight token is dropped) and finishes 'abort'."""
+    runs = {}
+    for overlap in ("off", "on"):
+        eng = _engine(checkpoint, overlap)
+        greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        a = eng.add([5, 6, 7, 8], greedy)
+        b = eng.add([9, 10, 11], greedy)
+        for _ in range(4):
+            eng.step()
+        c = eng.add([12, 13, 14, 15, 16], greedy)
+        eng.abort(b)
+        aborted_at = len(eng.requests[b].token_ids)
+        while eng.has_work():
+            eng.step()
+        assert eng.requests[b].finish_reason == "abort"
+        assert len(eng.requests[b].token_ids) <= aborted_at + (1 if overlap == "on" else 0)
+        runs[overlap] = [eng.release(i) for i in (a, c)]
+    _same(runs["on"], runs["off"])
+
+
+def test_prompt_logits_after_an_overlapped_run(checkpoint) -> None:
+    eng = _engine(checkpoint, "on")
+    eng.generate([[3, 4, 5]], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    want = _engine(checkpoint, "off").prompt_logits([[7, 8, 9, 10]])[0]
+    got = eng.prompt_logits([[7, 8, 9, 10]])[0]
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_overlap_mode_is_checked() -> None:
+    with pytest.raises(ValueError, match="overlap 'yes'; known: auto, on, off"):
+        EngineConfig(overlap="yes")
