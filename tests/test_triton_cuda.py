@@ -49,7 +49,7 @@ def test_paged_attention_at_beam_widths(seed: int, window, cap) -> None:
         assert fp32 <= 1e-5, (rows, fp32)
 
 
-@pytest.mark.parametrize("t", [1, 4, 64])
+@pytest.mark.parametrize("t", [1, 4, 16, 64])  # GEMVs, GEMVs, sorted-pair tiles, grouped GEMM
 def test_expert_gemvs_at_beam_widths(t: int) -> None:
     g = torch.Generator().manual_seed(t)
     e, k, dm, i = 16, 8, 5120, 2560

@@ -1,7 +1,8 @@
 """Stacked SwiGLU experts without a loop over experts.
 
 Few (token, expert) pairs (decode at small batch): the pairs' expert weights are gathered and
-applied with two batched matmuls. Many pairs: two grouped GEMMs over the pairs sorted by expert.
+applied with two batched matmuls. Many pairs: two grouped GEMMs over the pairs sorted by expert
+(torch._grouped_mm: CUTLASS on Hopper; the Triton backend runs prefill shapes through it too).
 Neither path synchronises with the host."""
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def moe_experts(
     if gate_up.shape[1] % 16 or x.shape[1] % 8:  # grouped GEMM needs 16-byte aligned rows
         return expert_loop(x, gate_up, down, weights, ids, fp32, limit)
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
-    offs = torch.bincount(flat, minlength=gate_up.shape[0]).cumsum(0).to(torch.int32)
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int64, device=x.device)
+    offs = counts.scatter_add_(0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)  # no host sync
     xs = x[order // k]  # [T*k, Dm]
     g, u = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [T*k, I]
     hidden = swiglu(g, u, fp32, limit)

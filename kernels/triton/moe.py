@@ -9,7 +9,8 @@ on the CUDA cores, the expert found by id (no sorting, no copy of any expert's w
 Each projection's output is rounded to x's dtype before the activation, as the reference's
 linear outputs are. Many pairs (prefill, large decode batches): the pairs sorted by expert on the
 device, then tensor-core tiles of one expert's block of pairs (`_grouped`, gate/up + SwiGLU
-fused, then down). Neither path syncs with the host or copies an expert's weights.
+fused, then down); in bf16 from GROUPED_MM_PAIRS pairs an expert (prefill), torch's grouped
+GEMM over the same sorted pairs. No path syncs with the host or copies an expert's weights.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dayzero.kernels.batched.moe import moe_experts as grouped_mm_experts
 from dayzero.kernels.reference.moe import moe_experts as expert_loop
 from dayzero.kernels.triton.packed import _align, _rows_tile, _sms, combine
 
@@ -170,16 +172,24 @@ def _grouped(
     tl.store(dst, out.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+# the decode GEMVs' geometry: output rows a program at most / at least, the reduction tile, warps,
+# and the programs an SM should get at least (smaller row tiles until it does)
+GEMV = {"bn_max": 16, "bn_min": 16, "bk": 128, "warps": 8, "per_sm": 2}  # scripts/tune_expert_gemv.py
+
+
 def _tile(pairs: int, n: int, device: torch.device) -> int:
-    """Output rows a program: the widest tile that still gives two programs an SM."""
+    """Output rows a program: the widest tile that still gives every SM GEMV["per_sm"] programs."""
     sms = _sms(device.index or 0) if device.type == "cuda" else 4
-    bn = 64
-    while bn > 16 and pairs * triton.cdiv(n, bn) < 2 * sms:
+    bn = GEMV["bn_max"]
+    while bn > GEMV["bn_min"] and pairs * triton.cdiv(n, bn) < GEMV["per_sm"] * sms:
         bn //= 2
     return bn
 
 
 GEMV_PAIRS = 2  # up to this many pairs an expert (on average): one pair a program
+# from this many pairs an expert (on average: prefill), bf16 runs torch's grouped GEMM (CUTLASS
+# tiles sized for large M; kernels/batched/moe.py) instead of the sorted-pair Triton tiles
+GROUPED_MM_PAIRS = 16
 
 
 def moe_experts(
@@ -198,6 +208,8 @@ def moe_experts(
     e, two_i, dm = gate_up.shape
     if gate_up.stride(-1) != 1 or down.stride(-1) != 1:  # rows must be contiguous (never so far)
         return expert_loop(x, gate_up, down, weights, ids, fp32, limit)
+    if t * k >= GROUPED_MM_PAIRS * e and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        return grouped_mm_experts(x, gate_up, down, weights, ids, fp32, limit)
     if t * k > GEMV_PAIRS * e:
         return _grouped_experts(x, gate_up, down, weights, ids, limit)
     x = x.contiguous()
@@ -207,13 +219,13 @@ def moe_experts(
     bn = _tile(p, i, x.device)
     _gate_up_swiglu[(p, triton.cdiv(i, bn))](
         x, h, gate_up, flat, i, dm, x.stride(0), h.stride(0), gate_up.stride(0), gate_up.stride(1), k,
-        limit or 0.0, LIMIT=limit is not None, BN=bn, BK=128, num_warps=4,
+        limit or 0.0, LIMIT=limit is not None, BN=bn, BK=GEMV["bk"], num_warps=GEMV["warps"],
     )  # fmt: skip
     y = torch.empty(p, dm, dtype=torch.float32, device=x.device)
     bn = _tile(p, dm, x.device)
     _down[(p, triton.cdiv(dm, bn))](
         h, y, down, flat, dm, i, h.stride(0), y.stride(0), down.stride(0), down.stride(1),
-        BN=bn, BK=128, num_warps=4,
+        BN=bn, BK=GEMV["bk"], num_warps=GEMV["warps"],
     )  # fmt: skip
     return combine(y, weights, x.dtype)
 

@@ -212,8 +212,11 @@ def time_transformers(
     return batch * (new_tokens - 1) / (tn - t1)
 
 
-def profile_decode(model, cfg, ops, prompt_len: int, vocab: int, steps: int = 8) -> None:
-    """Batch-1 decode steps under torch.profiler: the ops that cost most host and device time."""
+def profile_decode(
+    model, cfg, ops, prompt_len: int, vocab: int, prefill_len: int = 0, steps: int = 8
+) -> None:
+    """Batch-1 decode steps under torch.profiler: the ops that cost most host and device time;
+    then one prefill of prefill_len tokens (0: none): the kernels that cost most device time."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = Engine(
@@ -225,7 +228,7 @@ def profile_decode(model, cfg, ops, prompt_len: int, vocab: int, steps: int = 8)
             host_cache_bytes=0,
             block_size=64,
             max_batch_size=1,
-            max_tokens_per_step=8192,
+            max_tokens_per_step=max(8192, prefill_len),
             decode_graphs="off",  # the kernels one by one (a graph replays them as one launch)
         ),
     )
@@ -242,8 +245,20 @@ def profile_decode(model, cfg, ops, prompt_len: int, vocab: int, steps: int = 8)
         torch.cuda.synchronize()
     avg = prof.key_averages()
     print(avg.table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=40))
-    print(avg.table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40))
+    print(avg.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
     eng.abort(rid)
+    while eng.has_work():
+        eng.step()
+    if prefill_len:
+        eng.add(
+            np.random.default_rng(1).integers(0, vocab, prefill_len).tolist(), SamplingParams(max_tokens=1)
+        )
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            while eng.has_work():
+                eng.step()
+            torch.cuda.synchronize()
+        print(f"prefill of {prefill_len} tokens:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -350,7 +365,8 @@ def main(args: argparse.Namespace) -> int:
         theirs_s = time_prefill_transformers(ref, n, cfg.embedding.vocab) if ref is not None else float("nan")
         prefill = (n, ours_s, theirs_s)
     if args.profile:
-        profile_decode(model, cfg, ops, args.prompt_len, cfg.embedding.vocab)
+        n = min(args.prefill_len, (cfg.max_position or args.prefill_len + 1) - 1)
+        profile_decode(model, cfg, ops, args.prompt_len, cfg.embedding.vocab, n)
     print(
         f"{'batch':>5} {'dayzero tok/s':>14} {'transformers tok/s':>19} {'ratio':>6} "
         f"{'roofline tok/s':>15} {'dayzero/roofline':>17}"
