@@ -126,7 +126,8 @@ def check_fused(g: torch.Generator) -> list[str]:
     weight orders; a strided y), head norm + RoPE + query scaling on a strided q view (each part
     alone and together, partial interleaved RoPE), the output gate (with and without a head
     bias, a strided gate), SwiGLU (fp32, limit), routing (sigmoid + bias + groups, softmax,
-    renormalized or not, a routed scale; ids must equal, weights within the tolerance)."""
+    renormalized or not, a routed scale; ids must equal, weights within the tolerance), the K/V
+    cache write (strided k / v into padded cache rows: bit-equal)."""
     from dayzero.kernels.reference import basic
     from dayzero.kernels.reference.moe import moe_route as reference_route
     from dayzero.kernels.triton import fused, routing
@@ -177,6 +178,17 @@ def check_fused(g: torch.Generator) -> list[str]:
         gw, gi = routing.moe_route(logits, k, score, b, groups, topg, renorm, scale)
         err = _rel(gw, ww) if torch.equal(gi, wi) else float("inf")
         out.append(f"moe_route e={e} k={k} {score} groups={groups} renorm={renorm} {err:.2e}")
+    from dayzero.kernels.reference.attention import kv_write
+
+    proj = torch.randn(6, 3 * 2 * 24, generator=g)  # k, v: strided views of one projection
+    k, v = proj[:, :48].view(6, 2, 24), proj[:, 48:96].view(6, 2, 24)
+    pool = torch.randn(40, 2 * 2 * 24 + 8, generator=g)  # padded cache rows, like the KV pool's
+    slots = torch.randperm(40, generator=g)[:6]
+    want, got = pool.clone(), pool.clone()
+    for p in (want, got):
+        kv = p[:, :96].view(40, 2, 2, 24)
+        (kv_write if p is want else fused.kv_write)(k, v, kv[:, 0], kv[:, 1], slots)
+    out.append(f"kv_write {float(not torch.equal(got, want)):.2e}")
     return out
 
 
@@ -228,7 +240,7 @@ def test_triton_kernels_in_the_interpreter(seed: int) -> None:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
-    assert len(lines) == 3 * 7 + 2 * 4 * 2 + 3 * 2 + 4 + 6 + 1 + 4 + 5 + 2 + 2 + 4, r.stdout
+    assert len(lines) == 3 * 7 + 2 * 4 * 2 + 3 * 2 + 4 + 6 + 1 + 4 + 5 + 2 + 2 + 4 + 1, r.stdout
     for ln in lines:
         assert float(ln.split()[-1]) <= 1e-5, ln
 

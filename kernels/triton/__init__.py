@@ -1,7 +1,7 @@
 """Triton backend (CUDA): packed-weight GEMMs (`packed`), paged GQA attention reading the cache
 in place (`attention`), stacked experts read in place (`moe`), MoE routing (`routing`), RMSNorm
 and RoPE (`norm`), the fused small ops (`fused`: residual add + norm, head norm + RoPE, output
-gate, SwiGLU).
+gate, SwiGLU, the K/V cache write).
 Registered only where `triton` imports (CUDA builds of torch bring it); every kernel is checked
 against the reference backend in Triton's CPU interpreter in CI (tests/test_triton_interpreter.py)
 and on the GPU (scripts/gpu_bringup.sh runs tests/test_triton_packed.py, tests/test_triton_cuda.py)."""
@@ -16,8 +16,11 @@ from dayzero.kernels.registry import OPS, Capabilities, register
 if importlib.util.find_spec("triton") is not None:
     from dayzero.kernels.triton import attention, fused, moe, norm, packed, routing
 
-    _half = dict(
-        devices=frozenset({"cuda"}), dtypes=frozenset({torch.bfloat16, torch.float16}), min_capability=(9, 0)
+    _half = dict(  # the packed GEMMs: shapes from the tensors alone, no host sync (graph-safe)
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.bfloat16, torch.float16}),
+        min_capability=(9, 0),
+        graphs=True,
     )
     _any = dict(devices=frozenset({"cuda"}), min_capability=(8, 0), priority=10, graphs=True)
     register(
@@ -48,6 +51,7 @@ if importlib.util.find_spec("triton") is not None:
         ("norm_rope", fused.norm_rope),
         ("sigmoid_gate", fused.sigmoid_gate),
         ("swiglu", fused.swiglu),
+        ("kv_write", fused.kv_write),
         ("moe_route", routing.moe_route),
     ):
         register(op, "triton", Capabilities(features=OPS.get(op).features, **_any))(fn)

@@ -8,6 +8,7 @@ the unfused ops round them:
   norm_rope     per head vector [T, H, D]: rmsnorm(w) -> rope(p) -> * (1 + (p + 1) / base) ** e
   sigmoid_gate  o * sigmoid(g (+ b[h]))                                           [T, H, D]
   swiglu        silu(min(g, limit)) * clamp(u, -limit, limit)  (fp32: rounded once)  [T, I]
+  kv_write      k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]      [T, Hk, D] each
 
 rmsnorm(v, w) = v / sqrt(mean(v^2) + eps) * w; weight_in_fp32: w * h rounded once, else h
 rounded, then times w (rounded). Rows may be strided views (q / k / gate slices of one fused
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from dayzero.kernels.reference import basic
+from dayzero.kernels.reference.attention import kv_write as basic_kv_write
 
 
 @triton.jit
@@ -231,3 +233,36 @@ def swiglu(
             BN=bn, FP32=fp32, LIMIT=limit is not None,
         )  # fmt: skip
     return y
+
+
+@triton.jit
+def _kv_write(
+    k_ptr, v_ptr, kc_ptr, vc_ptr, slots_ptr, Hk, skt, skh, svt, svh, skc, skch, svc, svch, D,
+    BD: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    t, h = (row // Hk).to(tl.int64), row % Hk
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    d = tl.arange(0, BD)
+    m = d < D
+    dt = kc_ptr.dtype.element_ty
+    k = tl.load(k_ptr + t * skt + h * skh + d, mask=m)
+    v = tl.load(v_ptr + t * svt + h * svh + d, mask=m)
+    tl.store(kc_ptr + slot * skc + h * skch + d, k.to(dt), mask=m)
+    tl.store(vc_ptr + slot * svc + h * svch + d, v.to(dt), mask=m)
+
+
+def kv_write(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """One launch for both caches (the reference's two index writes); strided views in place."""
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        return basic_kv_write(k, v, k_cache, v_cache, slots)
+    t, hk, d = k.shape
+    if t:
+        _kv_write[(t * hk,)](
+            k, v, k_cache, v_cache, slots, hk, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), d,
+            BD=triton.next_power_of_2(d),
+        )  # fmt: skip
+    return None

@@ -162,22 +162,22 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        """Warm up and capture every bucket, largest first, in one memory pool."""
+        """Warm up and capture every bucket, largest first, in one memory pool. A capture that
+        fails (a kernel that syncs with the host after all) leaves every bucket eager, said so
+        in the log and the report: serving goes on without graphs rather than not at all."""
         t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        for size in reversed(self.sizes):
-            bucket = self.buckets[size]
-            self._pad_all(size)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compile the Triton kernels, settle the allocator
-                    self.model(bucket.ctx)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                bucket.logits = self.model(bucket.ctx)
-            bucket.graph = graph
+        try:
+            for size in reversed(self.sizes):
+                self._capture_one(self.buckets[size], pool, stream)
+        except RuntimeError as e:
+            torch.cuda.synchronize(self.device)
+            for bucket in self.buckets.values():
+                bucket.graph, bucket.logits = None, None
+            self.report = f"CUDA graph capture failed, decode runs eagerly: {str(e).splitlines()[0]}"
+            log.warning(self.report)
+            return
         torch.cuda.synchronize(self.device)
         used = free0 - torch.cuda.mem_get_info(self.device)[0]
         self.report = (
@@ -185,6 +185,18 @@ class DecodeGraphs:
             f"{time.perf_counter() - t0:.1f} s, {used / 2**20:.0f} MiB"
         )
         log.info(self.report)
+
+    def _capture_one(self, bucket: _Bucket, pool, stream: torch.cuda.Stream) -> None:
+        self._pad_all(bucket.size)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile the Triton kernels, settle the allocator
+                self.model(bucket.ctx)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            bucket.logits = self.model(bucket.ctx)
+        bucket.graph = graph
 
     def _pad_all(self, size: int) -> None:
         """Inputs of `size` padding rows (what capture runs on): nothing read, keys to scratch."""
