@@ -6,11 +6,13 @@ the choice. A model is built only after every need it has is selected (`OpTable.
 spec this device cannot run fails before serving, naming the op and what is missing.
 
 Importing this module registers the built-in backends (reference, batched, triton); third-party
-backends register through the entry-point group `dayzero.kernels`, loaded on the first choice.
+backends register through the entry-point group `dayzero.kernels`, or as modules named in
+`DAYZERO_KERNEL_MODULES` (comma-separated, importable), loaded on the first choice.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -42,13 +44,16 @@ _plugins_loaded = False
 
 
 def load_plugins() -> None:
-    """Import the third-party backends (entry-point group `dayzero.kernels`), once."""
+    """Import the third-party backends (entry-point group `dayzero.kernels`, then the modules
+    in DAYZERO_KERNEL_MODULES), once."""
     global _plugins_loaded
     if _plugins_loaded:
         return
     _plugins_loaded = True
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         ep.load()
+    for name in filter(None, (m.strip() for m in os.environ.get("DAYZERO_KERNEL_MODULES", "").split(","))):
+        importlib.import_module(name)
 
 
 def _missing(k: Kernel, need: Need, device: torch.device, dtype: torch.dtype) -> list[str]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -17,9 +19,10 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115  (a pipe nobody reads blocks a chatty server)
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -32,14 +35,15 @@ class Server:
                 "cpu",
                 *flags,
             ],
-            stdout=subprocess.PIPE,
+            stdout=self.log,
             stderr=subprocess.STDOUT,
             text=True,
+            env=None if env is None else os.environ | env,
         )
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"dayzero serve exited: {self.proc.stdout.read()[-3000:]}")
+                raise RuntimeError(f"dayzero serve exited: {self.output()[-3000:]}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
@@ -48,6 +52,11 @@ class Server:
             time.sleep(0.5)
         self.stop()
         raise RuntimeError("dayzero serve did not become healthy in 240 s")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
 
     def metric(self, name: str, labels: str = "") -> float:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
@@ -63,3 +72,4 @@ class Server:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        self.log.close()

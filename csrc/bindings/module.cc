@@ -153,6 +153,7 @@ PYBIND11_MODULE(_scheduler, m) {
           py::arg("req_ids"), py::arg("counts"), py::arg("tokens"))
       .def("check_invariants", &Scheduler::check_invariants)
       .def("flush_prefix_cache", &Scheduler::flush_prefix_cache)
+      .def("discard_inflight", &Scheduler::discard_inflight)
       .def("phase_of", &Scheduler::phase_of, py::arg("id"))
       .def("block_table", &Scheduler::block_table, py::arg("id"), py::arg("group") = 0)
       .def("tokens_of", &Scheduler::tokens_of, py::arg("id"))

@@ -91,6 +91,24 @@ void Scheduler::abort(ReqId id) {
   }
 }
 
+std::vector<ReqId> Scheduler::discard_inflight() {
+  std::vector<ReqId> out;
+  for (const InFlight& rec : inflight_) {
+    for (std::size_t i = 0; i < rec.rows.size(); ++i) {
+      const RowRef r = rec.rows[i];
+      const Slot& sl = slots_[static_cast<std::size_t>(r.slot)];
+      if (sl.gen != r.gen || !sl.phase) continue;  // finished, aborted, or a second row of one request
+      out.push_back(rec.ids[i]);
+      pending_.finished_ids.push_back(rec.ids[i]);
+      pending_.finished_reasons.push_back(static_cast<std::int32_t>(FinishReason::Abort));
+      remove(r.slot);  // its blocks go back with the phase; nothing is committed
+    }
+  }
+  inflight_.clear();
+  kv_.cache().flush();
+  return out;
+}
+
 void Scheduler::finish(ReqId id) {
   const std::int32_t slot = slot_of(id);
   apply(id, phase(slot), Finish{FinishReason::Stop});

@@ -102,6 +102,34 @@ TEST(Scheduler, NextTurnReusesPromptAndGeneratedTokens) {
   s.check_invariants();
 }
 
+TEST(Scheduler, DiscardInflightAbortsItsRequestsAndCachesNothingOfThem) {
+  auto cfg = test::paged(32);
+  cfg.overlap = true;
+  Scheduler s(cfg);
+  const std::int32_t free0 = s.memory().free_blocks(0);
+  s.submit(1, seq(8), {.max_new_tokens = 4});
+  answer(s, *s.step(), 21);  // decoding, its prompt's blocks in the cache
+  s.submit(2, seq(12, 100), {.max_new_tokens = 4});
+  auto p = s.step();  // 1 decodes, 2 prefills (its full blocks committed at planning)
+  ASSERT_EQ(p->rows(), 2);
+  auto q = s.step();  // overlap: a second plan in flight
+  EXPECT_EQ(s.plans_in_flight(), 2);
+  const auto gone = s.discard_inflight();
+  EXPECT_EQ(gone, (std::vector<ReqId>{1, 2}));
+  EXPECT_EQ(s.plans_in_flight(), 0);
+  EXPECT_EQ(s.live(), 0);
+  EXPECT_EQ(s.memory().free_blocks(0), free0);  // every block back, none held by the cache
+  p = s.step();
+  EXPECT_EQ(p->rows(), 0);
+  EXPECT_EQ(p->finished_ids, (std::vector<ReqId>{1, 2}));
+  EXPECT_EQ(p->finished_reasons[1], static_cast<int>(FinishReason::Abort));
+  s.submit(3, seq(12, 100), {.max_new_tokens = 1});  // the same prompt: no hit on unwritten KV
+  p = s.step();
+  EXPECT_EQ(s.cached_tokens_of(3), 0);
+  answer(s, *p);
+  s.check_invariants();
+}
+
 TEST(Scheduler, BatchCapAdmitsInArrivalOrder) {
   auto cfg = test::paged(64);
   cfg.max_batch_size = 2;

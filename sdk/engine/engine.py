@@ -36,6 +36,7 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when asked for
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     cached_tokens: int = 0  # prompt tokens the prefix cache held when the request was admitted
+    error: str | None = None  # why it was aborted, when a failed engine step aborted it
 
     @property
     def finished(self) -> bool:
@@ -122,6 +123,8 @@ class Engine:
         self._inflight: _Launched | None = None  # overlap: the step launched last, not yet fed
         self.stats = {"steps": 0, "retracted": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0}
         self.stats["device_inputs"] = 0  # input tokens filled in on the device (overlap)
+        self.stats["failed_steps"] = 0
+        self.failures = 0  # failed steps in a row (the server's health turns 503 at a few)
         self.graphs = self._decode_graphs()
 
     def _decode_graphs(self) -> DecodeGraphs | None:
@@ -200,11 +203,26 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns the requests that gained a token or finished. With
         overlap the tokens a call returns are the previous call's step: this call's step is
-        planned and queued on the device first, then the previous one is read back and fed."""
+        planned and queued on the device first, then the previous one is read back and fed.
+
+        A step that raises (out of device memory, a kernel error) aborts the requests of the
+        plans in flight, with the error in `RequestOutput.error`; their blocks go back and none
+        of the KV those plans were to write stays in the prefix cache (`discard_inflight`).
+        Every other request goes on. `failures` counts failed steps in a row."""
+        touched: dict[int, RequestOutput] = {}
+        try:
+            self._step(touched)
+        except Exception as e:  # any failure of the device work is contained here
+            self._fail(e, touched)
+        else:
+            self.failures = 0
+        return list(touched.values())
+
+    def _step(self, touched: dict[int, RequestOutput]) -> None:
         plan = self.scheduler.step()
         self.stats["steps"] += 1
         self.stats["retracted"] += len(plan.retracted_ids)
-        touched = self._finished(plan)
+        touched |= self._finished(plan)
         self.pool.apply(plan.copies)  # a plan may carry copies (restores) and no rows
         launched = self._launch(plan) if plan.rows else None
         self.pool.apply_after(plan.copies)
@@ -214,7 +232,20 @@ class Engine:
             done, self._inflight = self._inflight, launched
         if done is not None:
             touched |= self._collect(done)
-        return list(touched.values())
+
+    def _fail(self, err: Exception, touched: dict[int, RequestOutput]) -> None:
+        log.exception("engine step failed; aborting the requests of the plans in flight")
+        why = f"internal error in the engine step: {type(err).__name__}: {err}"
+        self._inflight = None
+        self.failures += 1
+        self.stats["failed_steps"] += 1
+        for rid in self.scheduler.discard_inflight():
+            if rid in self.requests:
+                out = self.requests[rid]
+                out.finish_reason, out.error = "abort", why
+                touched[rid] = out
+            self.generators.pop(rid, None)
+            self.params.pop(rid, None)
 
     def _launch(self, plan) -> _Launched:
         """Queue the plan's forward pass and sampling on the device."""

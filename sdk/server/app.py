@@ -55,6 +55,7 @@ class Choice:
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     finish: str | None = None
     cached: int = 0  # prompt tokens its request found in the prefix cache
+    error: str | None = None  # a failed engine step aborted it
 
 
 @dataclass
@@ -93,8 +94,14 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse(error_body(str(e.detail), code=e.status_code), status_code=e.status_code)
 
     @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if state.engine.accepting else 503)
+    async def health() -> JSONResponse:
+        """200 while the engine serves; 503 while draining, when the engine thread is gone, or
+        after async_engine.FAILED_STEPS_UNHEALTHY failed steps in a row (a wedged device)."""
+        eng = state.engine
+        status = eng.health()
+        return JSONResponse(
+            {"status": status} | eng.health_detail(), status_code=200 if status == "ok" else 503
+        )
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -262,7 +269,7 @@ def abort_all(state: ServerState, choices: list[Choice]) -> None:
 def apply_update(state: ServerState, c: Choice, u: Update) -> None:
     """Apply one engine update to a choice; a stop string ends it (and its engine request)."""
     if u.error:
-        c.finish = "abort"
+        c.finish, c.error = "abort", u.error
         return
     c.cached = max(c.cached, u.cached_tokens)
     c.tokens += u.token_ids
@@ -314,6 +321,9 @@ async def respond(
     except BaseException:
         abort_all(state, choices)
         raise
+    if failed := next((c.error for c in choices if c.error), None):
+        state.metrics.requests.labels("error_500").inc()
+        return JSONResponse(error_body(failed, "internal_server_error", code=500), status_code=500)
     state.metrics.requests.labels("ok").inc()
     body = {
         "id": rid,
@@ -429,6 +439,8 @@ async def stream(
                 lp = logprob_block(state, c, before, len(c.tokens), chat) if want_logprobs else None
                 if text or c.finish or lp or (req.return_token_ids and len(c.tokens) > before):
                     yield chunk(c.index, text, c.finish, lp, ids=c.tokens[before:])
+                if c.error:  # after its final chunk, the reason, as OpenAI streams an error
+                    yield f"data: {json.dumps(error_body(c.error, 'internal_server_error', code=500))}\n\n"
                 if c.finish is not None:
                     del pending[c.index]
         if req.stream_options and req.stream_options.include_usage:
@@ -442,7 +454,7 @@ async def stream(
             }
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
-        state.metrics.requests.labels("ok").inc()
+        state.metrics.requests.labels("error_500" if any(c.error for c in choices) else "ok").inc()
     except (asyncio.CancelledError, GeneratorExit):
         abort_all(state, choices)
         state.metrics.requests.labels("disconnected").inc()

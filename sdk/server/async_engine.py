@@ -21,6 +21,9 @@ from dayzero.sdk.engine.engine import Engine, SamplingParams
 log = logging.getLogger("dayzero.server")
 
 
+FAILED_STEPS_UNHEALTHY = 3  # failed engine steps in a row after which /health answers 503
+
+
 class Overloaded(RuntimeError):
     """Too many requests waiting: the client should retry later (HTTP 429)."""
 
@@ -68,6 +71,26 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+
+    def health(self) -> str:
+        """ok | draining | engine thread stopped | failing (FAILED_STEPS_UNHEALTHY failed steps
+        in a row)."""
+        if not self._thread.is_alive():
+            return "engine thread stopped"
+        if not self.accepting:
+            return "draining"
+        if self.engine.failures >= FAILED_STEPS_UNHEALTHY:
+            return "failing"
+        return "ok"
+
+    def health_detail(self) -> dict:
+        e = self.engine
+        return {
+            "running": e.scheduler.num_running,
+            "waiting": self.waiting,
+            "failed_steps": e.stats["failed_steps"],
+            "failed_in_a_row": e.failures,
+        }
 
     @property
     def waiting(self) -> int:
@@ -138,7 +161,7 @@ class AsyncEngine:
                         self.metrics.ttft.observe(now - s.submitted)
                 upd = Update(
                     out.token_ids[new], out.logprobs[new], out.top_logprobs[new], out.finish_reason,
-                    cached_tokens=out.cached_tokens,
+                    error=out.error, cached_tokens=out.cached_tokens,
                 )  # fmt: skip
                 s.sent = len(out.token_ids)
                 s.loop.call_soon_threadsafe(s.queue.put_nowait, upd)

@@ -50,6 +50,12 @@ class Scheduler {
   void finish(ReqId id);  // stop condition found by the caller (e.g. a stop string)
   // Drops every prefix-cache entry no request uses (e.g. after a weight update).
   std::int32_t flush_prefix_cache() { return kv_.cache().flush(); }
+  // The device could not run the plans in flight (a failed step): every request with a row in
+  // one of them is aborted without committing the KV those plans were to write (reported as
+  // aborted by the next plan), the plans are forgotten, and the prefix cache drops every entry
+  // no request uses, the blocks those plans committed at planning time among them. Returns the
+  // aborted requests' ids.
+  std::vector<ReqId> discard_inflight();
 
   // One step. The plan stays valid while the caller holds it.
   std::shared_ptr<const Plan> step();
