@@ -213,6 +213,17 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
     ("/v1/nothing", {}, 404),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [2**40]},
+        400,
+    ),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [10**8]}, 400),  # past the vocabulary
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400),  # a lone surrogate
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', 400),
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400),
+    ("/detokenize", {"tokens": [10**9]}, 400),
 ]
 
 
@@ -227,6 +238,48 @@ def test_bad_requests_get_openai_style_4xx(server, path: str, body, status: int)
     assert err["message"] and err["type"]
     ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200  # the server is unaffected
+
+
+def test_unknown_fields_are_ignored(server) -> None:
+    r = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "frobnicate": 3}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_tokenize_detokenize_and_version(server) -> None:
+    t = httpx.post(f"{server.url}/tokenize", json={"prompt": "The capital of France"}, timeout=30).json()
+    assert t["count"] == len(t["tokens"]) > 2 and t["max_model_len"] > 0
+    d = httpx.post(f"{server.url}/detokenize", json={"tokens": t["tokens"]}, timeout=30).json()
+    assert d["prompt"] == "The capital of France"
+    chat = httpx.post(
+        f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}, timeout=30
+    ).json()
+    assert chat["count"] > t["count"] - 3  # the template adds its role markers
+    assert httpx.get(f"{server.url}/version", timeout=10).json()["version"]
+
+
+def test_api_keys(monkeypatch) -> None:
+    """--api-key and DAYZERO_API_KEY: the API wants one of the keys as a Bearer token (401 in
+    OpenAI's shape without it, or with a wrong one); /health and /metrics stay open."""
+    srv = Server("--api-key", "k-one", env={"DAYZERO_API_KEY": "k-two, k-three"})
+    body = {"prompt": "Hi", "max_tokens": 2}
+    try:
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "k-one"}):
+            r = httpx.post(f"{srv.url}/v1/completions", json=body, headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert httpx.get(f"{srv.url}/v1/models", timeout=30).status_code == 401
+        for key in ("k-one", "k-two", "k-three"):
+            r = httpx.post(
+                f"{srv.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60
+            )
+            assert r.status_code == 200, r.text
+        key = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="k-two")
+        assert key.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2).choices
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+        assert httpx.get(f"{srv.url}/metrics", timeout=10).status_code == 200
+    finally:
+        srv.stop()
 
 
 def test_metrics_count_requests_tokens_and_latencies(server, client) -> None:

@@ -160,6 +160,8 @@ class Engine:
         vocab = self.cfg.embedding.vocab
         if bad := [t for t in prompt_ids if not 0 <= t < vocab]:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab]:
+            raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         total = len(prompt_ids) + params.max_tokens
         if self.max_model_len and total > self.max_model_len:
             raise ValueError(

@@ -8,6 +8,8 @@ away aborts its engine requests at once; user errors are 4xx with an OpenAI-styl
 from __future__ import annotations
 
 import asyncio
+import hmac
+import importlib.metadata
 import json
 import time
 import uuid
@@ -24,9 +26,17 @@ from dayzero.sdk.engine.engine import SamplingParams
 from dayzero.sdk.server.async_engine import AsyncEngine, Overloaded, ShuttingDown, Update
 from dayzero.sdk.server.detok import Detokenizer
 from dayzero.sdk.server.metrics import Metrics
-from dayzero.sdk.server.protocol import ChatRequest, CompletionRequest, Sampling, error_body
+from dayzero.sdk.server.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Sampling,
+    TokenizeRequest,
+    error_body,
+)
 
 DISCONNECT_POLL_S = 0.25
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # served without an API key
 
 
 class ApiError(Exception):
@@ -66,12 +76,25 @@ class ServerState:
     max_model_len: int | None
     chat_template: str | None
     metrics: Metrics
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="dayzero", version="0.1.0")
     app.state.dz = state
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        """With API keys, every route but OPEN_PATHS wants `Authorization: Bearer <key>`."""
+        if state.api_keys and request.url.path not in OPEN_PATHS:
+            got = request.headers.get("authorization", "")
+            token = got[7:].strip() if got[:7].lower() == "bearer " else ""
+            if not any(hmac.compare_digest(token.encode(), k.encode()) for k in state.api_keys):
+                state.metrics.requests.labels("error_401").inc()
+                msg = "invalid or missing API key: send `Authorization: Bearer <key>`"
+                return JSONResponse(error_body(msg, code="invalid_api_key"), status_code=401)
+        return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def _api_error(_req: Request, e: ApiError) -> JSONResponse:
@@ -114,6 +137,31 @@ def build_app(state: ServerState) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": importlib.metadata.version("dayzero")}
+
+    @app.post("/tokenize")
+    async def tokenize_route(req: TokenizeRequest) -> dict:
+        """vLLM's: a prompt, or chat messages through the template -> token ids."""
+        if req.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            check_unicode([m["content"] for m in messages], "messages")
+            ids = await apply_template(state, messages)
+        else:
+            check_unicode(req.prompt or "", "prompt")
+            ids = await asyncio.to_thread(
+                state.tokenizer.encode, req.prompt or "", add_special_tokens=req.add_special_tokens
+            )
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize_route(req: DetokenizeRequest) -> dict:
+        vocab = state.engine.engine.cfg.embedding.vocab
+        if bad := [t for t in req.tokens if not 0 <= t < vocab]:
+            raise ApiError(400, f"tokens out of the vocabulary [0, {vocab}): {bad[:5]}", param="tokens")
+        return {"prompt": state.tokenizer.decode(req.tokens)}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type="text/plain; version=0.0.4")
@@ -121,7 +169,9 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(state, req)
+        check_unicode(req.stops(), "stop")
         prompts = normalise_prompt(req.prompt)
+        check_unicode(prompts, "prompt")
         if len(prompts) != 1:
             raise ApiError(
                 400, "one prompt per request is supported (use n for several answers)", param="prompt"
@@ -140,10 +190,12 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         check_model(state, req)
+        check_unicode(req.stops(), "stop")
         try:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
+        check_unicode([m["content"] for m in messages], "messages")
         ids = await apply_template(state, messages)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
@@ -171,6 +223,17 @@ def check_model(state: ServerState, req: Sampling) -> None:
             kind="not_found_error",
             param="model",
         )
+
+
+def check_unicode(value, param: str) -> None:
+    """A JSON string may hold a lone surrogate escape ("\\ud800"), which no UTF-8 text holds."""
+    texts = [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)]
+    for t in texts:
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError:
+            why = f"{param}: not valid Unicode (a lone surrogate escape)"
+            raise ApiError(400, why, param=param) from None
 
 
 def normalise_prompt(p) -> list[str | list[int]]:

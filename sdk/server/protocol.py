@@ -1,16 +1,18 @@
 """Request schemas of the OpenAI-compatible API (the fields dayzero honours) and error bodies.
 
-Unknown fields are ignored, as OpenAI's server does; fields dayzero does not implement are
-refused with a 400 naming them, rather than silently ignored.
+Unknown fields are ignored with one warning in the log, as vLLM does; fields dayzero knows of but
+does not implement are refused with a 400 naming them, rather than silently ignored.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 16
+INT32_MAX = 2**31 - 1
 # parameters dayzero does not implement, with the values that ask for nothing (accepted)
 UNSUPPORTED: dict[str, tuple] = {
     "best_of": (None, 1),
@@ -23,6 +25,10 @@ UNSUPPORTED: dict[str, tuple] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
 }
+
+
+_WARNED: set[str] = set()
+log = logging.getLogger("dayzero.server")
 
 
 class StreamOptions(BaseModel):
@@ -40,7 +46,7 @@ class Sampling(BaseModel):
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0  # vLLM's: drop tokens with p < min_p * max p
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = []  # the scheduler's int32
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -50,10 +56,15 @@ class Sampling(BaseModel):
 
     @model_validator(mode="after")
     def _refuse_unsupported(self) -> Sampling:
+        """A parameter dayzero knows of but does not implement is refused unless it asks for
+        nothing; any other unknown field is ignored, with one warning a field name (vLLM's way)."""
         extra = self.model_extra or {}
         for name, neutral in UNSUPPORTED.items():
             if name in extra and extra[name] not in neutral:
                 raise ValueError(f"parameter {name!r} is not supported by this server")
+        for name in extra.keys() - UNSUPPORTED.keys() - _WARNED:
+            _WARNED.add(name)
+            log.warning("ignoring the unknown request field %r (warned once)", name)
         return self
 
     def stops(self) -> list[str]:
@@ -87,6 +98,24 @@ class ChatRequest(Sampling):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
 
 
 def error_body(

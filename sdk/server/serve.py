@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -92,9 +93,21 @@ def load(args: argparse.Namespace):
     name = args.served_model_name or (str(args.model) if args.model else "SmolLM2-135M-Instruct")
     metrics = Metrics()
     state = ServerState(
-        AsyncEngine(llm.engine, args.max_waiting, metrics), llm.tokenizer, name, max_len, template, metrics
+        AsyncEngine(llm.engine, args.max_waiting, metrics),
+        llm.tokenizer,
+        name,
+        max_len,
+        template,
+        metrics,
+        api_keys=api_keys(args),
     )
     return llm, state
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key (repeatable) and DAYZERO_API_KEY (comma-separated): any of them is accepted."""
+    keys = [*(args.api_key or []), *os.environ.get("DAYZERO_API_KEY", "").split(",")]
+    return tuple(k.strip() for k in keys if k.strip())
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -107,6 +120,10 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     llm, state = load(args)
     app = build_app(state)
+    if not state.api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning(
+            "listening on %s with no --api-key: anyone who can reach the port can use the model", args.host
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -158,6 +175,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "model", nargs="?", default=None, help="checkpoint folder, .gguf file or hub id (default: SmolLM2)"
     )
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        help="require `Authorization: Bearer KEY` on the API (repeatable; also DAYZERO_API_KEY, "
+        "comma-separated); /health and /metrics stay open",
+    )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--family", default=None, help="force a family instead of detecting it")
