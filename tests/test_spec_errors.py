@@ -273,11 +273,33 @@ def test_mtp_section_validates_with_its_defaults(tmp_path: Path) -> None:
     assert mtp is not None and (mtp.kind, mtp.layers, mtp.draft_tokens) == ("nextn", 1, 1)
 
 
-def test_unsupported_rope_scaling_is_refused_not_ignored() -> None:
-    """A Llama 3.1-style config (rope_type llama3) must not silently run as plain RoPE."""
+@pytest.mark.parametrize(
+    ("field", "value", "implements"),
+    [("hidden_act", "gelu_pytorch_tanh", "'silu'"), ("mlp_bias", True, "False"), ("pretraining_tp", 2, "1")],
+)
+def test_a_config_value_the_blocks_do_not_implement_is_refused(field: str, value, implements: str) -> None:
+    """Spec.implements: a math-changing HF field set to a value the blocks do not implement is
+    refused by field and value, never silently ignored (Gemma's gelu through the llama spec)."""
     hf = llama_hf()
-    hf["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
-    with pytest.raises(
-        SpecError, match=r"blocks\.attn: rope kind 'llama3' is not supported yet; known: default"
-    ):
+    hf[field] = value
+    with pytest.raises(SpecError) as info:
+        FAMILIES.get("llama").config(hf)
+    assert str(info.value) == (
+        f"config.json: {field}: {value!r} is not implemented by spec.yaml (it implements {implements})"
+    )
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"rope_type": "su"}, r"blocks\.attn: rope kind 'su' is not supported yet; known: default, linear"),
+        ({"rope_type": "llama3", "factor": 8.0}, "blocks.attn: llama3 rope_parameters need low_freq_factor"),
+        ({"rope_type": "linear"}, "blocks.attn: linear rope_parameters need factor"),
+    ],
+)
+def test_bad_rope_parameters_are_named(params: dict, message: str) -> None:
+    """An unknown rope type, or a known one missing its parameters, fails at config time."""
+    hf = llama_hf()
+    hf["rope_parameters"] = {"rope_theta": 10000.0, **params}
+    with pytest.raises(SpecError, match=message):
         FAMILIES.get("llama").config(hf)

@@ -149,15 +149,17 @@ def check_fused(g: torch.Generator) -> list[str]:
     q = torch.randn(7, 5, 40, generator=g)[:, :, :32]  # [T, H, D] strided, like a q slice
     pos = torch.randint(0, 500, (7,), generator=g)
     qw = torch.randn(32, generator=g)
-    for norm, half, neox, scaling in (
-        (True, 16, True, None), (False, 16, True, None), (True, None, True, (64.0, 0.1)),
-        (True, 12, False, (64.0, 0.1)), (False, None, True, (100.0, 0.3)),
+    for norm, half, neox, scaling, factor in (
+        (True, 16, True, None, 1.0), (False, 16, True, None, 1.0), (True, None, True, (64.0, 0.1), 1.0),
+        (True, 12, False, (64.0, 0.1), 1.3), (False, None, True, (100.0, 0.3), 1.0),
+        (False, 12, True, None, 0.8),
     ):  # fmt: skip
         inv = None if half is None else 1.0 / (10000 ** (torch.arange(half) / half))
         wt = qw if norm else None
-        want = basic.norm_rope(q, pos, wt, 1e-6, True, inv, neox, scaling)
-        got = fused.norm_rope(q, pos, wt, 1e-6, True, inv, neox, scaling)
-        out.append(f"norm_rope norm={norm} half={half} neox={neox} scaling={scaling} {_rel(got, want):.2e}")
+        want = basic.norm_rope(q, pos, wt, 1e-6, True, inv, neox, scaling, factor)
+        got = fused.norm_rope(q, pos, wt, 1e-6, True, inv, neox, scaling, factor)
+        err = _rel(got, want)
+        out.append(f"norm_rope norm={norm} half={half} neox={neox} scaling={scaling} a={factor} {err:.2e}")
     o = torch.randn(3, 4, 24, generator=g)
     gate = torch.randn(3, 4, 30, generator=g)[:, :, 3:27]
     for bias in (None, torch.randn(4, generator=g)):
@@ -240,7 +242,7 @@ def test_triton_kernels_in_the_interpreter(seed: int) -> None:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
-    assert len(lines) == 3 * 7 + 2 * 4 * 2 + 3 * 2 + 4 + 6 + 1 + 4 + 5 + 2 + 2 + 4 + 1, r.stdout
+    assert len(lines) == 3 * 7 + 2 * 4 * 2 + 3 * 2 + 4 + 6 + 1 + 4 + 6 + 2 + 2 + 4 + 1, r.stdout
     for ln in lines:
         assert float(ln.split()[-1]) <= 1e-5, ln
 

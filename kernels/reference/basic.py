@@ -88,14 +88,19 @@ def norm_rope(
     inv_freq: torch.Tensor | None = None,
     neox: bool = True,
     log_scaling: tuple[float, float] | None = None,
+    rope_factor: float = 1.0,
 ) -> torch.Tensor:
     """Per head vector of x [T, H, D], each step optional: rms_norm(x, weight) (qk-norm), then
-    rope at positions (inv_freq), then x * (1 + (p + 1) / base) ** exponent (log_scaling =
-    (base, exponent): scalable-softmax query scaling) in fp32, rounded back."""
+    rope at positions (inv_freq) with its rotated channels times rope_factor (the scaled RoPE
+    kinds' attention factor), then x * (1 + (p + 1) / base) ** exponent (log_scaling =
+    (base, exponent): scalable-softmax query scaling) in fp32, each step rounded back."""
     if weight is not None:
         x = rms_norm(x, weight, eps, weight_in_fp32)
     if inv_freq is not None:
         x = rope(x, positions, inv_freq, neox)
+        if rope_factor != 1.0:
+            rot = 2 * inv_freq.shape[0]
+            x = torch.cat(((x[..., :rot].float() * rope_factor).to(x.dtype), x[..., rot:]), dim=-1)
     if log_scaling is not None:
         base, exponent = log_scaling
         s = torch.exp(exponent * torch.log1p((positions.float() + 1) / base))  # [T]

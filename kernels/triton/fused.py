@@ -5,7 +5,7 @@ the unfused ops round them:
 
   add_rms_norm  y <- rmsnorm(y, w_post) (sandwich); x' = x + y, or x a + y b (depth-scaled);
                 h = rmsnorm(x', w)                                       -> (x', h)  [T, D]
-  norm_rope     per head vector [T, H, D]: rmsnorm(w) -> rope(p) -> * (1 + (p + 1) / base) ** e
+  norm_rope     per head vector [T, H, D]: rmsnorm(w) -> a rope(p) -> * (1 + (p + 1) / base) ** e
   sigmoid_gate  o * sigmoid(g (+ b[h]))                                           [T, H, D]
   swiglu        silu(min(g, limit)) * clamp(u, -limit, limit)  (fp32: rounded once)  [T, I]
   kv_write      k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]      [T, Hk, D] each
@@ -93,9 +93,9 @@ def _load_normed(base, w_ptr, idx, mask, r, dt: tl.constexpr, NORM: tl.constexpr
 
 @triton.jit
 def _norm_rope(
-    x_ptr, pos_ptr, w_ptr, f_ptr, y_ptr, H, stride_t, stride_h, D, eps, base, exponent,
+    x_ptr, pos_ptr, w_ptr, f_ptr, y_ptr, H, stride_t, stride_h, D, eps, base, exponent, factor,
     HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, W_FP32: tl.constexpr,
-    ROPE: tl.constexpr, NEOX: tl.constexpr, SCALE: tl.constexpr,
+    ROPE: tl.constexpr, NEOX: tl.constexpr, SCALE: tl.constexpr, FACTOR: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     t, h = row // H, row % H
@@ -122,6 +122,8 @@ def _norm_rope(
         b = _load_normed(src, w_ptr, i2, jm, r, dt, NORM, W_FP32)
         ya = (a * c - b * s).to(dt).to(tl.float32)
         yb = (b * c + a * s).to(dt).to(tl.float32)
+        if FACTOR:
+            ya, yb = (ya * factor).to(dt).to(tl.float32), (yb * factor).to(dt).to(tl.float32)
         if SCALE:
             ya, yb = ya * sc, yb * sc
         tl.store(out + i1, ya.to(dt), mask=jm)
@@ -147,9 +149,12 @@ def norm_rope(
     inv_freq: torch.Tensor | None = None,
     neox: bool = True,
     log_scaling: tuple[float, float] | None = None,
+    rope_factor: float = 1.0,
 ) -> torch.Tensor:
     if x.dim() != 3 or (weight is not None and weight.dtype != x.dtype):
-        return basic.norm_rope(x, positions, weight, eps, weight_in_fp32, inv_freq, neox, log_scaling)
+        return basic.norm_rope(
+            x, positions, weight, eps, weight_in_fp32, inv_freq, neox, log_scaling, rope_factor
+        )
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -159,10 +164,10 @@ def norm_rope(
     if rows:
         _norm_rope[(rows,)](
             x, positions, x if weight is None else weight, x if inv_freq is None else inv_freq, y,
-            h, st, sh, x.shape[-1], eps, base, exponent,
+            h, st, sh, x.shape[-1], eps, base, exponent, rope_factor,
             HALF=half, BH=triton.next_power_of_2(max(half, 1)), BD=triton.next_power_of_2(x.shape[-1]),
             NORM=weight is not None, W_FP32=weight_in_fp32, ROPE=inv_freq is not None, NEOX=neox,
-            SCALE=log_scaling is not None,
+            SCALE=log_scaling is not None, FACTOR=inv_freq is not None and rope_factor != 1.0,
         )  # fmt: skip
     return y
 

@@ -1,2 +1,2 @@
-# generated from spec.yaml@d6c0f885b68c, do not edit
+# generated from spec.yaml@db5a87193ee0, do not edit
 """Llama (generated; the source of truth is spec.yaml)."""

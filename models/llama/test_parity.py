@@ -1,4 +1,4 @@
-# generated from spec.yaml@d6c0f885b68c, do not edit
+# generated from spec.yaml@db5a87193ee0, do not edit
 """Llama: parity against transformers.LlamaForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
@@ -30,6 +30,36 @@ SHAPES = [
         "num_key_value_heads": 1,
         "hidden_size": 96,
         "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+    },
+    {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    },
+    {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
+    {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+        }
+    },
+    {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}},
+    {
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "attention_factor": 1.2,
+            "original_max_position_embeddings": 512,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
+        }
     },
 ]
 SEEDS = [0, 1, 7, 2026]

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl, StaticCache
+from dayzero.sdk.blocks.rope import ROPE_TYPES, rope_kind, rope_table
 from dayzero.sdk.config.options import BoolV, FloatV, IntV, Ref, Strict
-
-ROPE_KINDS = ("default",)
 
 
 class RopeOpts(Strict):
@@ -20,6 +19,9 @@ class RopeOpts(Strict):
     theta: FloatV
     fraction: FloatV = 1.0  # partial RoPE: the first fraction of each head's channels rotate
     neox: bool = True  # rotate-half pairing (else interleaved pairs)
+    # a symbol holding the HF rope_parameters (or legacy rope_scaling) mapping: its rope type and
+    # scaling (linear, dynamic, llama3, longrope, yarn; sdk/blocks/rope.py)
+    parameters: Ref | None = None
 
 
 class QueryScalingOpts(Strict):
@@ -58,6 +60,8 @@ class GqaCfg:
     rope_theta: float | None
     rotary_dim: int
     neox: bool
+    rope_params: tuple[tuple[str, Any], ...]  # the HF rope_parameters (sorted items), or ()
+    max_position: int | None
     window: int | None
     output_gate: str
     query_scaling: tuple[float, float] | None  # (base, exponent)
@@ -70,7 +74,8 @@ class GqaAttention(nn.Module):
 
     [q; k; v; g] = x W_in (+ b on q, k, v)             q, g [T, H, D]; k, v [T, Hk, D]
     q, k <- rmsnorm_D(q), rmsnorm_D(k)                  (qk_norm)
-    q, k <- rope(q, p), rope(k, p)                      (rope; NoPE when absent)
+    q, k <- a rope(q, p), a rope(k, p)                  (rope; NoPE when absent; frequencies and
+                                                         attention factor a: sdk/blocks/rope.py)
     q <- q * (1 + (p + 1) / base) ** exponent           (query_scaling)
     o[t, h] = sum_{j <= p_t, j > p_t - W} softmax_j(scale * q[t, h] . k[j, h // (H/Hk)]) v[j, ...]
     o <- o * sigmoid(g (+ b_gate[h]))                   (output_gate)
@@ -92,10 +97,10 @@ class GqaAttention(nn.Module):
         self.q_norm = nn.Parameter(torch.empty(d)) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.empty(d)) if cfg.qk_norm else None
         self.gate_bias = nn.Parameter(torch.empty(h)) if cfg.output_gate == "sigmoid_head_bias" else None
-        inv = None
+        inv, self.rope_factor = None, 1.0
         if cfg.rope_theta is not None:
-            r = cfg.rotary_dim
-            inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.int64).to(torch.float32) / r))
+            params = dict(cfg.rope_params)
+            inv, self.rope_factor = rope_table(cfg.rope_theta, cfg.rotary_dim, params, cfg.max_position)
         self.register_buffer("inv_freq", inv, persistent=False)  # fp32 in every model dtype
 
     @staticmethod
@@ -115,9 +120,15 @@ class GqaAttention(nn.Module):
         k = k.reshape(t, c.kv_heads, c.head_dim)
         v = v.reshape(t, c.kv_heads, c.head_dim)
         if self.q_norm is not None or self.inv_freq is not None or c.query_scaling is not None:
-            eps, w32, inv, p = c.norm_eps, c.norm_weight_in_fp32, self.inv_freq, ctx.positions
-            q = ops.norm_rope(q, p, self.q_norm, eps, w32, inv, c.neox, c.query_scaling)
-            k = ops.norm_rope(k, p, self.k_norm, eps, w32, inv, c.neox)
+            eps, w32, inv, p, a = (
+                c.norm_eps,
+                c.norm_weight_in_fp32,
+                self.inv_freq,
+                ctx.positions,
+                self.rope_factor,
+            )
+            q = ops.norm_rope(q, p, self.q_norm, eps, w32, inv, c.neox, c.query_scaling, a)
+            k = ops.norm_rope(k, p, self.k_norm, eps, w32, inv, c.neox, None, a)
         kv = ctx.caches[self.group][:, self.offset : self.offset + 2 * c.kv_heads * c.head_dim]
         kv = kv.view(-1, 2, c.kv_heads, c.head_dim)  # [N, 2, Hk, D]
         meta = ctx.paged[self.group]
@@ -131,13 +142,23 @@ class GqaAttention(nn.Module):
 def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
     d = int(val(o.head_dim))
     rope = o.rope
-    if rope is not None and (kind := val(rope.kind) or "default") not in ROPE_KINDS:
-        raise ValueError(f"rope kind {kind!r} is not supported yet; known: {', '.join(ROPE_KINDS)}")
+    params: dict[str, Any] = {}
+    if rope is not None:
+        params = dict((val(rope.parameters) if rope.parameters is not None else None) or {})
+        kind = val(rope.kind) or "default"
+        if params and rope_kind(params) != kind and kind != "default":
+            raise ValueError(f"rope kind {kind!r} disagrees with rope_parameters' {rope_kind(params)!r}")
+        params.setdefault("rope_type", kind)
+        if (kind := rope_kind(params)) not in ROPE_TYPES:
+            raise ValueError(f"rope kind {kind!r} is not supported yet; known: {', '.join(ROPE_TYPES)}")
     rot = 0 if rope is None else int(d * float(val(rope.fraction)))
     if rope is not None and (rot <= 0 or rot % 2):
         raise ValueError(
             f"rope.fraction gives {rot} rotary channels of head_dim {d}; need an even number > 0"
         )
+    max_pos = None if val("$max_position") is None else int(val("$max_position"))
+    if rope is not None:
+        rope_table(float(val(rope.theta)), rot, params, max_pos)  # bad parameters fail here, named
     qs = o.query_scaling
     heads, kv_heads = int(val(o.heads)), int(val(o.kv_heads))
     if kv_heads <= 0 or heads % kv_heads:
@@ -154,12 +175,18 @@ def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
         rope_theta=None if rope is None else float(val(rope.theta)),
         rotary_dim=rot,
         neox=True if rope is None else rope.neox,
+        rope_params=tuple(sorted((k, _frozen(v)) for k, v in params.items())),
+        max_position=max_pos,
         window=None if o.window is None or val(o.window) is None else int(val(o.window)),
         output_gate=o.output_gate,
         query_scaling=None if qs is None else (float(val(qs.base)), float(val(qs.exponent))),
         softcap=None if o.softcap is None or val(o.softcap) is None else float(val(o.softcap)),
         scale=d**-0.5 if o.scale is None else float(val(o.scale)),
     )
+
+
+def _frozen(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
 
 
 def _gqa_needs(c: GqaCfg):

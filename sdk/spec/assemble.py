@@ -166,6 +166,7 @@ def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "con
     max_pos = r.value(spec.max_position)
     for name in spec.symbols:  # every symbol resolves (or fails here, not later)
         r.symbol(name)
+    check_implemented(spec.implements, r.hf, r.source, loaded.path.name)
     return ModelConfig(
         family=spec.family,
         spec_hash=loaded.hash,
@@ -181,3 +182,15 @@ def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "con
         eos_token_ids=eos_ids,
         symbols=tuple(sorted(r.values.items())),
     )
+
+
+def check_implemented(implements: dict, hf: dict, source: str, spec_name: str) -> None:
+    """Refuse a config value the blocks do not implement (Spec.implements), by field and value."""
+    for name, allowed in implements.items():
+        got = field(hf, name)
+        if got is MISSING:
+            continue
+        ok = allowed if isinstance(allowed, list) else [allowed]
+        if got not in ok:
+            want = " or ".join(repr(v) for v in ok)
+            raise SpecError(source, name, f"{got!r} is not implemented by {spec_name} (it implements {want})")

@@ -40,6 +40,7 @@ class Resolver:
                 "hidden": lambda: self.value(spec.embedding.dim),
                 "norm_eps": lambda: self.value(spec.norm.eps),
                 "norm_weight_in_fp32": lambda: spec.norm.weight_in_fp32,
+                "max_position": lambda: self.value(spec.max_position),
             }[name]()
             self.values[name] = v
             return v

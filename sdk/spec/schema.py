@@ -15,7 +15,12 @@ from pydantic import ConfigDict, Field, StringConstraints, field_validator
 from dayzero.sdk.config.options import BoolV, FloatV, IntV, Ref, Strict
 
 QUANT_FORMATS = ("fp8_block", "mxfp4", "nvfp4")
-BUILTINS = ("hidden", "norm_eps", "norm_weight_in_fp32")  # symbols every spec has (see Resolver)
+BUILTINS = (
+    "hidden",
+    "norm_eps",
+    "norm_weight_in_fp32",
+    "max_position",
+)  # symbols every spec has (see Resolver)
 MTP_KINDS = ("nextn", "qwen_mtp")
 
 
@@ -171,6 +176,10 @@ class Spec(Strict):
     bench: dict[str, Any] = {}
     max_position: IntV | None = None
     eos_token_ids: Ref | None = None
+    # HF-config fields that change the math but that the blocks implement one way only: the
+    # value(s) they implement. A checkpoint whose config sets another value is refused, naming
+    # the field and its value (absent fields take transformers' default and pass).
+    implements: dict[str, Any] = {}
 
     @field_validator("weights")
     @classmethod
