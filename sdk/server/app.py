@@ -77,6 +77,7 @@ class ServerState:
     chat_template: str | None
     metrics: Metrics
     api_keys: tuple[str, ...] = ()  # empty: no authentication
+    sampling_defaults: dict = field(default_factory=dict)  # for fields a request leaves unset
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -284,13 +285,18 @@ def sampling_params(
             param="max_tokens",
         )
     seed = None if req.seed is None else req.seed + index
+    given = req.model_fields_set
+
+    def pick(name: str):  # the request's value, else the checkpoint's default, else OpenAI's
+        return getattr(req, name) if name in given else state.sampling_defaults.get(name, getattr(req, name))
+
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_k=max(req.top_k, 0),
-            top_p=req.top_p,
-            min_p=req.min_p,
+            temperature=pick("temperature"),
+            top_k=max(int(pick("top_k")), 0),
+            top_p=pick("top_p"),
+            min_p=pick("min_p"),
             seed=seed,
             stop_token_ids=tuple(req.stop_token_ids),
             ignore_eos=req.ignore_eos,

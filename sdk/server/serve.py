@@ -100,6 +100,7 @@ def load(args: argparse.Namespace):
         template,
         metrics,
         api_keys=api_keys(args),
+        sampling_defaults=llm.sampling_defaults if args.generation_config == "auto" else {},
     )
     return llm, state
 
@@ -175,6 +176,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "model", nargs="?", default=None, help="checkpoint folder, .gguf file or hub id (default: SmolLM2)"
     )
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--generation-config",
+        choices=("auto", "vllm"),
+        default="auto",
+        help="auto: a request's unset temperature / top_k / top_p / min_p take the checkpoint's "
+        "generation_config.json values (vLLM's default); vllm: OpenAI's defaults",
+    )
     p.add_argument(
         "--api-key",
         action="append",
