@@ -38,6 +38,27 @@ class PagedMeta:
 
 
 @dataclass(frozen=True)
+class Penalties:
+    """What rewrites a step's logits [S, V] before sampling, as index lists on the device (one
+    entry per occurrence; rows index the batch): presence / frequency over the output tokens,
+    repetition over prompt and output tokens (vLLM's), additive logit biases, and the tokens a
+    row may not produce yet (its stop tokens under min_tokens)."""
+
+    presence: torch.Tensor  # [S] fp32, 0: off
+    frequency: torch.Tensor  # [S] fp32, 0: off
+    repetition: torch.Tensor  # [S] fp32, 1: off
+    out_rows: torch.Tensor  # [N] int64: the output tokens so far
+    out_toks: torch.Tensor
+    seen_rows: torch.Tensor  # [M] int64: prompt and output tokens
+    seen_toks: torch.Tensor
+    bias_rows: torch.Tensor  # [B] int64, bias_toks [B] int64, bias_vals [B] fp32
+    bias_toks: torch.Tensor
+    bias_vals: torch.Tensor
+    ban_rows: torch.Tensor  # [K] int64
+    ban_toks: torch.Tensor
+
+
+@dataclass(frozen=True)
 class SamplingBatch:
     """One step's per-row sampling parameters [S] on the logits' device, and what the host knows
     of them: a kernel decides its work from the host fields, never by reading the device back.
@@ -54,6 +75,7 @@ class SamplingBatch:
     top_k_on: bool = False
     top_p_on: bool = False
     min_p_on: bool = False
+    penalties: Penalties | None = None  # None: the logits are sampled as they are
 
 
 declare_op("embedding", "ids [T] -> weight[ids] [T, Dm]")
@@ -128,5 +150,5 @@ declare_op("softcap", "cap * tanh(x / cap), in fp32")
 declare_op(
     "sample",
     "logits [S, V], SamplingBatch -> (token ids [S], chosen-token logprobs [S])",
-    features={"greedy", "temperature", "top_k", "top_p", "min_p", "seed"},
+    features={"greedy", "temperature", "top_k", "top_p", "min_p", "seed", "penalties"},
 )

@@ -60,7 +60,7 @@ def resolve_model(model: str | Path) -> Path:
         ) from None
 
 
-SAMPLING_DEFAULTS = ("temperature", "top_k", "top_p", "min_p")  # from generation_config.json
+SAMPLING_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")  # generation_config
 
 
 def generation_defaults(folder: Path) -> dict[str, float]:

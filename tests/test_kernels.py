@@ -13,7 +13,7 @@ from conftest import SEEDS
 
 from dayzero.kernels.batched.attention import gqa_attention as batched_attention
 from dayzero.kernels.batched.sampling import sample as batched_sample
-from dayzero.kernels.ops import PagedMeta, SamplingBatch
+from dayzero.kernels.ops import PagedMeta, Penalties, SamplingBatch
 from dayzero.kernels.reference.attention import gqa_attention as reference_attention
 from dayzero.kernels.reference.attention import kv_write
 from dayzero.kernels.reference.basic import rms_norm, rope
@@ -584,3 +584,75 @@ def test_swiglu_limit_clamps_gate_above_and_up_both_ways(seed: int) -> None:
     assert torch.allclose(swiglu(gate, up, limit=2.5), want, atol=0, rtol=0)
     assert torch.allclose(swiglu(gate, up, fp32=True, limit=2.5), want, atol=1e-6)
     assert (gate < -2.5).any()  # the gate is not clamped from below: silu handles it
+
+
+def _penalties(s: int, **kw) -> Penalties:
+    empty = torch.zeros(0, dtype=torch.int64)
+    base = dict(
+        presence=rows(s, 0.0), frequency=rows(s, 0.0), repetition=rows(s, 1.0),
+        out_rows=empty, out_toks=empty, seen_rows=empty, seen_toks=empty,
+        bias_rows=empty, bias_toks=empty, bias_vals=torch.zeros(0), ban_rows=empty, ban_toks=empty,
+    )  # fmt: skip
+    return Penalties(**(base | kw))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_penalized_logits_match_a_loop_over_tokens(seed: int) -> None:
+    """penalized() against the per-token definitions: bias added; repetition divides positive and
+    multiplies negative logits of seen tokens; frequency * count + presence subtracted for output
+    tokens; banned tokens -inf (2 rows, tokens repeated)."""
+    from dayzero.kernels.reference.sampling import penalized
+
+    g = torch.Generator().manual_seed(seed)
+    logits = logits_for(seed, 2)
+    out = [[3, 3, 7, 9], [1, 1, 1]]
+    seen = [[2, 3, 3, 7, 9, 11], [5, 1, 1, 1]]
+    bias = [(0, 4, 2.5), (1, 6, -3.0), (0, 3, 1.0)]
+    ban = [(1, 8), (1, 9)]
+    pres, freq, rep = torch.tensor([0.5, -0.3]), torch.tensor([0.25, 1.0]), torch.rand(2, generator=g) + 1.0
+    cat = lambda rows_toks: (  # noqa: E731
+        torch.tensor([r for r, _ in rows_toks], dtype=torch.int64),
+        torch.tensor([t for _, t in rows_toks], dtype=torch.int64),
+    )
+    o_r, o_t = cat([(r, t) for r, ts in enumerate(out) for t in ts])
+    s_r, s_t = cat([(r, t) for r, ts in enumerate(seen) for t in ts])
+    k_r, k_t = cat(ban)
+    p = _penalties(
+        2, presence=pres, frequency=freq, repetition=rep,
+        out_rows=o_r, out_toks=o_t, seen_rows=s_r, seen_toks=s_t,
+        bias_rows=torch.tensor([b[0] for b in bias]), bias_toks=torch.tensor([b[1] for b in bias]),
+        bias_vals=torch.tensor([b[2] for b in bias]), ban_rows=k_r, ban_toks=k_t,
+    )  # fmt: skip
+    want = logits.clone()
+    for r, t, v in bias:
+        want[r, t] += v
+    for r in range(2):
+        for t in set(seen[r]):
+            z = want[r, t]
+            want[r, t] = z / rep[r] if z > 0 else z * rep[r]
+        for t in set(out[r]):
+            want[r, t] -= freq[r] * out[r].count(t) + pres[r]
+    for r, t in ban:
+        want[r, t] = float("-inf")
+    torch.testing.assert_close(penalized(logits, p), want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", sorted(SAMPLERS))
+@pytest.mark.parametrize("seed", SEEDS)
+def test_penalties_steer_both_samplers_alike(seed: int, backend: str) -> None:
+    """Greedy under penalties is argmax of the penalized logits (both backends), and the
+    reported logprob is the model's, before the penalties."""
+    from dayzero.kernels.reference.sampling import penalized
+
+    logits = logits_for(seed)
+    top = logits.argmax(-1)
+    s = logits.shape[0]
+    p = _penalties(s, frequency=rows(s, 2.0), out_rows=torch.arange(s), out_toks=top)
+    batch = SamplingBatch(
+        temperature=rows(s, 0.0), top_k=rows(s, 0, torch.int64), top_p=rows(s, 1.0), min_p=rows(s, 0.0),
+        generators=(None,) * s, sampled_rows=(), penalties=p,
+    )  # fmt: skip
+    fn = SAMPLERS[backend]
+    tokens, lp = fn(logits, batch)
+    assert torch.equal(tokens, penalized(logits, p).argmax(-1))
+    torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1))

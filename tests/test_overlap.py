@@ -103,3 +103,22 @@ def test_prompt_logits_after_an_overlapped_run(checkpoint) -> None:
 def test_overlap_mode_is_checked() -> None:
     with pytest.raises(ValueError, match="overlap 'yes'; known: auto, on, off"):
         EngineConfig(overlap="yes")
+
+
+def test_penalties_see_the_token_still_on_the_device(checkpoint) -> None:
+    """Penalties count every output token, also the one the previous step sampled that only the
+    device holds yet (overlap): the same tokens with overlap on and off, greedy and sampled."""
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 3, 3], [20, 21], [4, 4, 4, 4, 4, 4]]
+    params = [
+        SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, frequency_penalty=1.5),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=1.8),
+        SamplingParams(max_tokens=10, temperature=0.9, seed=3, presence_penalty=1.0, logit_bias={9: 2.0}),
+        SamplingParams(
+            max_tokens=9, temperature=0, stop_token_ids=(17,), min_tokens=5, logit_bias={17: 50.0}
+        ),
+    ]
+    outs = {o: _engine(checkpoint, o).generate(prompts, params) for o in ("off", "on")}
+    _same(outs["on"], outs["off"])
+    last = outs["off"][3].token_ids
+    assert len(last) == 6 and last[-1] == 17 and 17 not in last[:5]  # min_tokens held the stop back
+    assert len(set(outs["off"][0].token_ids)) > 3  # the frequency penalty keeps it from repeating

@@ -206,7 +206,12 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400),
     ("/v1/completions", {"prompt": "word " * 2000, "max_tokens": 4}, 400),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"one": 5}}, 400),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 500}}, 400),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 5}}, 400),  # past the vocabulary
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400),
     ("/v1/completions", {"prompt": [10**9], "max_tokens": 2}, 400),
     ("/v1/chat/completions", {"messages": []}, 400),
@@ -238,6 +243,21 @@ def test_bad_requests_get_openai_style_4xx(server, path: str, body, status: int)
     assert err["message"] and err["type"]
     ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200  # the server is unaffected
+
+
+def test_logit_bias_and_min_tokens(client) -> None:
+    """A +100 bias on one token makes greedy decoding repeat it; min_tokens keeps a stop token
+    (that token, as stop_token_ids) from ending the answer before min_tokens tokens."""
+    tok = 1000
+    kw = dict(model="SmolLM2-135M-Instruct", prompt="Hello", temperature=0)
+    r = client.completions.create(
+        **kw, max_tokens=4, extra_body={"logit_bias": {str(tok): 100}, "return_token_ids": True}
+    )
+    assert r.choices[0].token_ids == [tok] * 4
+    body = {"logit_bias": {str(tok): 100}, "stop_token_ids": [tok], "min_tokens": 3, "return_token_ids": True}
+    r = client.completions.create(**kw, max_tokens=8, extra_body=body)
+    ids = r.choices[0].token_ids
+    assert len(ids) == 4 and ids[-1] == tok and tok not in ids[:3] and r.choices[0].finish_reason == "stop"
 
 
 def test_unknown_fields_are_ignored(server) -> None:

@@ -16,6 +16,7 @@ SCALARS = st.one_of(
     st.booleans(),
     st.integers(-10, 40),
     st.just(10**12),
+    st.integers(-(2**70), 2**70),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12),
 )
@@ -43,6 +44,11 @@ FIELDS = [
     "stop_token_ids",
     "logit_bias",
     "max_completion_tokens",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
     "unknown_field",
 ]
 MESSAGE = st.fixed_dictionaries(

@@ -1,8 +1,9 @@
 """The sampler for the whole batch at once, on the device: no loop over rows that reads the
 device, no host sync (the engine reads the tokens back once a step).
 
-  z = logits / T (T = 1 for greedy rows), filtered as the reference filters (kernels/reference/
-      sampling.py): min-p on softmax(z), then top-k by rank and top-p over one descending sort
+  z = penalized(logits) / T (T = 1 for greedy rows), penalized and filtered as the reference
+      does (kernels/reference/sampling.py): min-p on softmax(z), then top-k by rank and top-p
+      over one descending sort
   token = argmax_v softmax(z)_v / q_v,  q_v ~ Exp(1) i.i.d.   (the exponential race: a draw
       from softmax(z)), greedy rows: argmax(logits)
 Seeded rows draw their noise from their own generator (one launch a seeded row), the others
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from dayzero.kernels.ops import SamplingBatch
+from dayzero.kernels.reference.sampling import penalized
 from dayzero.kernels.registry import OPS, Capabilities, register
 
 TINY = 1e-20  # keeps q > 0: exponential_ may return 0
@@ -37,7 +39,9 @@ def _probs(z: torch.Tensor) -> torch.Tensor:
 
 @register("sample", "batched", Capabilities(features=OPS.get("sample").features, priority=10))
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = logits.float()
+    raw = logits = logits.float()
+    if batch.penalties is not None:  # the reference's rewrite (vectorised already)
+        logits = penalized(logits, batch.penalties)
     tokens = logits.argmax(dim=-1)  # [S]
     if batch.sampled_rows:
         hot = batch.temperature > 0
@@ -58,5 +62,5 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
         probs = _probs(z)
         drawn = (probs / _noise(probs, batch.generators)).argmax(dim=-1)
         tokens = torch.where(hot, drawn, tokens)
-    chosen = logits.gather(1, tokens[:, None]).squeeze(1)
-    return tokens, chosen - torch.logsumexp(logits, dim=-1)  # log_softmax(logits) at the token
+    chosen = raw.gather(1, tokens[:, None]).squeeze(1)
+    return tokens, chosen - torch.logsumexp(raw, dim=-1)  # log_softmax(raw logits) at the token

@@ -5,8 +5,32 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.kernels.ops import SamplingBatch
+from dayzero.kernels.ops import Penalties, SamplingBatch
 from dayzero.kernels.registry import register
+
+
+def penalized(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    """logits [S, V] fp32 rewritten in vLLM's order: + logit bias; then, over the tokens a row has
+    seen (prompt and output), z / r where z > 0 and z * r elsewhere (repetition r); minus
+    frequency * count + presence * [count > 0] over its output tokens; its banned tokens -inf."""
+    s, v = logits.shape
+    z = logits.clone()
+    if p.bias_rows.numel():
+        z.index_put_((p.bias_rows, p.bias_toks), p.bias_vals, accumulate=True)
+    if p.seen_rows.numel():
+        seen = torch.zeros(s, v, dtype=torch.bool, device=z.device)
+        seen[p.seen_rows, p.seen_toks] = True
+        r = p.repetition[:, None]
+        z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
+    if p.out_rows.numel():
+        counts = torch.zeros(s, v, dtype=torch.float32, device=z.device)
+        counts.index_put_(
+            (p.out_rows, p.out_toks), torch.ones_like(p.out_rows, dtype=torch.float32), accumulate=True
+        )
+        z = z - p.frequency[:, None] * counts - p.presence[:, None] * (counts > 0).float()
+    if p.ban_rows.numel():
+        z[p.ban_rows, p.ban_toks] = float("-inf")
+    return z
 
 
 def filtered(z: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -29,11 +53,14 @@ def filtered(z: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.T
 
 @register("sample", "reference")
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of logits [S, V]: argmax where the temperature is 0, else a draw from
-    softmax(filtered(logits / T)) with the row's generator. Returns (tokens [S] int64, the logprob
-    of each token under the unmodified distribution log_softmax(logits) [S])."""
+    """One token per row of logits [S, V]: with z = penalized(logits), argmax(z) where the
+    temperature is 0, else a draw from softmax(filtered(z / T)) with the row's generator.
+    Returns (tokens [S] int64, the logprob of each token under the model's distribution
+    log_softmax(logits) [S], before any penalty: vLLM's raw logprobs)."""
     logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1)  # of the logits as the model gave them
+    if batch.penalties is not None:
+        logits = penalized(logits, batch.penalties)
     tokens = logits.argmax(dim=-1)
     temp, top_k = batch.temperature.tolist(), batch.top_k.tolist()
     top_p, min_p = batch.top_p.tolist(), batch.min_p.tolist()

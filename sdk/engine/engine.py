@@ -162,6 +162,8 @@ class Engine:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab]:
             raise ValueError(f"stop_token_ids out of the vocabulary [0, {vocab}): {bad[:5]}")
+        if bad := [t for t, _ in params.logit_bias if not 0 <= t < vocab]:
+            raise ValueError(f"logit_bias token ids out of the vocabulary [0, {vocab}): {bad[:5]}")
         total = len(prompt_ids) + params.max_tokens
         if self.max_model_len and total > self.max_model_len:
             raise ValueError(
@@ -265,9 +267,30 @@ class Engine:
         req_ids = np.asarray(plan.req_ids).copy()
         sample_ids = req_ids[sample.astype(bool)].tolist()
         params = [self.params[i] for i in sample_ids]
-        pending = self.sampler.launch(logits, params, [self.generators.get(i) for i in sample_ids])
+        gens = [self.generators.get(i) for i in sample_ids]
+        if any(p.rewrites for p in params):  # penalties need each row's tokens so far
+            history = [(self.requests[i].prompt_ids, self.requests[i].token_ids) for i in sample_ids]
+            eos = list(self.cfg.eos_token_ids)
+            stops = [tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos)) for p in params]
+            extra = self._last_tokens(plan, req_ids, sample_ids, fill)
+            pending = self.sampler.launch(logits, params, gens, history, stops, extra)
+        else:
+            pending = self.sampler.launch(logits, params, gens)
         prefill = int(np.asarray(plan.num_tokens)[np.asarray(plan.is_prefill, dtype=bool)].sum())
         return _Launched(plan, req_ids, sample, sample_ids, prefill, pending)
+
+    @staticmethod
+    def _last_tokens(plan, req_ids: np.ndarray, sample_ids: list[int], fill):
+        """(sampled rows, where their last token is in the previous step's tokens, those tokens)
+        for the rows whose last output token the host has not seen yet (overlap), or None."""
+        if fill is None:
+            return None
+        dst, src, last = fill
+        row = np.repeat(np.arange(plan.rows), np.asarray(plan.num_tokens))[dst]
+        where = {rid: s for s, rid in enumerate(sample_ids)}
+        pairs = [(where[int(r)], int(j)) for r, j in zip(req_ids[row], src, strict=True) if int(r) in where]
+        rows = np.asarray([a for a, _ in pairs], dtype=np.int64)
+        return rows, np.asarray([b for _, b in pairs], dtype=np.int64), last
 
     def _device_inputs(self, plan, prev: _Launched | None):
         """(token indices, indices into prev's sampled rows, prev's device tokens) for the plan's

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dayzero.kernels.ops import SamplingBatch
+from dayzero.kernels.ops import Penalties, SamplingBatch
 
 MAX_TOP_LOGPROBS = 20
 
@@ -30,8 +30,28 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     top_logprobs: int = 0  # also return this many most likely tokens per step
+    presence_penalty: float = 0.0  # OpenAI's: minus this for every token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # vLLM's: z / r (z > 0) or z * r over prompt + output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) added to its logit
+    min_tokens: int = 0  # the stop tokens (EOS, stop_token_ids) are masked until this many
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(
+                self, "logit_bias", tuple((int(k), float(v)) for k, v in self.logit_bias.items())
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if bad := [b for _, b in self.logit_bias if not -100 <= b <= 100]:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bad[:3]}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
         if self.max_tokens < 1:
@@ -42,6 +62,17 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def counts_output(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def rewrites(self) -> bool:
+        """Some penalty, bias or min_tokens may change this request's logits."""
+        return (
+            self.counts_output or self.repetition_penalty != 1 or bool(self.logit_bias) or self.min_tokens > 0
+        )
 
 
 @dataclass
@@ -76,13 +107,88 @@ class Sampler:
         host.copy_(x, non_blocking=self.pin)
         return host
 
+    def _index(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """Host int64 arrays -> device tensors, in one copy."""
+        flat = (
+            torch.from_numpy(np.concatenate(arrays).astype(np.int64))
+            if arrays
+            else torch.zeros(0, dtype=torch.int64)
+        )
+        dev = (flat.pin_memory() if self.pin else flat).to(self.device, non_blocking=self.pin)
+        return list(dev.split([len(a) for a in arrays]))
+
+    def penalties(
+        self,
+        params: list[SamplingParams],
+        history: list[tuple[list[int], list[int]]],
+        stops: list[tuple[int, ...]],
+        extra: tuple[np.ndarray, np.ndarray, torch.Tensor] | None,
+        dev: torch.Tensor,
+    ) -> Penalties | None:
+        """The rows' penalties as device index lists, in one copy; history[s] = (prompt, the
+        output tokens the host knows); extra = (rows, where in `last` their latest token is, last:
+        the tokens the step before sampled, still on the device: overlap); dev = the rows'
+        parameters on the device (see `launch`)."""
+        if not any(p.rewrites for p in params):
+            return None
+        none = np.zeros(0, np.int64)
+        rows_extra, src_extra, last = extra if extra is not None else (none, none, None)
+        has_extra = np.zeros(len(params), dtype=bool)
+        has_extra[rows_extra] = True
+        lists: dict[str, list[np.ndarray]] = {
+            k: [] for k in ("out_r", "out_t", "seen_r", "seen_t", "bias_r", "bias_t", "ban_r", "ban_t")
+        }
+        bias_v: list[float] = []
+
+        def add(rows: str, toks: str, s: int, values) -> None:
+            arr = np.asarray(values, dtype=np.int64)
+            lists[rows].append(np.full(len(arr), s, dtype=np.int64))
+            lists[toks].append(arr)
+
+        for s, (p, (prompt, out)) in enumerate(zip(params, history, strict=True)):
+            if p.counts_output:
+                add("out_r", "out_t", s, out)
+            if p.repetition_penalty != 1:
+                add("seen_r", "seen_t", s, [*prompt, *out])
+            if p.logit_bias:
+                add("bias_r", "bias_t", s, [t for t, _ in p.logit_bias])
+                bias_v.extend(b for _, b in p.logit_bias)
+            if p.min_tokens > len(out) + int(has_extra[s]) and stops[s]:
+                add("ban_r", "ban_t", s, stops[s])
+        cat = [np.concatenate(v) if v else np.zeros(0, np.int64) for v in lists.values()]
+        # which extra rows count output tokens / have a repetition penalty, as indices into extra
+        count = np.flatnonzero([params[r].counts_output for r in rows_extra.tolist()])
+        rep = np.flatnonzero([params[r].repetition_penalty != 1 for r in rows_extra.tolist()])
+        bits = np.asarray(bias_v, dtype=np.float64).view(np.int64)  # travels in the same copy
+        o_r, o_t, s_r, s_t, b_r, b_t, k_r, k_t, e_r, e_s, e_c, e_p, b_v = self._index(
+            [*cat, rows_extra, src_extra, count, rep, bits]
+        )
+        if last is not None and len(rows_extra):
+            toks_extra = last[e_s]
+            o_r, o_t = torch.cat((o_r, e_r[e_c])), torch.cat((o_t, toks_extra[e_c]))
+            s_r, s_t = torch.cat((s_r, e_r[e_p])), torch.cat((s_t, toks_extra[e_p]))
+        return Penalties(
+            presence=dev[4], frequency=dev[5], repetition=dev[6],
+            out_rows=o_r, out_toks=o_t, seen_rows=s_r, seen_toks=s_t,
+            bias_rows=b_r, bias_toks=b_t, bias_vals=b_v.view(torch.float64).float(),
+            ban_rows=k_r, ban_toks=k_t,
+        )  # fmt: skip
+
     def launch(
-        self, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        gens: list[torch.Generator | None],
+        history: list[tuple[list[int], list[int]]] | None = None,
+        stops: list[tuple[int, ...]] | None = None,
+        extra: tuple[np.ndarray, np.ndarray, torch.Tensor] | None = None,
     ) -> Pending:
-        """Sample one token per row of logits [S, V] fp32 (row s under params[s])."""
+        """Sample one token per row of logits [S, V] fp32 (row s under params[s]; history, stops
+        and extra feed the penalties, see `penalties`)."""
         host = torch.tensor(
             [[p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
-             [p.min_p for p in params]],
+             [p.min_p for p in params], [p.presence_penalty for p in params],
+             [p.frequency_penalty for p in params], [p.repetition_penalty for p in params]],
             dtype=torch.float32,
         )  # fmt: skip
         dev = (host.pin_memory() if self.pin else host).to(self.device, non_blocking=self.pin)
@@ -96,6 +202,9 @@ class Sampler:
             top_k_on=any(p.top_k > 0 and p.temperature > 0 for p in params),
             top_p_on=any(p.top_p < 1 and p.temperature > 0 for p in params),
             min_p_on=any(p.min_p > 0 and p.temperature > 0 for p in params),
+            penalties=self.penalties(
+                params, history or [([], [])] * len(params), stops or [()] * len(params), extra, dev
+            ),
         )
         tokens, logprobs = self.ops.sample(logits, batch)
         out = self._to_host(torch.stack((tokens.double(), logprobs.double())))

@@ -18,12 +18,9 @@ UNSUPPORTED: dict[str, tuple] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
 }
 
 
@@ -44,6 +41,11 @@ class Sampling(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0  # vLLM's: drop tokens with p < min_p * max p
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0  # vLLM's
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id -> bias
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0  # vLLM's
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = []  # the scheduler's int32
@@ -66,6 +68,15 @@ class Sampling(BaseModel):
             _WARNED.add(name)
             log.warning("ignoring the unknown request field %r (warned once)", name)
         return self
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias with its keys as token ids (OpenAI sends them as strings)."""
+        out = []
+        for k, v in (self.logit_bias or {}).items():
+            if not k.lstrip("-").isdigit() or not 0 <= int(k) <= INT32_MAX:
+                raise ValueError(f"logit_bias key {k!r} is not a token id")
+            out.append((int(k), float(v)))
+        return tuple(out)
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
