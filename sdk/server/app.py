@@ -34,6 +34,7 @@ from dayzero.sdk.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from dayzero.sdk.server.tools import ToolParser, ToolStream
 
 DISCONNECT_POLL_S = 0.25
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # served without an API key
@@ -66,6 +67,7 @@ class Choice:
     finish: str | None = None
     cached: int = 0  # prompt tokens its request found in the prefix cache
     error: str | None = None  # a failed engine step aborted it
+    tools: ToolStream | None = None  # the request offered tools: calls are parsed out of the text
 
 
 @dataclass
@@ -78,6 +80,7 @@ class ServerState:
     metrics: Metrics
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     sampling_defaults: dict = field(default_factory=dict)  # for fields a request leaves unset
+    tool_parser: ToolParser | None = None  # how this model writes tool calls (sdk/server/tools.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -146,9 +149,13 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize_route(req: TokenizeRequest) -> dict:
         """vLLM's: a prompt, or chat messages through the template -> token ids."""
         if req.messages is not None:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            try:
+                messages = [m.for_template() for m in req.messages]
+            except ValueError as e:
+                raise ApiError(400, str(e), param="messages") from None
             check_unicode([m["content"] for m in messages], "messages")
-            ids = await apply_template(state, messages)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            ids = await apply_template(state, messages, tools)
         else:
             check_unicode(req.prompt or "", "prompt")
             ids = await asyncio.to_thread(
@@ -193,11 +200,12 @@ def build_app(state: ServerState) -> FastAPI:
         check_model(state, req)
         check_unicode(req.stops(), "stop")
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages = [m.for_template() for m in req.messages]
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         check_unicode([m["content"] for m in messages], "messages")
-        ids = await apply_template(state, messages)
+        tools = offered_tools(state, req)
+        ids = await apply_template(state, messages, tools)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
         return await respond(
@@ -208,6 +216,7 @@ def build_app(state: ServerState) -> FastAPI:
             chat=True,
             top_logprobs=req.top_logprobs or 0,
             want_logprobs=req.logprobs,
+            tools=tools is not None,
         )
 
     return app
@@ -251,11 +260,41 @@ async def tokenize(state: ServerState, prompt: str | list[int]) -> list[int]:
     return await asyncio.to_thread(state.tokenizer.encode, prompt, add_special_tokens=True)
 
 
-async def apply_template(state: ServerState, messages: list[dict]) -> list[int]:
+def offered_tools(state: ServerState, req: ChatRequest) -> list[dict] | None:
+    """The tools the template gets, or None (none offered, or tool_choice "none")."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    if req.tool_choice not in (None, "auto"):
+        raise ApiError(
+            400,
+            "tool_choice 'required' or a named function needs constrained decoding, which this server "
+            "does not do yet; use 'auto' (the model decides) or 'none'",
+            param="tool_choice",
+        )
+    if state.tool_parser is None:
+        raise ApiError(
+            400,
+            "this model has no tool-call parser: start the server with --tool-call-parser "
+            "(hermes, glm45, kimi_k2)",
+            param="tools",
+        )
+    template = state.chat_template or getattr(state.tokenizer, "chat_template", None) or ""
+    if "tools" not in template:
+        raise ApiError(400, "the model's chat template takes no tools (see --chat-template)", param="tools")
+    return [t.model_dump(exclude_none=True) for t in req.tools]
+
+
+async def apply_template(
+    state: ServerState, messages: list[dict], tools: list[dict] | None = None
+) -> list[int]:
     def render() -> list[int]:
         try:
             text = state.tokenizer.apply_chat_template(
-                messages, chat_template=state.chat_template, add_generation_prompt=True, tokenize=False
+                messages,
+                tools=tools,
+                chat_template=state.chat_template,
+                add_generation_prompt=True,
+                tokenize=False,
             )
         except Exception as e:  # template errors are about the request's messages
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
@@ -311,13 +350,18 @@ def sampling_params(
         raise ApiError(400, str(e)) from None
 
 
-async def start_choices(state: ServerState, req: Sampling, ids: list[int], top: int) -> list[Choice]:
+async def start_choices(
+    state: ServerState, req: Sampling, ids: list[int], top: int, tools: bool = False
+) -> list[Choice]:
     choices: list[Choice] = []
     try:
         for i in range(req.n):
             params = sampling_params(state, req, len(ids), i, top)
             rid, q = await state.engine.submit(ids, params)
-            choices.append(Choice(i, rid, q, Detokenizer(state.tokenizer, ids, req.stops())))
+            parser = state.tool_parser if tools else None
+            keep = parser.markers if parser else ()
+            detok = Detokenizer(state.tokenizer, ids, req.stops(), keep_special=keep)
+            choices.append(Choice(i, rid, q, detok, tools=ToolStream(parser) if parser else None))
     except Overloaded as e:
         abort_all(state, choices)
         raise ApiError(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
@@ -377,8 +421,9 @@ async def respond(
     chat: bool,
     top_logprobs: int,
     want_logprobs: bool,
+    tools: bool = False,
 ):
-    choices = await start_choices(state, req, ids, top_logprobs)
+    choices = await start_choices(state, req, ids, top_logprobs, tools)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if req.stream:
         gen = stream(state, req, request, choices, ids, rid, chat, want_logprobs)
@@ -453,12 +498,15 @@ def whole_choice(state: ServerState, c: Choice, chat: bool, want_logprobs: bool,
     lp = logprob_block(state, c, 0, len(c.tokens), chat) if want_logprobs else None
     ids = {"token_ids": list(c.tokens)} if token_ids else {}
     if chat:
-        return {
-            "index": c.index,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": lp,
-            "finish_reason": c.finish,
-        } | ids
+        message: dict = {"role": "assistant", "content": text}
+        finish = c.finish
+        if c.tools is not None:
+            content, calls = c.tools.parser.parse(text)
+            if calls:
+                message = {"role": "assistant", "content": content or None}
+                message["tool_calls"] = [call.openai() for call in calls]
+                finish = "tool_calls" if finish == "stop" else finish
+        return {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish} | ids
     return {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish} | ids
 
 
@@ -474,13 +522,17 @@ async def stream(
 ) -> AsyncIterator[str]:
     created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(index: int, text: str, finish: str | None, lp: dict | None, first: bool = False, ids=()) -> str:
+    def chunk(
+        index: int, text: str, finish: str | None, lp: dict | None, first: bool = False, ids=(), calls=()
+    ) -> str:
         if chat:
             delta = (
                 ({"role": "assistant", "content": text} if first else {"content": text})
                 if text or first
                 else {}
             )
+            if calls:
+                delta["tool_calls"] = list(calls)
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
@@ -511,8 +563,15 @@ async def stream(
                 apply_update(state, c, f.result())
                 text = c.detok.take(final=c.finish is not None)
                 lp = logprob_block(state, c, before, len(c.tokens), chat) if want_logprobs else None
-                if text or c.finish or lp or (req.return_token_ids and len(c.tokens) > before):
-                    yield chunk(c.index, text, c.finish, lp, ids=c.tokens[before:])
+                finish, calls = c.finish, []
+                if c.tools is not None:  # content until a call begins, then each complete call
+                    done_before = c.tools.emitted
+                    text, new = c.tools.feed(text, final=c.finish is not None)
+                    calls = [call.openai(done_before + j) for j, call in enumerate(new)]
+                    if finish == "stop" and c.tools.emitted:
+                        finish = "tool_calls"
+                if text or finish or lp or calls or (req.return_token_ids and len(c.tokens) > before):
+                    yield chunk(c.index, text, finish, lp, ids=c.tokens[before:], calls=calls)
                 if c.error:  # after its final chunk, the reason, as OpenAI streams an error
                     yield f"data: {json.dumps(error_body(c.error, 'internal_server_error', code=500))}\n\n"
                 if c.finish is not None:

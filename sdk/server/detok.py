@@ -11,8 +11,14 @@ from __future__ import annotations
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str]) -> None:
+    def __init__(
+        self, tokenizer, prompt_ids: list[int], stop: list[str], keep_special: tuple[str, ...] = ()
+    ) -> None:
+        """keep_special: special-token strings kept in the text (a tool-call format's markers);
+        every other special token is left out, as usual."""
         self.tok, self.stop = tokenizer, [s for s in stop if s]
+        self.keep = keep_special
+        self.drop = [t for t in getattr(tokenizer, "all_special_tokens", []) if t not in keep_special]
         self.ids: list[int] = list(prompt_ids[-6:])  # context for the first tokens' spacing
         self.prefix = 0
         self.read = len(self.ids)
@@ -21,7 +27,12 @@ class Detokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+        if not self.keep:
+            return self.tok.decode(ids, skip_special_tokens=True)
+        text = self.tok.decode(ids, skip_special_tokens=False)
+        for t in self.drop:
+            text = text.replace(t, "")
+        return text
 
     def add(self, token_ids: list[int]) -> None:
         """Append tokens; sets `stopped` when a stop string appears (text is cut before it)."""

@@ -6,6 +6,7 @@ does not implement are refused with a 400 naming them, rather than silently igno
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Annotated, Any, Literal
 
@@ -18,7 +19,6 @@ UNSUPPORTED: dict[str, tuple] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "tools": (None, []),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
 }
@@ -87,11 +87,45 @@ class CompletionRequest(Sampling):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it: tool-call arguments as mappings (vLLM's)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            calls = []
+            for c in self.tool_calls:
+                try:
+                    args = json.loads(c.function.arguments)
+                except json.JSONDecodeError:
+                    raise ValueError(f"tool call {c.id!r}: arguments are not JSON") from None
+                calls.append(
+                    {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}}
+                )
+            out["tool_calls"] = calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: only text is supported
@@ -104,8 +138,24 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -115,6 +165,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDef] | None = None  # with messages: rendered by the chat template too
     add_special_tokens: bool = True
 
     @model_validator(mode="after")

@@ -101,8 +101,17 @@ def load(args: argparse.Namespace):
         metrics,
         api_keys=api_keys(args),
         sampling_defaults=llm.sampling_defaults if args.generation_config == "auto" else {},
+        tool_parser=tool_parser(args, llm),
     )
     return llm, state
+
+
+def tool_parser(args: argparse.Namespace, llm):
+    """--tool-call-parser, else the family spec's `tool_parser` (None: tools are refused)."""
+    from dayzero.sdk.server.tools import TOOL_PARSERS  # like torch above: not at CLI start-up
+
+    name = args.tool_call_parser or llm.checkpoint.family.spec.spec.tool_parser
+    return TOOL_PARSERS.get(name) if name else None
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -176,6 +185,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "model", nargs="?", default=None, help="checkpoint folder, .gguf file or hub id (default: SmolLM2)"
     )
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how the model writes tool calls: hermes, glm45, kimi_k2 (default: the family spec's)",
+    )
     p.add_argument(
         "--generation-config",
         choices=("auto", "vllm"),

@@ -180,6 +180,8 @@ class Spec(Strict):
     # value(s) they implement. A checkpoint whose config sets another value is refused, naming
     # the field and its value (absent fields take transformers' default and pass).
     implements: dict[str, Any] = {}
+    # how the family's models write tool calls (sdk/server/tools.py: hermes, glm45, kimi_k2)
+    tool_parser: str | None = None
 
     @field_validator("weights")
     @classmethod

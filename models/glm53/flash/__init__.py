@@ -1,2 +1,2 @@
-# generated from spec.yaml@5ff9afd28781, do not edit
+# generated from spec.yaml@ec24dad6dbcb, do not edit
 """GLM-5.3-Flash (generated; the source of truth is spec.yaml)."""
