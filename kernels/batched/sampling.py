@@ -1,7 +1,7 @@
 """The sampler for the whole batch at once, on the device: no loop over rows that reads the
 device, no host sync (the engine reads the tokens back once a step).
 
-  z = penalized(logits) / T (T = 1 for greedy rows), penalized and filtered as the reference
+  z = rewritten(logits) / T (T = 1 for greedy rows), masked, penalized and filtered as the reference
       does (kernels/reference/sampling.py): min-p on softmax(z), then top-k by rank and top-p
       over one descending sort
   token = argmax_v softmax(z)_v / q_v,  q_v ~ Exp(1) i.i.d.   (the exponential race: a draw
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from dayzero.kernels.ops import SamplingBatch
-from dayzero.kernels.reference.sampling import penalized
+from dayzero.kernels.reference.sampling import rewritten
 from dayzero.kernels.registry import OPS, Capabilities, register
 
 TINY = 1e-20  # keeps q > 0: exponential_ may return 0
@@ -40,8 +40,8 @@ def _probs(z: torch.Tensor) -> torch.Tensor:
 @register("sample", "batched", Capabilities(features=OPS.get("sample").features, priority=10))
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     raw = logits = logits.float()
-    if batch.penalties is not None:  # the reference's rewrite (vectorised already)
-        logits = penalized(logits, batch.penalties)
+    if batch.penalties is not None or batch.allowed is not None:  # the reference's (vectorised)
+        logits = rewritten(logits, batch)
     tokens = logits.argmax(dim=-1)  # [S]
     if batch.sampled_rows:
         hot = batch.temperature > 0

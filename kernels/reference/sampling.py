@@ -9,6 +9,23 @@ from dayzero.kernels.ops import Penalties, SamplingBatch
 from dayzero.kernels.registry import register
 
 
+def allowed_only(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [S, V] with the tokens a row's bitmask [S, ceil(V / 32)] int32 leaves out at -inf."""
+    s, v = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    ok = ((bitmask[:, :, None] >> shifts) & 1).reshape(s, -1)[:, :v].bool()
+    return logits.masked_fill(~ok, float("-inf"))
+
+
+def rewritten(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The logits the sampler draws from: the grammar's mask, then the penalties."""
+    if batch.allowed is not None:
+        logits = allowed_only(logits, batch.allowed)
+    if batch.penalties is not None:
+        logits = penalized(logits, batch.penalties)
+    return logits
+
+
 def penalized(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     """logits [S, V] fp32 rewritten in vLLM's order: + logit bias; then, over the tokens a row has
     seen (prompt and output), z / r where z > 0 and z * r elsewhere (repetition r); minus
@@ -53,14 +70,13 @@ def filtered(z: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.T
 
 @register("sample", "reference")
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of logits [S, V]: with z = penalized(logits), argmax(z) where the
+    """One token per row of logits [S, V]: with z = rewritten(logits), argmax(z) where the
     temperature is 0, else a draw from softmax(filtered(z / T)) with the row's generator.
     Returns (tokens [S] int64, the logprob of each token under the model's distribution
     log_softmax(logits) [S], before any penalty: vLLM's raw logprobs)."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)  # of the logits as the model gave them
-    if batch.penalties is not None:
-        logits = penalized(logits, batch.penalties)
+    logits = rewritten(logits, batch)
     tokens = logits.argmax(dim=-1)
     temp, top_k = batch.temperature.tolist(), batch.top_k.tolist()
     top_p, min_p = batch.top_p.tolist(), batch.min_p.tolist()

@@ -17,6 +17,7 @@ import torch
 from dayzero.sdk.config.model import ModelConfig
 from dayzero.sdk.engine.context import build_context, fill_tokens
 from dayzero.sdk.engine.geometry import scheduler_groups
+from dayzero.sdk.engine.grammar import Matchers
 from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
 from dayzero.sdk.engine.kv_pool import KvPool
 from dayzero.sdk.engine.sampling import Pending, Sampler, SamplingParams
@@ -90,6 +91,11 @@ class _Launched:
     pending: Pending
 
 
+def _sampled(plan) -> list[int]:
+    """The request of each row of the plan that samples a token."""
+    return np.asarray(plan.req_ids)[np.asarray(plan.sample, dtype=bool)].tolist()
+
+
 class Engine:
     def __init__(
         self, model: torch.nn.Module, cfg: ModelConfig, ops, config: EngineConfig = EngineConfig()
@@ -120,6 +126,7 @@ class Engine:
         self.generators: dict[int, torch.Generator] = {}
         self._ids = itertools.count()
         self.sampler = Sampler(ops, self.device)
+        self.matchers = Matchers(cfg.embedding.vocab)  # structured output, per constrained request
         self._inflight: _Launched | None = None  # overlap: the step launched last, not yet fed
         self.stats = {"steps": 0, "retracted": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0}
         self.stats["device_inputs"] = 0  # input tokens filled in on the device (overlap)
@@ -181,6 +188,8 @@ class Engine:
             )
         except SchedulerError as e:
             raise ValueError(str(e)) from None
+        if params.grammar is not None:
+            self.matchers.add(rid, params.grammar)
         self.requests[rid] = RequestOutput(rid, list(prompt_ids))
         self.params[rid] = params
         if params.seed is not None:
@@ -228,7 +237,11 @@ class Engine:
         self.stats["retracted"] += len(plan.retracted_ids)
         touched |= self._finished(plan)
         self.pool.apply(plan.copies)  # a plan may carry copies (restores) and no rows
-        launched = self._launch(plan) if plan.rows else None
+        prev = self._inflight if self.overlap else None
+        if prev is not None and self.matchers and self.matchers.constrains(_sampled(plan)):
+            touched |= self._collect(prev)  # a grammar's next mask needs the token just drawn
+            self._inflight = None
+        launched = self._launch(plan, prev) if plan.rows else None
         self.pool.apply_after(plan.copies)
         if not self.overlap:
             done = launched
@@ -250,10 +263,11 @@ class Engine:
                 touched[rid] = out
             self.generators.pop(rid, None)
             self.params.pop(rid, None)
+            self.matchers.drop(rid)
 
-    def _launch(self, plan) -> _Launched:
-        """Queue the plan's forward pass and sampling on the device."""
-        prev = self._inflight if self.overlap else None
+    def _launch(self, plan, prev: _Launched | None) -> _Launched:
+        """Queue the plan's forward pass and sampling on the device (prev: the step before, still
+        in flight or just collected, whose device tokens fill the plan's -1 inputs)."""
         fill = self._device_inputs(plan, prev)
         if self.graphs is not None and self.graphs.fits(plan):
             logits = self.graphs.run(plan, fill)  # [R, V] fp32
@@ -268,14 +282,15 @@ class Engine:
         sample_ids = req_ids[sample.astype(bool)].tolist()
         params = [self.params[i] for i in sample_ids]
         gens = [self.generators.get(i) for i in sample_ids]
+        allowed = self.matchers.bitmask(sample_ids) if self.matchers.constrains(sample_ids) else None
         if any(p.rewrites for p in params):  # penalties need each row's tokens so far
             history = [(self.requests[i].prompt_ids, self.requests[i].token_ids) for i in sample_ids]
             eos = list(self.cfg.eos_token_ids)
             stops = [tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos)) for p in params]
             extra = self._last_tokens(plan, req_ids, sample_ids, fill)
-            pending = self.sampler.launch(logits, params, gens, history, stops, extra)
+            pending = self.sampler.launch(logits, params, gens, history, stops, extra, allowed)
         else:
-            pending = self.sampler.launch(logits, params, gens)
+            pending = self.sampler.launch(logits, params, gens, allowed=allowed)
         prefill = int(np.asarray(plan.num_tokens)[np.asarray(plan.is_prefill, dtype=bool)].sum())
         return _Launched(plan, req_ids, sample, sample_ids, prefill, pending)
 
@@ -322,6 +337,7 @@ class Engine:
         ):
             if rid not in self.params:  # finished or aborted while this step ran (overlap)
                 continue
+            self.matchers.accept(rid, tok)
             out = self.requests[rid]
             out.token_ids.append(tok)
             out.logprobs.append(lp)
@@ -340,6 +356,7 @@ class Engine:
                 touched[rid] = out
                 self.generators.pop(rid, None)
                 self.params.pop(rid, None)
+                self.matchers.drop(rid)
         return touched
 
     @torch.inference_mode()

@@ -9,7 +9,7 @@ asked for top logprobs get them in a second copy queued the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -35,6 +35,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM's: z / r (z > 0) or z * r over prompt + output tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) added to its logit
     min_tokens: int = 0  # the stop tokens (EOS, stop_token_ids) are masked until this many
+    # structured output: a compiled grammar (sdk/engine/grammar.py GrammarCompiler.json)
+    grammar: object | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):
@@ -106,6 +108,9 @@ class Sampler:
         host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.pin)
         host.copy_(x, non_blocking=self.pin)
         return host
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return (host.pin_memory() if self.pin else host).to(self.device, non_blocking=self.pin)
 
     def _index(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """Host int64 arrays -> device tensors, in one copy."""
@@ -182,9 +187,10 @@ class Sampler:
         history: list[tuple[list[int], list[int]]] | None = None,
         stops: list[tuple[int, ...]] | None = None,
         extra: tuple[np.ndarray, np.ndarray, torch.Tensor] | None = None,
+        allowed: torch.Tensor | None = None,
     ) -> Pending:
         """Sample one token per row of logits [S, V] fp32 (row s under params[s]; history, stops
-        and extra feed the penalties, see `penalties`)."""
+        and extra feed the penalties, see `penalties`; allowed: the grammars' bitmasks on the host)."""
         host = torch.tensor(
             [[p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
              [p.min_p for p in params], [p.presence_penalty for p in params],
@@ -205,6 +211,7 @@ class Sampler:
             penalties=self.penalties(
                 params, history or [([], [])] * len(params), stops or [()] * len(params), extra, dev
             ),
+            allowed=None if allowed is None else self._to_device(allowed),
         )
         tokens, logprobs = self.ops.sample(logits, batch)
         out = self._to_host(torch.stack((tokens.double(), logprobs.double())))

@@ -13,7 +13,7 @@ import importlib.metadata
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -23,6 +23,7 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dayzero.sdk.engine.engine import SamplingParams
+from dayzero.sdk.engine.grammar import GrammarCompiler, GrammarError
 from dayzero.sdk.server.async_engine import AsyncEngine, Overloaded, ShuttingDown, Update
 from dayzero.sdk.server.detok import Detokenizer
 from dayzero.sdk.server.metrics import Metrics
@@ -81,6 +82,7 @@ class ServerState:
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     sampling_defaults: dict = field(default_factory=dict)  # for fields a request leaves unset
     tool_parser: ToolParser | None = None  # how this model writes tool calls (sdk/server/tools.py)
+    grammars: Callable[[], GrammarCompiler] | None = None  # structured output (made on first use)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -303,6 +305,22 @@ async def apply_template(
     return await asyncio.to_thread(render)
 
 
+def response_grammar(state: ServerState, req: Sampling):
+    """The compiled grammar of the request's response_format (None: unconstrained)."""
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if state.grammars is None:
+        raise ApiError(400, "structured output is not available on this server", param="response_format")
+    try:
+        compiler = state.grammars()
+        if rf.type == "json_object":
+            return compiler.json()
+        return compiler.json(rf.json_schema.schema_, bool(rf.json_schema.strict))
+    except GrammarError as e:
+        raise ApiError(400, str(e), param="response_format") from None
+
+
 def sampling_params(
     state: ServerState, req: Sampling, prompt_len: int, index: int, top: int
 ) -> SamplingParams:
@@ -325,6 +343,7 @@ def sampling_params(
         )
     seed = None if req.seed is None else req.seed + index
     given = req.model_fields_set
+    grammar = response_grammar(state, req)
 
     def pick(name: str):  # the request's value, else the checkpoint's default, else OpenAI's
         return getattr(req, name) if name in given else state.sampling_defaults.get(name, getattr(req, name))
@@ -341,6 +360,7 @@ def sampling_params(
             repetition_penalty=pick("repetition_penalty"),
             logit_bias=req.bias(),
             min_tokens=req.min_tokens,
+            grammar=grammar,
             seed=seed,
             stop_token_ids=tuple(req.stop_token_ids),
             ignore_eos=req.ignore_eos,

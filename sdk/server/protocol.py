@@ -20,8 +20,28 @@ UNSUPPORTED: dict[str, tuple] = {
     "echo": (None, False),
     "suffix": (None, ""),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
 }
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's: text (no constraint), json_object (any JSON object), json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
 
 
 _WARNED: set[str] = set()
@@ -46,6 +66,7 @@ class Sampling(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0, le=10)] = 1.0  # vLLM's
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id -> bias
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0  # vLLM's
+    response_format: ResponseFormat | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = []  # the scheduler's int32

@@ -102,6 +102,7 @@ def load(args: argparse.Namespace):
         api_keys=api_keys(args),
         sampling_defaults=llm.sampling_defaults if args.generation_config == "auto" else {},
         tool_parser=tool_parser(args, llm),
+        grammars=lambda: llm.grammars,
     )
     return llm, state
 
