@@ -67,6 +67,8 @@ PYBIND11_MODULE(_scheduler, m) {
   py::class_<SchedulerConfig>(m, "SchedulerConfig")
       .def(py::init<>())
       .def_readwrite("block_size", &SchedulerConfig::block_size)
+      .def_readwrite("cache_salt_hi", &SchedulerConfig::cache_salt_hi)
+      .def_readwrite("cache_salt_lo", &SchedulerConfig::cache_salt_lo)
       .def_readwrite("device_bytes", &SchedulerConfig::device_bytes)
       .def_readwrite("host_bytes", &SchedulerConfig::host_bytes)
       .def_readwrite("max_batch_size", &SchedulerConfig::max_batch_size)

@@ -33,6 +33,7 @@ std::int32_t ceil_div(std::int32_t a, std::int32_t b) { return (a + b - 1) / b; 
 
 KvManager::KvManager(const SchedulerConfig& cfg, const MemoryLayout& layout)
     : block_size_(cfg.block_size),
+      salt_{cfg.cache_salt_hi, cfg.cache_salt_lo},
       groups_(cfg.groups),
       layout_(layout),
       pages_(layout.num_pages),
@@ -102,7 +103,7 @@ void KvManager::extend_keys(ReqInfo& info) const {
   const auto bs = static_cast<std::size_t>(block_size_);
   while (info.keys.size() < full) {
     const std::size_t i = info.keys.size();
-    const BlockKey parent = i == 0 ? BlockKey{} : info.keys[i - 1];
+    const BlockKey parent = i == 0 ? salt_ : info.keys[i - 1];
     info.keys.push_back(chain_key(parent, std::span<const TokenId>(info.tokens).subspan(i * bs, bs)));
   }
 }
@@ -125,7 +126,11 @@ void KvManager::commit(const KvBlocks& kv, ReqInfo& info, std::int32_t tokens, L
       const auto& t = kv.table(g);
       blocks[g] = allocs_[g] && i < t.size() ? t.ids()[static_cast<std::size_t>(i)] : kNoBlock;
     }
-    cache_.insert(info.keys[static_cast<std::size_t>(i)], blocks);
+    cache_.insert(info.keys[static_cast<std::size_t>(i)],
+                  std::span<const TokenId>(info.tokens)
+                      .subspan(static_cast<std::size_t>(i) * static_cast<std::size_t>(block_size_),
+                               static_cast<std::size_t>(block_size_)),
+                  blocks);
   }
   info.committed = std::max(info.committed, full);
   // The block may have been committed before (a recomputed request): the snapshot still attaches.

@@ -67,9 +67,13 @@ PrefixCache::Match PrefixCache::match(std::span<const TokenId> tokens, const std
   const std::size_t most =
       std::min<std::size_t>((tokens.size() - 1) / static_cast<std::size_t>(block_size_), keys.size());
   std::vector<std::int32_t> chain;
+  const auto bs = static_cast<std::size_t>(block_size_);
   for (std::size_t i = 0; i < most; ++i) {
     auto it = index_.find(keys[i]);
     if (it == index_.end() || (device_only && !entries_[it->second].on_device)) break;
+    const auto block = tokens.subspan(i * bs, bs);
+    const Entry& e = entries_[it->second];
+    if (!std::equal(block.begin(), block.end(), e.tokens.begin(), e.tokens.end())) break;  // a collision
     chain.push_back(it->second);
   }
   for (auto h = static_cast<std::int32_t>(chain.size()); h > 0; --h) {
@@ -183,7 +187,7 @@ void PrefixCache::attach_snapshot(const BlockKey& key, Lease snapshot) {
   snapshot_fifo_.emplace_back(it->second, e.gen);
 }
 
-void PrefixCache::insert(const BlockKey& key, std::span<const BlockId> blocks) {
+void PrefixCache::insert(const BlockKey& key, std::span<const TokenId> tokens, std::span<const BlockId> blocks) {
   if (!enabled_ || index_.contains(key)) return;  // another request computed the same block
   std::int32_t idx;
   if (!free_entries_.empty()) {
@@ -195,6 +199,7 @@ void PrefixCache::insert(const BlockKey& key, std::span<const BlockId> blocks) {
   }
   Entry& e = entries_[idx];
   e.key = key;
+  e.tokens.assign(tokens.begin(), tokens.end());
   e.blocks.assign(blocks.begin(), blocks.end());
   e.host.clear();
   e.host.resize(groups_.size());

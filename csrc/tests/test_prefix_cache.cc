@@ -57,6 +57,29 @@ TEST_F(CacheFixture, DifferentTokensMissAfterTheCommonPrefix) {
   EXPECT_EQ(kv.match(b).hit_tokens, 4);
 }
 
+TEST_F(CacheFixture, AKeyCollisionIsNoHitWhenTheTokensDiffer) {
+  ReqInfo a = req(test::seq(12));
+  KvBlocks ka = compute(a, 12);
+  ReqInfo b = req(test::seq(12, 500));
+  b.keys = a.keys;  // as if every block key collided: the cached tokens still differ
+  EXPECT_EQ(kv.match(b).hit_tokens, 0);
+}
+
+TEST(CacheSalt, KeysStartFromTheSalt) {
+  auto cfg = test::paged(8, 4, 0);
+  ReqInfo a, b;
+  a.tokens = b.tokens = test::seq(8);
+  a.prompt_len = b.prompt_len = 8;
+  MemoryLayout layout = MemoryLayout::plan(cfg);
+  KvManager plain{cfg, layout};
+  cfg.cache_salt_hi = 0x1234, cfg.cache_salt_lo = 0x5678;
+  KvManager salted{cfg, layout};
+  plain.match(a), salted.match(b);  // both fill in their keys
+  ASSERT_EQ(a.keys.size(), 2u);
+  EXPECT_NE(a.keys[0], b.keys[0]);  // the same tokens, another server: another key
+  EXPECT_EQ(b.keys[0], chain_key(BlockKey{0x1234, 0x5678}, std::span<const TokenId>(b.tokens).subspan(0, 4)));
+}
+
 TEST_F(CacheFixture, UnusedEntriesAreEvictedLeafFirstWhenMemoryRunsOut) {
   ReqInfo a = req(test::seq(16));
   { KvBlocks ka = compute(a, 16); }  // released: 4 cached blocks, all evictable

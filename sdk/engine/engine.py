@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import secrets
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -118,6 +119,8 @@ class Engine:
             fields["snapshot_slots"] = config.max_batch_size if snaps is None else snaps
         self.overlap = config.overlap == "on" or (config.overlap == "auto" and self.device.type == "cuda")
         fields["overlap"] = self.overlap
+        # the prefix cache's key chain starts from a secret of this engine (see SchedulerConfig)
+        fields["cache_salt_hi"], fields["cache_salt_lo"] = secrets.randbits(64), secrets.randbits(64)
         self.scheduler = Scheduler(make_config(self.groups, **fields))
         self.pool = KvPool(self.scheduler.layout, config.block_size, self.dtype, self.device)
         self.max_model_len = config.max_model_len or cfg.max_position

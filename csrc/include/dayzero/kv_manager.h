@@ -70,6 +70,7 @@ class KvManager {
   std::int64_t compute_max_tokens_per_request() const;
 
   std::int32_t block_size_;
+  BlockKey salt_;  // the key chain's root (SchedulerConfig::cache_salt_*)
   std::vector<CacheGroupSpec> groups_;
   MemoryLayout layout_;
   FreeList pages_;

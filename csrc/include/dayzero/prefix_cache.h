@@ -1,8 +1,9 @@
 // Prefix cache over chained hashes of full blocks.
 //
-//   key_0 = H(seed, tokens[0:B)),  key_i = H(key_{i-1}, tokens[iB:(i+1)B))
+//   key_0 = H(salt, tokens[0:B)),  key_i = H(key_{i-1}, tokens[iB:(i+1)B))
 //
-// Keys are 128-bit and fixed-size whatever the block size. An entry holds one
+// Keys are 128-bit and fixed-size whatever the block size; the salt is a per-server secret,
+// and an entry keeps its block's tokens: a hit needs the key and the tokens to agree. An entry holds one
 // reference on its block in every paged group (kNoBlock where a sliding window
 // had already dropped it) and, for models with State groups, optionally a
 // snapshot slot with the state after the block. An entry no request uses is
@@ -77,9 +78,9 @@ class PrefixCache final : public PinListener {
   // nothing, when device blocks for host entries cannot be found.
   bool acquire(const Match& m, std::vector<BlockTable>& tables, SlotId state_slot, CopyOps& ops);
 
-  // Registers block i of a request (key, its block in every group). The entry
-  // takes its own references.
-  void insert(const BlockKey& key, std::span<const BlockId> blocks);
+  // Registers block i of a request (key, its tokens, its block in every group). The
+  // entry takes its own references.
+  void insert(const BlockKey& key, std::span<const TokenId> tokens, std::span<const BlockId> blocks);
   // Gives a device entry without one the state snapshot taken after its block.
   void attach_snapshot(const BlockKey& key, Lease snapshot);
   bool contains(const BlockKey& key) const { return index_.contains(key); }
@@ -117,6 +118,7 @@ class PrefixCache final : public PinListener {
  private:
   struct Entry {
     BlockKey key;
+    std::vector<TokenId> tokens;  // the block's tokens (checked on a hit)
     std::vector<BlockId> blocks;  // per group; device ids, or host pages when demoted
     Lease snapshot;
     std::vector<Lease> host;  // per group, when demoted: the host page holding the block

@@ -45,6 +45,10 @@ struct SchedulerConfig {
   std::int32_t spec_tokens = 0;             // draft tokens reserved per decode row
   bool overlap = false;                     // plan step N+1 before N's results arrive
   bool prefix_cache = true;
+  // The prefix cache's key chain starts from this secret (a random one per server), so no
+  // crafted prompt can predict a block key; a hit also compares the block's tokens.
+  std::uint64_t cache_salt_hi = 0;
+  std::uint64_t cache_salt_lo = 0;
   std::vector<CacheGroupSpec> groups;
 };
 
