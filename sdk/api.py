@@ -11,16 +11,17 @@ import importlib.util
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from dayzero.sdk.config.model import ModelConfig
-from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.engine.grammar import GrammarCompiler
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import load_weights, open_checkpoint
+from dayzero.sdk.loader.detok import Detokenizer
 from dayzero.sdk.loader.tokenizer import load_tokenizer
 from dayzero.sdk.quant import check_requested
 
@@ -98,10 +99,32 @@ def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 @dataclass
-class Completion:
-    prompt: str
+class CompletionOutput:
+    """One answer, shaped as vLLM's CompletionOutput."""
+
+    index: int
     text: str
-    output: RequestOutput
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    cumulative_logprob: float = 0.0
+
+
+@dataclass
+class Completion:
+    """One prompt's answers, shaped as vLLM's RequestOutput (`outputs[i].text`, ...)."""
+
+    prompt: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def text(self) -> str:  # the first answer's text
+        return self.outputs[0].text
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
 
 
 class LLM:
@@ -146,10 +169,45 @@ class LLM:
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
-    def generate(self, prompts: list[str] | str, params: SamplingParams | None = None) -> list[Completion]:
+    def generate(
+        self, prompts: list[str] | str, params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[Completion]:
+        """Every prompt's `n` answers (seed + i each), stop strings honoured: the text ends before
+        the first one and its request ends there (finish_reason "stop")."""
         prompts = [prompts] if isinstance(prompts, str) else prompts
-        outs = self.engine.generate([self.encode(p) for p in prompts], params or SamplingParams())
-        return [
-            Completion(p, self.tokenizer.decode(o.token_ids, skip_special_tokens=True), o)
-            for p, o in zip(prompts, outs, strict=True)
-        ]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        runs: list[list[tuple[int, Detokenizer]]] = []
+        for prompt, sp in zip(prompts, plist, strict=True):
+            ids = self.encode(prompt)
+            seeds = [None if sp.seed is None else sp.seed + i for i in range(sp.n)]
+            runs.append(
+                [
+                    (
+                        self.engine.add(ids, replace(sp, seed=s)),
+                        Detokenizer(self.tokenizer, ids, list(sp.stop)),
+                    )
+                    for s in seeds
+                ]
+            )
+        live = {rid: d for run in runs for rid, d in run}
+        stopped: set[int] = set()
+        while any(not self.engine.requests[r].finished for r in live):
+            for out in self.engine.step():
+                d = live.get(out.id)
+                if d is None:
+                    continue
+                d.add(out.token_ids[len(d.ids) - d.base :])
+                if d.stopped and out.id not in stopped and not out.finished:
+                    stopped.add(out.id)
+                    self.engine.abort(out.id)  # reported as finished by a later step
+        results = []
+        for prompt, run in zip(prompts, runs, strict=True):
+            outs = []
+            for i, (rid, d) in enumerate(run):
+                o = self.engine.release(rid)
+                reason = "stop" if rid in stopped else o.finish_reason
+                outs.append(
+                    CompletionOutput(i, d.take(final=True), o.token_ids, o.logprobs, reason, sum(o.logprobs))
+                )
+            results.append(Completion(prompt, list(run[0][1].prompt_ids), outs))
+        return results

@@ -52,7 +52,7 @@ def test_greedy_matches_transformers_on_the_same_gguf(ours: LLM, reference) -> N
     greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     outs = ours.generate(PROMPTS, greedy)
     for prompt, out in zip(PROMPTS, outs, strict=True):
-        ids = torch.tensor([out.output.prompt_ids])
+        ids = torch.tensor([out.prompt_token_ids])
         with torch.inference_mode():
             ref = reference.generate(
                 ids,
@@ -62,7 +62,7 @@ def test_greedy_matches_transformers_on_the_same_gguf(ours: LLM, reference) -> N
                 eos_token_id=None,
                 pad_token_id=0,
             )
-        assert out.output.token_ids == ref[0, ids.shape[1] :].tolist(), prompt
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist(), prompt
 
 
 def test_prefill_logits_match_transformers(ours: LLM, reference) -> None:
@@ -72,3 +72,22 @@ def test_prefill_logits_match_transformers(ours: LLM, reference) -> None:
         want = reference(torch.tensor([prompt])).logits[0].float()
     assert (got - want).abs().max().item() <= 1e-4
     assert not ours.engine.has_work()
+
+
+def test_generate_is_shaped_as_vllm_with_n_and_stop_strings(ours: LLM) -> None:
+    """vLLM-shaped outputs (prompt, prompt_token_ids, outputs[i] with text, token_ids,
+    finish_reason); n answers from seed + i; a stop string ends the text before it and the
+    request there."""
+    count = "Count: 1, 2, 3, 4,"
+    (full,) = ours.generate(count, SamplingParams(max_tokens=12, temperature=0))
+    cut = full.text.find("7")
+    assert cut > 0, full.text
+    (c,) = ours.generate(count, SamplingParams(max_tokens=12, temperature=0, stop=["7"]))
+    assert c.outputs[0].text == full.text[:cut] and c.outputs[0].finish_reason == "stop"
+    assert len(c.outputs[0].token_ids) < len(full.outputs[0].token_ids)  # ended there, not at 12
+    assert c.prompt == count and c.prompt_token_ids == ours.encode(count)
+    (many,) = ours.generate("Tell me a word:", SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3))
+    assert [o.index for o in many.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in many.outputs}) > 1  # seeds 3, 4, 5: different draws
+    (again,) = ours.generate("Tell me a word:", SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=3))
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in many.outputs]

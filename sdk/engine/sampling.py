@@ -37,6 +37,10 @@ class SamplingParams:
     min_tokens: int = 0  # the stop tokens (EOS, stop_token_ids) are masked until this many
     # structured output: a compiled grammar (sdk/engine/grammar.py GrammarCompiler.json)
     grammar: object | None = field(default=None, compare=False, repr=False)
+    # offline API (LLM.generate) and server, not the engine: answers per prompt (seed + i each),
+    # and stop strings (the text ends before the first; its request is ended there)
+    n: int = 1
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):
@@ -50,6 +54,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         if bad := [b for _, b in self.logit_bias if not -100 <= b <= 100]:
             raise ValueError(f"logit_bias values must be in [-100, 100], got {bad[:3]}")
+        if isinstance(self.stop, str | list):
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        if not 1 <= self.n <= 64:
+            raise ValueError(f"n must be in 1..64, got {self.n}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"

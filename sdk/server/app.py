@@ -24,8 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dayzero.sdk.engine.engine import SamplingParams
 from dayzero.sdk.engine.grammar import GrammarCompiler, GrammarError
+from dayzero.sdk.loader.detok import Detokenizer
 from dayzero.sdk.server.async_engine import AsyncEngine, Overloaded, ShuttingDown, Update
-from dayzero.sdk.server.detok import Detokenizer
 from dayzero.sdk.server.metrics import Metrics
 from dayzero.sdk.server.protocol import (
     ChatRequest,

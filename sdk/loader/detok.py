@@ -19,7 +19,9 @@ class Detokenizer:
         self.tok, self.stop = tokenizer, [s for s in stop if s]
         self.keep = keep_special
         self.drop = [t for t in getattr(tokenizer, "all_special_tokens", []) if t not in keep_special]
+        self.prompt_ids = list(prompt_ids)
         self.ids: list[int] = list(prompt_ids[-6:])  # context for the first tokens' spacing
+        self.base = len(self.ids)  # ids[base:] are the generated tokens
         self.prefix = 0
         self.read = len(self.ids)
         self.text = ""  # the generated text so far (stop strings removed)
