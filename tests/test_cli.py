@@ -208,3 +208,21 @@ def test_a_hub_id_without_network_says_so(monkeypatch):
     r = run("generate", "someorg/somemodel", "--prompt", "x", "--device", "cpu")
     assert r.returncode == 2
     assert "not a local path" in r.stderr and "without network access" in r.stderr
+
+
+def test_vllm_flag_names_and_units() -> None:
+    """vLLM's names parse to the same settings: --kv-cache-memory-bytes, --long-prefill-token-
+    threshold (SGLang's --chunked-prefill-size), --swap-space in GiB as vLLM has it."""
+    import argparse
+
+    from dayzero.sdk.server.serve import add_arguments, engine_config
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    a = p.parse_args(
+        ["--kv-cache-memory-bytes", "64MiB", "--long-prefill-token-threshold", "256", "--swap-space", "2"]
+    )
+    b = p.parse_args(["--kv-cache-memory", "64MiB", "--chunked-prefill-size", "256", "--swap-space", "2GiB"])
+    ca, cb = engine_config(a, "cpu"), engine_config(b, "cpu")
+    assert ca == cb
+    assert ca.kv_cache_bytes == 64 << 20 and ca.chunk_size == 256 and ca.host_cache_bytes == 2 << 30

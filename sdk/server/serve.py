@@ -26,6 +26,14 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
+def parse_gib(text: str) -> int:
+    """vLLM's --swap-space: a plain number is GiB; with a unit, that unit."""
+    try:
+        return int(float(text) * (1 << 30))
+    except ValueError:
+        return parse_size(text)
+
+
 def refuse_unsupported_flags(args: argparse.Namespace) -> None:
     """Flags this build cannot honour fail at start with the reason, never silently."""
     if args.tensor_parallel_size != 1:
@@ -53,7 +61,7 @@ def engine_config(args: argparse.Namespace, device: str):
     chunk = args.chunked_prefill_size or None
     return EngineConfig(
         kv_cache_bytes=kv,
-        host_cache_bytes=parse_size(args.swap_space),
+        host_cache_bytes=parse_gib(args.swap_space),
         max_batch_size=args.max_num_seqs,
         max_tokens_per_step=max(args.max_num_batched_tokens, chunk or 0),
         chunk_size=chunk,
@@ -212,13 +220,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
-    p.add_argument("--chunked-prefill-size", type=int, default=None, help="largest prefill chunk")
+    p.add_argument(
+        "--chunked-prefill-size",
+        "--long-prefill-token-threshold",
+        dest="chunked_prefill_size",
+        type=int,
+        default=None,
+        help="largest prefill chunk (SGLang's name; vLLM's --long-prefill-token-threshold)",
+    )
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument(
-        "--kv-cache-memory", default=None, help="KV cache size, e.g. 2GiB (default on CPU: 512MiB)"
+        "--kv-cache-memory",
+        "--kv-cache-memory-bytes",
+        dest="kv_cache_memory",
+        default=None,
+        help="KV cache size: bytes, or with a unit, e.g. 2GiB (vLLM's --kv-cache-memory-bytes; "
+        "default on CPU: 512MiB)",
     )
-    p.add_argument("--swap-space", default="256MiB", help="host memory for retracted requests")
+    p.add_argument(
+        "--swap-space",
+        default="0.25",
+        help="host memory for retracted requests: GiB as in vLLM (4 = 4 GiB), or with a unit (256MiB)",
+    )
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--chat-template", default=None, help="a jinja2 file replacing the model's chat template")
     p.add_argument(
