@@ -210,6 +210,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 500}}, 400),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 5}}, 400),  # past the vocabulary
     ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 2}, 400),
+    ("/v1/completions", {"prompt": ["x"] * 40, "n": 2}, 400),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400),
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400),
@@ -258,6 +260,23 @@ def test_logit_bias_and_min_tokens(client) -> None:
     r = client.completions.create(**kw, max_tokens=8, extra_body=body)
     ids = r.choices[0].token_ids
     assert len(ids) == 4 and ids[-1] == tok and tok not in ids[:3] and r.choices[0].finish_reason == "stop"
+
+
+def test_several_prompts_and_echo(client) -> None:
+    """A list of prompts: their choices in turn (prompt index * n + i), each as if asked alone;
+    usage sums the prompts; echo puts the prompt's text before each answer, streamed or not."""
+    kw = dict(model="SmolLM2-135M-Instruct", max_tokens=5, temperature=0)
+    prompts = ["The capital of France is", "One, two, three,"]
+    alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    r = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    solo = [client.completions.create(prompt=p, **kw).usage.prompt_tokens for p in prompts]
+    assert r.usage.prompt_tokens == sum(solo)
+    e = client.completions.create(prompt=prompts[0], echo=True, **kw).choices[0].text
+    assert e == prompts[0] + alone[0]
+    chunks = client.completions.create(prompt=prompts[0], echo=True, stream=True, **kw)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == e
 
 
 def test_unknown_fields_are_ignored(server) -> None:

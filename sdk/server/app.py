@@ -38,6 +38,7 @@ from dayzero.sdk.server.protocol import (
 from dayzero.sdk.server.tools import ToolParser, ToolStream
 
 DISCONNECT_POLL_S = 0.25
+MAX_CHOICES = 64  # prompts x n in one completion request
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # served without an API key
 
 
@@ -69,6 +70,8 @@ class Choice:
     cached: int = 0  # prompt tokens its request found in the prefix cache
     error: str | None = None  # a failed engine step aborted it
     tools: ToolStream | None = None  # the request offered tools: calls are parsed out of the text
+    prompt_tokens: int = 0
+    echo: str = ""  # the prompt's text, sent before the answer (completions' echo)
 
 
 @dataclass
@@ -182,11 +185,15 @@ def build_app(state: ServerState) -> FastAPI:
         check_unicode(req.stops(), "stop")
         prompts = normalise_prompt(req.prompt)
         check_unicode(prompts, "prompt")
-        if len(prompts) != 1:
+        if not prompts or len(prompts) * req.n > MAX_CHOICES:
             raise ApiError(
-                400, "one prompt per request is supported (use n for several answers)", param="prompt"
+                400, f"1..{MAX_CHOICES} prompts x n per request, got {len(prompts)} x {req.n}", param="prompt"
             )
-        ids = await tokenize(state, prompts[0])
+        if req.echo and req.logprobs is not None:
+            raise ApiError(
+                400, "echo with logprobs (the prompt's logprobs) is not supported yet", param="echo"
+            )
+        ids = [await tokenize(state, p) for p in prompts]
         return await respond(
             state,
             req,
@@ -214,7 +221,7 @@ def build_app(state: ServerState) -> FastAPI:
             state,
             req,
             request,
-            ids,
+            [ids],
             chat=True,
             top_logprobs=req.top_logprobs or 0,
             want_logprobs=req.logprobs,
@@ -371,17 +378,23 @@ def sampling_params(
 
 
 async def start_choices(
-    state: ServerState, req: Sampling, ids: list[int], top: int, tools: bool = False
+    state: ServerState, req: Sampling, prompts: list[list[int]], top: int, tools: bool = False
 ) -> list[Choice]:
+    """n choices a prompt; choice index = prompt index * n + i (vLLM's order)."""
     choices: list[Choice] = []
+    echo = getattr(req, "echo", False)
     try:
-        for i in range(req.n):
-            params = sampling_params(state, req, len(ids), i, top)
-            rid, q = await state.engine.submit(ids, params)
-            parser = state.tool_parser if tools else None
-            keep = parser.markers if parser else ()
-            detok = Detokenizer(state.tokenizer, ids, req.stops(), keep_special=keep)
-            choices.append(Choice(i, rid, q, detok, tools=ToolStream(parser) if parser else None))
+        for p, ids in enumerate(prompts):
+            for i in range(req.n):
+                params = sampling_params(state, req, len(ids), i, top)
+                rid, q = await state.engine.submit(ids, params)
+                parser = state.tool_parser if tools else None
+                keep = parser.markers if parser else ()
+                detok = Detokenizer(state.tokenizer, ids, req.stops(), keep_special=keep)
+                c = Choice(p * req.n + i, rid, q, detok, tools=ToolStream(parser) if parser else None)
+                c.prompt_tokens = len(ids)
+                c.echo = state.tokenizer.decode(ids) if echo else ""
+                choices.append(c)
     except Overloaded as e:
         abort_all(state, choices)
         raise ApiError(429, str(e), kind="rate_limit_error", headers={"Retry-After": "1"}) from None
@@ -437,7 +450,7 @@ async def respond(
     state: ServerState,
     req: Sampling,
     request: Request,
-    ids: list[int],
+    ids: list[list[int]],  # each prompt's tokens
     chat: bool,
     top_logprobs: int,
     want_logprobs: bool,
@@ -475,15 +488,18 @@ async def respond(
     return JSONResponse(body)
 
 
-def usage(ids: list[int], choices: list[Choice]) -> dict:
-    """OpenAI's usage; prompt_tokens_details.cached_tokens: the prompt tokens the first choice's
-    request found in the prefix cache (the others may also hit the blocks it computed)."""
+def usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
+    """OpenAI's usage over every prompt; prompt_tokens_details.cached_tokens: the prompt tokens
+    each prompt's first choice found in the prefix cache (the others may also hit the blocks it
+    computed)."""
     out = sum(len(c.tokens) for c in choices)
+    n = len(choices) // max(1, len(prompts))
+    prompt = sum(len(ids) for ids in prompts)
     return {
-        "prompt_tokens": len(ids),
+        "prompt_tokens": prompt,
         "completion_tokens": out,
-        "total_tokens": len(ids) + out,
-        "prompt_tokens_details": {"cached_tokens": choices[0].cached if choices else 0},
+        "total_tokens": prompt + out,
+        "prompt_tokens_details": {"cached_tokens": sum(c.cached for c in choices if c.index % n == 0)},
     }
 
 
@@ -514,7 +530,7 @@ def logprob_block(state: ServerState, c: Choice, start: int, stop: int, chat: bo
 
 
 def whole_choice(state: ServerState, c: Choice, chat: bool, want_logprobs: bool, token_ids: bool) -> dict:
-    text = c.detok.take(final=True)
+    text = c.echo + c.detok.take(final=True)
     lp = logprob_block(state, c, 0, len(c.tokens), chat) if want_logprobs else None
     ids = {"token_ids": list(c.tokens)} if token_ids else {}
     if chat:
@@ -535,11 +551,12 @@ async def stream(
     req: Sampling,
     request: Request,
     choices: list[Choice],
-    ids: list[int],
+    ids: list[list[int]],
     rid: str,
     chat: bool,
     want_logprobs: bool,
 ) -> AsyncIterator[str]:
+    """ids: each prompt's tokens (usage)."""
     created, obj = int(time.time()), "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(
@@ -562,9 +579,11 @@ async def stream(
         return f"data: {json.dumps(body)}\n\n"
 
     try:
-        if chat:
-            for c in choices:
+        for c in choices:
+            if chat:
                 yield chunk(c.index, "", None, None, first=True)
+            elif c.echo:
+                yield chunk(c.index, c.echo, None, None)
         pending = {c.index: c for c in choices}
         while pending:
             waits = {asyncio.ensure_future(c.queue.get()): c for c in pending.values()}

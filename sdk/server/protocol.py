@@ -17,7 +17,6 @@ INT32_MAX = 2**31 - 1
 # parameters dayzero does not implement, with the values that ask for nothing (accepted)
 UNSUPPORTED: dict[str, tuple] = {
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
     "functions": (None, []),
 }
@@ -104,8 +103,9 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]]  # several prompts: their choices in turn
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False  # the prompt's text before each answer
 
 
 class ToolCallFunction(BaseModel):
