@@ -250,7 +250,12 @@ def test_rope_tables_match_transformers(params: dict) -> None:
 
 
 def test_unknown_rope_type_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="rope type 'longrope' is not supported yet; known: default, yarn"):
+    with pytest.raises(
+        ValueError,
+        match="rope type 'su' is not supported yet; known: default, linear, dynamic, llama3, longrope, yarn",
+    ):
+        rope_table(1e4, 8, {"rope_type": "su"})
+    with pytest.raises(ValueError, match="longrope rope_parameters need long_factor, short_factor"):
         rope_table(1e4, 8, {"rope_type": "longrope"})
 
 
