@@ -367,6 +367,7 @@ class Engine:
         """Logits at every position of every prompt ([len, V] fp32 each), the prompts prefilled
         together (in one step, or in block-aligned chunks when the model keeps a recurrent
         state); the requests then end. The KV memory must hold them all (no retraction)."""
+        self._drain()
         if self.has_work():
             raise RuntimeError("prompt_logits needs an idle engine")
         ids = [self.add(p, SamplingParams(max_tokens=1, temperature=0)) for p in prompts]
@@ -414,4 +415,10 @@ class Engine:
         ids = [self.add(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         while any(not self.requests[i].finished for i in ids):
             self.step()
+        self._drain()
         return [self.release(i) for i in ids]
+
+    def _drain(self) -> None:
+        """With no live request left, feed the step still in flight (overlap) so the engine idles."""
+        while self._inflight is not None and not self.params:
+            self.step()
