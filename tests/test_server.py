@@ -211,6 +211,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 5}}, 400),  # past the vocabulary
     ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400),
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 2}, 400),
+    ("/v1/completions", {"prompt": "x", "top_k": 2**63}, 400),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400),
     ("/v1/completions", {"prompt": ["x"] * 40, "n": 2}, 400),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400),

@@ -58,7 +58,7 @@ class Sampling(BaseModel):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=100)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] = 0
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0  # vLLM's: drop tokens with p < min_p * max p
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
@@ -66,7 +66,7 @@ class Sampling(BaseModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id -> bias
     min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0  # vLLM's
     response_format: ResponseFormat | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # a torch generator's range
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = []  # the scheduler's int32
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
