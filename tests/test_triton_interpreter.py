@@ -88,7 +88,7 @@ def check_norm(g: torch.Generator) -> list[str]:
     """RMSNorm (both weight orders, [T, D] and [T, H, D]), RoPE (neox and interleaved, full and
     partial, on a strided view), the attention splits' merge (a query no split saw gives 0)."""
     from dayzero.kernels.reference import basic
-    from dayzero.kernels.triton import attention, norm
+    from dayzero.kernels.triton import attention, fused, norm
 
     out = []
     for shape in ((5, 24), (3, 4, 32)):
@@ -103,7 +103,7 @@ def check_norm(g: torch.Generator) -> list[str]:
         inv = 1.0 / (10000 ** (torch.arange(half) / half))
         for neox in (True, False):
             want = basic.rope(x, pos, inv, neox)
-            err = (norm.rope(x, pos, inv, neox) - want).abs().max() / want.abs().max()
+            err = (fused.rope(x, pos, inv, neox) - want).abs().max() / want.abs().max()
             out.append(f"rope half={half} neox={neox} {err:.2e}")
     o, lse = torch.randn(4, 3, 5, 24, generator=g), torch.randn(4, 3, 5, generator=g)
     lse[0, 0], lse[1, 1, 2] = float("-inf"), float("-inf")

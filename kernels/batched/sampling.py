@@ -8,8 +8,8 @@ device, no host sync (the engine reads the tokens back once a step).
       from softmax(z)), greedy rows: argmax(logits)
 Seeded rows draw their noise from their own generator (one launch a seeded row), the others
 share one draw from the default generator. Normalisers are logsumexp reductions (split over
-many blocks), never softmax / log_softmax (one block a row: 35 us for one 151,936-token row on
-the H200). Ties at the top-k boundary keep the first k in sort
+many blocks), never softmax / log_softmax (one block a row: 35 us for one 151,936-token row in
+a profiled H200 decode step, one run). Ties at the top-k boundary keep the first k in sort
 order (the reference keeps every tied token): a measure-zero difference on real logits.
 """
 

@@ -1,6 +1,6 @@
 """Triton backend (CUDA): packed-weight GEMMs (`packed`), paged GQA attention reading the cache
 in place (`attention`), stacked experts read in place (`moe`), MoE routing (`routing`), RMSNorm
-and RoPE (`norm`), the fused small ops (`fused`: residual add + norm, head norm + RoPE, output
+(`norm`), the fused small ops (`fused`: residual add + norm, head norm + RoPE, output
 gate, SwiGLU, the K/V cache write).
 Registered only where `triton` imports (CUDA builds of torch bring it); every kernel is checked
 against the reference backend in Triton's CPU interpreter in CI (tests/test_triton_interpreter.py)
@@ -45,7 +45,7 @@ if importlib.util.find_spec("triton") is not None:
     register("rms_norm", "triton", Capabilities(features=frozenset({"weight_in_fp32"}), **_any))(
         norm.rms_norm
     )
-    register("rope", "triton", Capabilities(features=frozenset({"partial", "neox"}), **_any))(norm.rope)
+    register("rope", "triton", Capabilities(features=frozenset({"partial", "neox"}), **_any))(fused.rope)
     for op, fn in (
         ("add_rms_norm", fused.add_rms_norm),
         ("norm_rope", fused.norm_rope),

@@ -5,7 +5,10 @@ the unfused ops round them:
 
   add_rms_norm  y <- rmsnorm(y, w_post) (sandwich); x' = x + y, or x a + y b (depth-scaled);
                 h = rmsnorm(x', w)                                       -> (x', h)  [T, D]
-  norm_rope     per head vector [T, H, D]: rmsnorm(w) -> a rope(p) -> * (1 + (p + 1) / base) ** e
+  norm_rope     per head vector [T, H, D] (or [T, D]): rmsnorm(w) -> a rope(p) -> * (1 + (p + 1) / base) ** e;
+                `rope` is its rotation alone: angle[t, j] = p_t inv_freq[j], neox pairs channel j with
+                j + R/2, else 2j with 2j + 1; (a, b) -> (a cos - b sin, b cos + a sin); channels
+                past R pass through
   sigmoid_gate  o * sigmoid(g (+ b[h]))                                           [T, H, D]
   swiglu        silu(min(g, limit)) * clamp(u, -limit, limit)  (fp32: rounded once)  [T, I]
   kv_write      k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]      [T, Hk, D] each
@@ -23,6 +26,7 @@ import triton.language as tl
 
 from dayzero.kernels.reference import basic
 from dayzero.kernels.reference.attention import kv_write as basic_kv_write
+from dayzero.kernels.triton.norm import _rows
 
 
 @triton.jit
@@ -135,11 +139,6 @@ def _norm_rope(
     tl.store(out + d, v.to(dt), mask=rest)
 
 
-def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
-    """(rows, H, stride over t, stride over h) of x [T, H, D] (last dim contiguous)."""
-    return x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
-
-
 def norm_rope(
     x: torch.Tensor,
     positions: torch.Tensor,
@@ -151,7 +150,7 @@ def norm_rope(
     log_scaling: tuple[float, float] | None = None,
     rope_factor: float = 1.0,
 ) -> torch.Tensor:
-    if x.dim() != 3 or (weight is not None and weight.dtype != x.dtype):
+    if x.dim() not in (2, 3) or (weight is not None and weight.dtype != x.dtype):
         return basic.norm_rope(
             x, positions, weight, eps, weight_in_fp32, inv_freq, neox, log_scaling, rope_factor
         )
@@ -170,6 +169,11 @@ def norm_rope(
             SCALE=log_scaling is not None, FACTOR=inv_freq is not None and rope_factor != 1.0,
         )  # fmt: skip
     return y
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, neox: bool = True) -> torch.Tensor:
+    """The `rope` op: norm_rope with only its rotation (x [T, D] or [T, H, D])."""
+    return norm_rope(x, positions, inv_freq=inv_freq, neox=neox)
 
 
 @triton.jit
