@@ -1,13 +1,12 @@
 """Tool calls: each format's parser on whole answers and on every way a stream can split them
 (sdk/server/tools.py), and the server's request side over HTTP with the openai client: tools
-and earlier calls / results rendered through the chat template, tool_choice and missing-parser
-refusals. (No model in CI emits tool calls reliably, so generated calls are covered by the
-parser and stream tests, not end to end.)"""
+and earlier calls / results rendered through the chat template, missing-parser refusals. (No
+model in CI emits calls of these formats reliably, so the formats are covered by the parser and
+stream tests; calls the model generates, held by a grammar, are tests/test_tool_choice.py.)"""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import openai
@@ -100,14 +99,6 @@ HISTORY = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tool_server():
-    template = Path(__file__).parent / "data" / "tools_template.jinja"
-    s = Server("--chat-template", str(template), "--tool-call-parser", "hermes")
-    yield s
-    s.stop()
-
-
 def test_tools_and_earlier_calls_go_through_the_template(tool_server) -> None:
     r = httpx.post(f"{tool_server.url}/tokenize", json={"messages": HISTORY, "tools": TOOLS}, timeout=30)
     assert r.status_code == 200, r.text
@@ -140,8 +131,7 @@ BAD_CALL = {"id": "x", "type": "function", "function": {"name": "f", "arguments"
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_wether"}}}, "tool_choice"),
         ({"messages": [{"role": "assistant", "tool_calls": [BAD_CALL]}]}, "messages"),
     ],
 )
@@ -152,7 +142,8 @@ def test_tool_requests_refused_with_the_reason(tool_server, body: dict, param: s
 
 
 def test_tools_without_a_parser_or_a_template_for_them_are_refused() -> None:
-    """The embedded default: its template takes no tools and its family names no parser."""
+    """The embedded default: its template takes no tools and its family names no parser (a
+    forced choice needs neither: its answer is the call's JSON)."""
     s = Server()
     try:
         body = {"messages": HISTORY[:1], "tools": TOOLS, "max_tokens": 2}
@@ -164,5 +155,15 @@ def test_tools_without_a_parser_or_a_template_for_them_are_refused() -> None:
             timeout=30,
         )
         assert none.status_code == 200, none.text  # tool_choice none: the tools are not offered
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        r = httpx.post(
+            f"{s.url}/v1/chat/completions",
+            json={"messages": HISTORY[:1], "tools": TOOLS, "tool_choice": named, "max_tokens": 32},
+            timeout=60,
+        )
+        (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and isinstance(
+            json.loads(call["function"]["arguments"]), dict
+        )
     finally:
         s.stop()

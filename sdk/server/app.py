@@ -35,6 +35,7 @@ from dayzero.sdk.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from dayzero.sdk.server.tool_choice import CallReader, ForcedChoice, ToolsError, forced_choice
 from dayzero.sdk.server.tools import ToolParser, ToolStream
 
 DISCONNECT_POLL_S = 0.25
@@ -70,6 +71,7 @@ class Choice:
     cached: int = 0  # prompt tokens its request found in the prefix cache
     error: str | None = None  # a failed engine step aborted it
     tools: ToolStream | None = None  # the request offered tools: calls are parsed out of the text
+    forced: CallReader | None = None  # tool_choice required / named: the text is the calls
     prompt_tokens: int = 0
     echo: str = ""  # the prompt's text, sent before the answer (completions' echo)
 
@@ -213,7 +215,9 @@ def build_app(state: ServerState) -> FastAPI:
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
         check_unicode([m["content"] for m in messages], "messages")
-        tools = offered_tools(state, req)
+        forced = forced_tools(req)
+        tools = offered_tools(state, req, forced is not None)
+        grammar = await asyncio.to_thread(tool_grammar, state, forced) if forced else None
         ids = await apply_template(state, messages, tools)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
@@ -225,7 +229,9 @@ def build_app(state: ServerState) -> FastAPI:
             chat=True,
             top_logprobs=req.top_logprobs or 0,
             want_logprobs=req.logprobs,
-            tools=tools is not None,
+            tools=tools is not None and forced is None,
+            grammar=grammar,
+            calls=forced.reader if forced else None,
         )
 
     return app
@@ -269,17 +275,44 @@ async def tokenize(state: ServerState, prompt: str | list[int]) -> list[int]:
     return await asyncio.to_thread(state.tokenizer.encode, prompt, add_special_tokens=True)
 
 
-def offered_tools(state: ServerState, req: ChatRequest) -> list[dict] | None:
-    """The tools the template gets, or None (none offered, or tool_choice "none")."""
-    if not req.tools or req.tool_choice == "none":
-        return None
-    if req.tool_choice not in (None, "auto"):
+def forced_tools(req: ChatRequest) -> ForcedChoice | None:
+    """tool_choice "required" or a named function: what the answer is held to (None: auto, none)."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    try:
+        forced = forced_choice(req.tool_choice, tools, req.parallel_tool_calls)
+    except ToolsError as e:
+        raise ApiError(400, str(e), param="tools") from None
+    except ValueError as e:
+        raise ApiError(400, str(e), param="tool_choice") from None
+    if forced and req.response_format is not None and req.response_format.type != "text":
         raise ApiError(
             400,
-            "tool_choice 'required' or a named function needs constrained decoding, which this server "
-            "does not do yet; use 'auto' (the model decides) or 'none'",
-            param="tool_choice",
+            "response_format and tool_choice 'required' or a named function both constrain the answer; "
+            "give one",
+            param="response_format",
         )
+    return forced
+
+
+def tool_grammar(state: ServerState, forced: ForcedChoice):
+    """The compiled grammar of a forced tool choice (the tools' schemas, held strictly)."""
+    if state.grammars is None:
+        raise ApiError(
+            400, "tool_choice 'required' or a named function needs structured output", param="tool_choice"
+        )
+    try:
+        return state.grammars().json(forced.schema, strict=True)
+    except GrammarError as e:
+        raise ApiError(400, f"the tools' parameters: {e}", param="tools") from None
+
+
+def offered_tools(state: ServerState, req: ChatRequest, forced: bool = False) -> list[dict] | None:
+    """The tools the template gets, or None (none offered, or tool_choice "none"). A forced choice
+    needs no parser (its answer is JSON) and is offered even to a template that shows no tools."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    if forced:
+        return [t.model_dump(exclude_none=True) for t in req.tools]
     if state.tool_parser is None:
         raise ApiError(
             400,
@@ -329,8 +362,9 @@ def response_grammar(state: ServerState, req: Sampling):
 
 
 def sampling_params(
-    state: ServerState, req: Sampling, prompt_len: int, index: int, top: int
+    state: ServerState, req: Sampling, prompt_len: int, index: int, top: int, grammar=None
 ) -> SamplingParams:
+    """grammar: a compiled grammar the answer is held to (else the request's response_format's)."""
     limit = state.max_model_len
     max_tokens = (
         req.max_tokens if req.max_tokens is not None else (max(1, limit - prompt_len) if limit else 256)
@@ -350,7 +384,7 @@ def sampling_params(
         )
     seed = None if req.seed is None else req.seed + index
     given = req.model_fields_set
-    grammar = response_grammar(state, req)
+    grammar = grammar or response_grammar(state, req)
 
     def pick(name: str):  # the request's value, else the checkpoint's default, else OpenAI's
         return getattr(req, name) if name in given else state.sampling_defaults.get(name, getattr(req, name))
@@ -378,20 +412,29 @@ def sampling_params(
 
 
 async def start_choices(
-    state: ServerState, req: Sampling, prompts: list[list[int]], top: int, tools: bool = False
+    state: ServerState,
+    req: Sampling,
+    prompts: list[list[int]],
+    top: int,
+    tools: bool = False,
+    grammar=None,
+    calls: Callable[[], CallReader] | None = None,
 ) -> list[Choice]:
-    """n choices a prompt; choice index = prompt index * n + i (vLLM's order)."""
+    """n choices a prompt; choice index = prompt index * n + i (vLLM's order). tools: calls are
+    parsed out of the text (tool_choice auto); grammar and calls: a forced tool choice's grammar
+    and a new reader of the calls an answer is."""
     choices: list[Choice] = []
     echo = getattr(req, "echo", False)
     try:
         for p, ids in enumerate(prompts):
             for i in range(req.n):
-                params = sampling_params(state, req, len(ids), i, top)
+                params = sampling_params(state, req, len(ids), i, top, grammar)
                 rid, q = await state.engine.submit(ids, params)
                 parser = state.tool_parser if tools else None
                 keep = parser.markers if parser else ()
                 detok = Detokenizer(state.tokenizer, ids, req.stops(), keep_special=keep)
                 c = Choice(p * req.n + i, rid, q, detok, tools=ToolStream(parser) if parser else None)
+                c.forced = calls() if calls else None
                 c.prompt_tokens = len(ids)
                 c.echo = state.tokenizer.decode(ids) if echo else ""
                 choices.append(c)
@@ -455,8 +498,10 @@ async def respond(
     top_logprobs: int,
     want_logprobs: bool,
     tools: bool = False,
+    grammar=None,
+    calls: Callable[[], CallReader] | None = None,
 ):
-    choices = await start_choices(state, req, ids, top_logprobs, tools)
+    choices = await start_choices(state, req, ids, top_logprobs, tools, grammar, calls)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     if req.stream:
         gen = stream(state, req, request, choices, ids, rid, chat, want_logprobs)
@@ -536,7 +581,11 @@ def whole_choice(state: ServerState, c: Choice, chat: bool, want_logprobs: bool,
     if chat:
         message: dict = {"role": "assistant", "content": text}
         finish = c.finish
-        if c.tools is not None:
+        if c.forced is not None:  # the whole answer is the calls
+            calls = [call.openai() for call in c.forced.whole(text)]
+            message = {"role": "assistant", "content": None, "tool_calls": calls}
+            finish = c.forced.finish(finish)
+        elif c.tools is not None:
             content, calls = c.tools.parser.parse(text)
             if calls:
                 message = {"role": "assistant", "content": content or None}
@@ -603,7 +652,10 @@ async def stream(
                 text = c.detok.take(final=c.finish is not None)
                 lp = logprob_block(state, c, before, len(c.tokens), chat) if want_logprobs else None
                 finish, calls = c.finish, []
-                if c.tools is not None:  # content until a call begins, then each complete call
+                if c.forced is not None:  # the text is the calls: they go out as they grow
+                    calls = c.forced.feed(text, final=c.finish is not None)
+                    text, finish = "", c.forced.finish(finish)
+                elif c.tools is not None:  # content until a call begins, then each complete call
                     done_before = c.tools.emitted
                     text, new = c.tools.feed(text, final=c.finish is not None)
                     calls = [call.openai(done_before + j) for j, call in enumerate(new)]
