@@ -7,8 +7,8 @@ PY=${PYTHON:-.venv/bin/python}
 JOBS=${JOBS:-2}
 
 echo "== lint"
-"$PY" -m ruff check sdk kernels models tests scripts
-"$PY" -m ruff format --check sdk kernels models tests scripts
+"$PY" -m ruff check pkg sdk kernels models tests scripts
+"$PY" -m ruff format --check pkg sdk kernels models tests scripts
 clang-format --dry-run --Werror csrc/include/dayzero/*.h csrc/src/*.cc csrc/bindings/*.cc csrc/tests/*.cc csrc/tests/*.h
 
 echo "== layers (import-linter: no cycle, no upward import; pyproject.toml [tool.importlinter])"
