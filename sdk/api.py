@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -24,6 +25,8 @@ from dayzero.sdk.loader import load_weights, open_checkpoint
 from dayzero.sdk.loader.detok import Detokenizer
 from dayzero.sdk.loader.tokenizer import load_tokenizer
 from dayzero.sdk.quant import check_requested
+
+log = logging.getLogger(__name__)
 
 
 def embedded_default() -> Path:
@@ -41,13 +44,19 @@ def embedded_default() -> Path:
     return files[0]
 
 
+def check_model_path(model: str | Path) -> None:
+    """A MODEL that is not on disk must read as a hub id (`org/name`); otherwise it is a missing
+    local path."""
+    if not Path(model).exists() and (str(model).count("/") != 1 or str(model).startswith((".", "/", "~"))):
+        raise FileNotFoundError(f"{model}: no such checkpoint folder or file")
+
+
 def resolve_model(model: str | Path) -> Path:
     """A local folder / file as is; otherwise a hub id, fetched through huggingface_hub."""
     path = Path(model)
     if path.exists():
         return path
-    if str(model).count("/") != 1 or str(model).startswith((".", "/")):
-        raise FileNotFoundError(f"{model}: no such checkpoint folder or file")
+    check_model_path(model)
     try:
         from huggingface_hub import snapshot_download
 
@@ -138,19 +147,32 @@ class LLM:
         family: str | None = None,
         quantization: str | None = None,
         quantize_activations: bool = False,
+        before_weights: Callable[[LLM], None] | None = None,
     ) -> None:
         """quantization: the format the checkpoint must hold (checked, see sdk.quant);
         quantize_activations: NVFP4 activation quantization with the checkpoint's input scales
-        (what FP4 hardware computes; emulated where there is none)."""
+        (what FP4 hardware computes; emulated where there is none); before_weights: called with
+        the LLM once its checkpoint, config and tokenizer are read, before the model is built
+        (a caller's own checks fail there, not after the load)."""
         t0 = time.perf_counter()
         self.path = resolve_model(model) if model else embedded_default()
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype, self.device)
+        log.info("opening the checkpoint %s", self.path)
         self.checkpoint = ckpt = open_checkpoint(self.path, family)
         self.config = ckpt.family.config(ckpt.hf, str(ckpt.path))
+        log.info("family %s (%s); reading the tokenizer", ckpt.family.name, ckpt.format)
         self.tokenizer = load_tokenizer(ckpt.path, ckpt.format)  # before the weights: fail fast
         self.sampling_defaults = generation_defaults(ckpt.folder) if ckpt.format == "safetensors" else {}
         check_requested(ckpt.packing.formats if ckpt.packing else (), quantization)
+        if before_weights is not None:
+            before_weights(self)
+        log.info(
+            "building the model (%d layers) on %s/%s, then reading its weights",
+            len(self.config.layers),
+            self.device.type,
+            str(self.dtype).removeprefix("torch."),
+        )
         packed = ckpt.packing.params if ckpt.packing else None
         self.model, self.ops = build(
             ckpt.family, self.config, ckpt.hf, self.device, self.dtype, packed, quantize_activations

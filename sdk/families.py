@@ -68,16 +68,30 @@ FAMILIES = _discover()
 
 
 def family_for(hf: dict, source: str = "config.json") -> Family:
-    """The family serving this HF config, by `architectures`, then `model_type`."""
+    """The family serving this HF config: the one whose spec lists both its `architectures` and
+    its `model_type` (one of them missing: the other decides). A config where the two point
+    different ways is refused, naming both; a checkpoint whose `architectures` is wrong is served
+    by naming its family (`--family`), which skips this detection."""
     archs, mtype = hf.get("architectures") or [], hf.get("model_type")
-    for _, fam in FAMILIES.items():
-        if set(archs) & set(fam.spec.spec.architectures):
-            return fam
-    for _, fam in FAMILIES.items():
-        if mtype in fam.spec.spec.model_types:
-            return fam
-    known = ", ".join(f"{n} ({'/'.join(f.spec.spec.architectures)})" for n, f in FAMILIES.items())
-    raise SpecError(source, "architectures", f"no family serves {archs or mtype!r}; known: {known}")
+    by_arch = next((f for _, f in FAMILIES.items() if set(archs) & set(f.spec.spec.architectures)), None)
+    by_type = next((f for _, f in FAMILIES.items() if mtype in f.spec.spec.model_types), None)
+    if by_arch is None and by_type is None:
+        known = ", ".join(f"{n} ({'/'.join(f.spec.spec.architectures)})" for n, f in FAMILIES.items())
+        raise SpecError(source, "architectures", f"no family serves {archs or mtype!r}; known: {known}")
+    if not archs or mtype is None or by_arch is by_type:
+        return by_arch or by_type
+    arch = "/".join(archs)
+
+    def whose(f: Family | None) -> str:
+        return f"family {f.name}'s" if f else "no family's"
+
+    guess = by_type or by_arch
+    raise SpecError(
+        source,
+        "architectures",
+        f"{arch} ({whose(by_arch)}) and model_type {mtype!r} ({whose(by_type)}) disagree; if the "
+        f"checkpoint is a {guess.name} model whose config is wrong, name the family: --family {guess.name}",
+    )
 
 
 def kernel_needs(cfg: ModelConfig, ops: OpTable, packed: frozenset[str] = frozenset()) -> OpTable:

@@ -142,15 +142,16 @@ def test_tiny_then_parity_with_the_family_found_from_the_checkpoint(tmp_path):
     r = run("parity", "--checkpoint", str(tmp_path / "ckpt"), "--seed", "7", "--device", "cpu")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "parity llama on cpu/float32" in r.stdout and r.stdout.strip().endswith("parity PASSED")
-    for check in (
-        "prefill logits",
-        "greedy (one by one)",
-        "mixed batch, chunked",
-        "prefix-cache hits",
-        "retraction (host)",
-        "retraction (recompute)",
-    ):
+    from dayzero.sdk.parity.runner import CHECKS
+
+    assert len(CHECKS) == 6 and "retraction (recompute)" in CHECKS
+    for i, check in enumerate(CHECKS, 1):
         assert re.search(rf"^{re.escape(check)}\s+ok\s", r.stdout, re.M), check
+        assert f"parity [{i}/6] {check} ...\n" in r.stderr  # progress: a line as each check starts
+        assert re.search(rf"^parity \[{i}/6\] {re.escape(check)}: ok in [\d.]+ s$", r.stderr, re.M)
+    assert "nan" not in r.stdout  # a column a check does not measure reads "-"
+    prefill = next(ln for ln in r.stdout.splitlines() if ln.startswith("prefill logits"))
+    assert prefill.split()[4:6] == ["-", "-"], prefill  # no logprobs, no token agreement there
 
 
 def test_generate_runs_a_checkpoint_and_prints_the_continuation(tmp_path):
@@ -199,7 +200,7 @@ def test_serve_refuses_flags_it_cannot_honour_before_loading():
         (["--quantization", "nvfp4"], "--quantization nvfp4: the checkpoint is not quantized"),
         (["--kv-cache-dtype", "fp8"], "kv-cache-dtype fp8"),
     ):
-        r = run("serve", "--port", "1", *flags)
+        r = run("serve", "--port", "0", *flags)
         assert r.returncode == 2 and why in r.stderr, r.stderr
 
 

@@ -27,3 +27,25 @@ def test_a_wrong_kernel_fails_parity_and_the_diff_names_its_block(tmp_path, monk
     assert "prefill logits" in text and "FAIL" in text and text.endswith("parity FAILED")
     assert "first divergence: layer 0 mlp (swiglu block)" in text
     assert "layer   0 attention (gqa)" in text  # the attention before it matched
+
+
+def test_the_retraction_budget_forces_retraction_on_a_model_of_sliding_windows() -> None:
+    """Beam at its full size (52 layers, 43 of them 512-token sliding windows, the case where a
+    budget of two whole-length requests held every prompt and retracted nothing): the budget
+    holds the longest request alone, not the two longest together (so they must retract)."""
+    from dayzero.sdk.engine.geometry import scheduler_groups
+    from dayzero.sdk.families import FAMILIES
+    from dayzero.sdk.parity.runner import make_prompts, retraction_budget
+    from dayzero.sdk.spec.reference import reference_config
+
+    fam = FAMILIES.get("beam")
+    cfg = fam.config(reference_config(fam.spec.spec.reference, {}))
+    groups = scheduler_groups(cfg, 2)  # bf16
+    assert {g.window for g in groups} == {0, 512}
+    lengths = sorted(len(p) + 32 for p in make_prompts(cfg.embedding.vocab, 0, window=512))
+
+    def held(length: int) -> int:  # KV bytes a request of that length keeps resident, unpadded
+        return sum(g.bytes_per_token * min(length, g.window or length) for g in groups)
+
+    budget = retraction_budget(groups, lengths, len(lengths))
+    assert held(lengths[-1]) <= budget < held(lengths[-1]) + held(lengths[-2])

@@ -10,13 +10,18 @@ Checks (each a row of the report):
   prefix cache      a second round over the same prompts in the same engine (cache hits)
   retraction host   KV memory too small for the batch: requests are retracted to host memory
   retraction recompute  the same with no host memory: retracted requests recompute
-On failure, a layer-by-layer diff names the first block that diverges.
+The retraction checks size the KV memory from the model (`retraction_budget`): the longest
+request fits alone, never all of them together, so retraction happens at every model size.
+On failure, a layer-by-layer diff names the first block that diverges. A column a check does not
+measure reads `-`; `progress` gets a line as each check starts and ends.
 """
 
 from __future__ import annotations
 
-import math
 import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +33,7 @@ from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, Sampl
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import Checkpoint, load_weights, open_checkpoint
 from dayzero.sdk.parity.dequant import write_dequantized
+from dayzero.sdk.scheduler import Scheduler, make_config
 from dayzero.sdk.spec.reference import reference_class
 
 
@@ -53,10 +59,14 @@ class Tolerance:
 class Row:
     check: str
     ok: bool
-    logit_err: float = float("nan")
-    logprob_err: float = float("nan")
-    agreement: float = float("nan")
+    logit_err: float | None = None  # None: the check does not measure it
+    logprob_err: float | None = None
+    agreement: float | None = None
     note: str = ""
+
+
+def _cell(x: float | None, width: int, fmt: str) -> str:
+    return f"{'-' if x is None else format(x, fmt):>{width}}"
 
 
 @dataclass
@@ -78,8 +88,8 @@ class Report:
         ]
         for r in self.rows:
             lines.append(
-                f"{r.check:<22} {'ok' if r.ok else 'FAIL':<6} {r.logit_err:>12.3e} {r.logprob_err:>14.3e} "
-                f"{r.agreement:>7.3f}  {r.note}"
+                f"{r.check:<22} {'ok' if r.ok else 'FAIL':<6} {_cell(r.logit_err, 12, '.3e')} "
+                f"{_cell(r.logprob_err, 14, '.3e')} {_cell(r.agreement, 7, '.3f')}  {r.note}"
             )
         if self.layer_diff:
             lines += ["layer-by-layer diff (first prompt that failed):", *self.layer_diff]
@@ -233,6 +243,53 @@ def _layer_diff(ours: Ours, ref: Reference, prompt: list[int], tol: float, spec)
     return lines
 
 
+RETRACTION = {"block_size": 8, "max_tokens_per_step": 64, "chunk_size": 16}  # the checks' engine
+
+
+def retraction_budget(groups, lengths: list[int], batch: int) -> int:
+    """KV bytes for the retraction checks: the state slots, and pages for the longest request at
+    its final length alone (plus one page a group), so the requests, admitted together, outgrow
+    it. A request's blocks in a paged group: ceil(L / block); in a sliding group at most the
+    window plus a chunk, ceil((window + chunk) / block) + 1, whatever L (a budget counted in
+    whole lengths holds several long requests of a model that is mostly sliding windows)."""
+    block, chunk = RETRACTION["block_size"], RETRACTION["chunk_size"]
+    states = sum(g.state_bytes for g in groups)
+    probe = states * 2 * batch + max(g.bytes_per_token for g in groups) * block * 64  # 64 pages
+    fields = dict(RETRACTION, max_batch_size=batch, device_bytes=probe)
+    if states:
+        fields["snapshot_slots"] = batch  # as the engine has it: a snapshot per batch slot
+    layout = Scheduler(make_config(groups, **fields)).layout
+    longest, pages = max(lengths), 0
+    for g, per_page in zip(groups, layout["blocks_per_page"], strict=True):
+        if per_page:  # paged or sliding (a state group holds slots, not pages)
+            blocks = -(-longest // block)
+            if g.window:
+                blocks = min(blocks, -(-(g.window + chunk) // block) + 1)
+            pages += -(-blocks // per_page) + 1
+    return layout["state_slot_bytes"] * layout["num_slots"] + layout["page_bytes"] * max(pages, 2)
+
+
+@contextmanager
+def _check(report: Report, name: str, say: Callable[[str], None]) -> Iterator[None]:
+    """One line as a check starts, one as it ends (its result: the row it appended)."""
+    n = len(report.rows) + 1
+    say(f"parity [{n}/{len(CHECKS)}] {name} ...")
+    t0 = time.perf_counter()
+    yield
+    ok = len(report.rows) >= n and report.rows[n - 1].ok
+    say(f"parity [{n}/{len(CHECKS)}] {name}: {'ok' if ok else 'FAIL'} in {time.perf_counter() - t0:.1f} s")
+
+
+CHECKS = (
+    "prefill logits",
+    "greedy (one by one)",
+    "mixed batch, chunked",
+    "prefix-cache hits",
+    "retraction (host)",
+    "retraction (recompute)",
+)
+
+
 def run_parity(
     checkpoint: str | Path,
     device: str | None = None,
@@ -240,13 +297,17 @@ def run_parity(
     seed: int = 0,
     family: str | None = None,
     new_tokens: int = 32,
+    progress: Callable[[str], None] | None = None,
 ) -> Report:
+    say = progress or (lambda _line: None)
     ckpt = open_checkpoint(checkpoint, family)
     dev = torch.device(device or default_device())
     dt = parse_dtype(dtype, dev)
     tol = Tolerance.for_dtype(dt)
     torch.manual_seed(seed)
+    say(f"parity: loading {ckpt.family.name} from {ckpt.path} into dayzero ({dev.type}/{dt})")
     ours = Ours(ckpt, dev, dt)
+    say(f"parity: loading the reference {ckpt.family.spec.spec.reference}")
     with tempfile.TemporaryDirectory(prefix="dayzero-dequant-") as tmp:  # read whole by from_pretrained
         folder = write_dequantized(ckpt, Path(tmp)) if ckpt.packing else ckpt.folder
         ref = Reference(ckpt, folder, dev, dt)
@@ -256,83 +317,78 @@ def run_parity(
     report = Report(ckpt.family.name, dev.type, str(dt).removeprefix("torch."))
 
     # 1. prefill logits at every position, all prompts in one batch
-    ours_logits = ours.prefill_logits(prompts)
-    ref_logits = [ref.logits(p) for p in prompts]
-    errs = [(a - b).abs().max().item() for a, b in zip(ours_logits, ref_logits, strict=True)]
-    worst = int(np.argmax(errs))
-    scale = max(b.abs().max().item() for b in ref_logits)
-    lengths = f"{min(map(len, prompts))}..{max(map(len, prompts))}"
-    note = f"{len(prompts)} prompts, lengths {lengths}, |logit| <= {scale:.1f}"
-    if base is None:
-        row = Row("prefill logits", max(errs) <= tol.logits, logit_err=max(errs), note=note)
-    else:
-        fp32 = [base.logits(p) for p in prompts]
-        e_ours = max((a - b).abs().max().item() for a, b in zip(ours_logits, fp32, strict=True))
-        e_ref = max((a - b).abs().max().item() for a, b in zip(ref_logits, fp32, strict=True))
-        row = Row(
-            "prefill logits",
-            e_ours <= tol.ratio * e_ref + tol.slack,
-            logit_err=e_ours,
-            note=f"vs fp32; reference {report.dtype} {e_ref:.3e}; vs reference {max(errs):.3e}; {note}",
-        )
-    report.rows.append(row)
+    with _check(report, CHECKS[0], say):
+        ours_logits = ours.prefill_logits(prompts)
+        ref_logits = [ref.logits(p) for p in prompts]
+        errs = [(a - b).abs().max().item() for a, b in zip(ours_logits, ref_logits, strict=True)]
+        worst = int(np.argmax(errs))
+        scale = max(b.abs().max().item() for b in ref_logits)
+        lengths = f"{min(map(len, prompts))}..{max(map(len, prompts))}"
+        note = f"{len(prompts)} prompts, lengths {lengths}, |logit| <= {scale:.1f}"
+        if base is None:
+            row = Row(CHECKS[0], max(errs) <= tol.logits, logit_err=max(errs), note=note)
+        else:
+            fp32 = [base.logits(p) for p in prompts]
+            e_ours = max((a - b).abs().max().item() for a, b in zip(ours_logits, fp32, strict=True))
+            e_ref = max((a - b).abs().max().item() for a, b in zip(ref_logits, fp32, strict=True))
+            row = Row(
+                CHECKS[0],
+                e_ours <= tol.ratio * e_ref + tol.slack,
+                logit_err=e_ours,
+                note=f"vs fp32; reference {report.dtype} {e_ref:.3e}; vs reference {max(errs):.3e}; {note}",
+            )
+        report.rows.append(row)
 
     # 2. greedy, one prompt at a time
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    if base is None:
-        expected = Expected([ref.greedy(p, new_tokens) for p in prompts])
-    else:
-        fp32_tokens = [base.greedy(p, new_tokens) for p in prompts]
-        own = _agreement([ref.greedy(p, new_tokens) for p in prompts], fp32_tokens)[0]
-        expected = Expected(fp32_tokens, own)
-    solo = []
-    for p in prompts:
-        solo += ours.engine(max_batch_size=1).generate([p], greedy)
-    report.rows.append(_compare(solo, expected, tol, "greedy (one by one)"))
+    with _check(report, CHECKS[1], say):
+        if base is None:
+            expected = Expected([ref.greedy(p, new_tokens) for p in prompts])
+        else:
+            fp32_tokens = [base.greedy(p, new_tokens) for p in prompts]
+            own = _agreement([ref.greedy(p, new_tokens) for p in prompts], fp32_tokens)[0]
+            expected = Expected(fp32_tokens, own)
+        solo = []
+        for p in prompts:
+            solo += ours.engine(max_batch_size=1).generate([p], greedy)
+        report.rows.append(_compare(solo, expected, tol, CHECKS[1]))
 
     # 3. one mixed batch, chunk smaller than the prompts
-    shortest = min(map(len, prompts))
-    chunk = max(2, shortest - 1)
-    eng = ours.engine(chunk_size=chunk, max_tokens_per_step=2 * chunk + len(prompts), block_size=4)
-    report.rows.append(
-        _compare(
-            eng.generate(prompts, greedy),
-            expected,
-            tol,
-            "mixed batch, chunked",
-            f"chunk {chunk}, {eng.stats['steps']} steps",
-        )
-    )
+    with _check(report, CHECKS[2], say):
+        shortest = min(map(len, prompts))
+        chunk = max(2, shortest - 1)
+        eng = ours.engine(chunk_size=chunk, max_tokens_per_step=2 * chunk + len(prompts), block_size=4)
+        outs = eng.generate(prompts, greedy)
+        note = f"chunk {chunk}, {eng.stats['steps']} steps"
+        report.rows.append(_compare(outs, expected, tol, CHECKS[2], note))
 
     # 4. prefix-cache hits: the same prompts again in the same engine
-    before = eng.scheduler.prefix_stats()["hit_tokens"]
-    second = eng.generate(prompts, greedy)
-    hits = eng.scheduler.prefix_stats()["hit_tokens"] - before
-    row = _compare(second, expected, tol, "prefix-cache hits", f"{hits} tokens from cache")
-    row.ok = row.ok and hits > 0
-    report.rows.append(row)
-
-    # 5./6. forced retraction: KV memory for about two requests, with and without host memory
-    for label, host in (("retraction (host)", 64 << 20), ("retraction (recompute)", 0)):
-        need = max(map(len, prompts)) + new_tokens
-        per_token = sum(g.bytes_per_token for g in eng.groups)
-        block, batch = 8, len(prompts)
-        state = sum(g.state_bytes for g in eng.groups) * 2 * batch  # a slot + a snapshot per request
-        budget = per_token * block * (2 * math.ceil(need / block) + 2) + state
-        e = ours.engine(
-            kv_cache_bytes=budget,
-            max_batch_size=batch,
-            host_cache_bytes=host,
-            block_size=block,
-            prefix_cache=False,
-            max_tokens_per_step=64,
-            chunk_size=16,
-        )
-        row = _compare(
-            e.generate(prompts, greedy), expected, tol, label, f"{e.stats['retracted']} retractions"
-        )
-        row.ok = row.ok and e.stats["retracted"] > 0
+    with _check(report, CHECKS[3], say):
+        before = eng.scheduler.prefix_stats()["hit_tokens"]
+        second = eng.generate(prompts, greedy)
+        hits = eng.scheduler.prefix_stats()["hit_tokens"] - before
+        row = _compare(second, expected, tol, CHECKS[3], f"{hits} tokens from cache")
+        row.ok = row.ok and hits > 0
         report.rows.append(row)
+
+    # 5./6. forced retraction: KV memory for the longest request alone, with host memory for
+    # every request's blocks, then with none (retracted requests recompute)
+    batch = len(prompts)
+    budget = retraction_budget(eng.groups, [len(p) + new_tokens for p in prompts], batch)
+    for label, host in ((CHECKS[4], budget * batch), (CHECKS[5], 0)):
+        with _check(report, label, say):
+            e = ours.engine(
+                kv_cache_bytes=budget,
+                max_batch_size=batch,
+                host_cache_bytes=host,
+                prefix_cache=False,
+                **RETRACTION,
+            )
+            outs = e.generate(prompts, greedy)
+            note = f"{e.stats['retracted']} retractions, KV {budget / 2**20:.2f} MiB"
+            row = _compare(outs, expected, tol, label, note)
+            row.ok = row.ok and e.stats["retracted"] > 0
+            report.rows.append(row)
 
     if not report.ok:
         failing = prompts[worst]

@@ -62,6 +62,7 @@ class AsyncEngine:
         self._pending = 0  # submitted, not yet admitted by the engine thread
         self._lock = threading.Lock()
         self.accepting = True
+        self._closing: str | None = None  # set by abort_all: why later adds are refused
         self._thread = threading.Thread(target=self._run, name="dayzero-engine", daemon=True)
 
     def start(self) -> None:
@@ -115,6 +116,13 @@ class AsyncEngine:
         self._inbox.put(("abort", rid))
         self._wake.set()
 
+    def abort_all(self, why: str) -> None:
+        """Abort every live request (each stream then ends with finish_reason "abort") and refuse
+        later ones; one log line per request. Thread-safe: the shutdown deadline calls it."""
+        self.accepting = False
+        self._inbox.put(("abort_all", why))
+        self._wake.set()
+
     # ---- engine thread -----------------------------------------------------------------------
     def _drain_inbox(self) -> None:
         while True:
@@ -125,9 +133,15 @@ class AsyncEngine:
             if msg[0] == "abort":
                 self.engine.abort(msg[1])
                 continue
+            if msg[0] == "abort_all":
+                self._abort_live(msg[1])
+                continue
             _, rid, prompt, params, fut, stream = msg
             with self._lock:
                 self._pending -= 1
+            if self._closing is not None:
+                stream.loop.call_soon_threadsafe(_set_exception, fut, ShuttingDown(self._closing))
+                continue
             try:
                 self.engine.add(prompt, params, req_id=rid)
             except ValueError as e:
@@ -172,6 +186,21 @@ class AsyncEngine:
                         self.metrics.tpot.observe((now - s.first_token) / (s.sent - 1))
             if self.metrics:
                 self.metrics.observe_engine(self.engine)
+
+    def _abort_live(self, why: str) -> None:
+        self._closing = why
+        for rid in self._streams:
+            out = self.engine.requests.get(rid)
+            if out is None or out.finished:
+                continue
+            self.engine.abort(rid)  # the next step reports it: its stream's final chunk
+            log.warning(
+                "request %d aborted (%s): %d prompt tokens, %d generated",
+                rid,
+                why,
+                len(out.prompt_ids),
+                len(out.token_ids),
+            )
 
     def _fail_all(self, why: str) -> None:
         for rid, s in list(self._streams.items()):

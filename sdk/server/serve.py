@@ -1,37 +1,29 @@
-"""`dayzero serve`: load the model, start the engine thread, run uvicorn until SIGTERM/SIGINT.
+"""`dayzero serve`: check the flags, take the port, load the model, serve until SIGTERM/SIGINT.
 
-Shutdown drains: uvicorn stops accepting connections and waits (up to --shutdown-timeout) for
-in-flight requests; then the engine thread stops and the process exits 0. The flags
-(`add_arguments`, read by the cli to build its parser) need no torch: the engine, the model and
-the app are imported when `load` / `serve` run.
+Start-up fails before the model loads on a bad flag, a busy port or a chat template that cannot
+render (`startup.py`); "serving" is said once the socket listens. Shutdown drains: uvicorn stops
+accepting connections and in-flight requests may finish for --shutdown-timeout seconds; then
+every request still running is aborted, so that each stream ends with a final chunk
+(`finish_reason` "abort") and `[DONE]`; then the engine thread stops and the process exits 0.
+The flags (`add_arguments`, read by the cli to build its parser) need no torch: the engine, the
+model and the app are imported when `load` / `serve` run.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import logging
 import os
 import signal
-from pathlib import Path
+
+from dayzero.sdk.server import startup
+from dayzero.sdk.server.startup import parse_gib, parse_size
 
 log = logging.getLogger("dayzero.server")
 
-
-def parse_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
-
-
-def parse_gib(text: str) -> int:
-    """vLLM's --swap-space: a plain number is GiB; with a unit, that unit."""
-    try:
-        return int(float(text) * (1 << 30))
-    except ValueError:
-        return parse_size(text)
+ABORT_GRACE_S = 10.0  # after the aborts, for the streams' final chunks before uvicorn cancels them
 
 
 def refuse_unsupported_flags(args: argparse.Namespace) -> None:
@@ -72,8 +64,9 @@ def engine_config(args: argparse.Namespace, device: str):
     )
 
 
-def load(args: argparse.Namespace):
-    """(the loaded LLM, the server state) for the command line's model and flags."""
+def load(args: argparse.Namespace, template: str | None = None):
+    """(the loaded LLM, the server state) for the command line's model and flags; `template`:
+    the --chat-template file's text."""
     refuse_unsupported_flags(args)
     from dayzero.sdk.api import LLM, default_device
     from dayzero.sdk.server.app import ServerState
@@ -82,9 +75,13 @@ def load(args: argparse.Namespace):
 
     device = args.device or default_device()
 
-    def sized(cfg):  # called by LLM once the weights are resident
-        if args.max_model_len and cfg.max_position and args.max_model_len > cfg.max_position:
-            raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's {cfg.max_position}")
+    def before_weights(llm: LLM) -> None:
+        limit = llm.config.max_position
+        if args.max_model_len and limit and args.max_model_len > limit:
+            raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's {limit}")
+        startup.probe_template(llm.tokenizer, template)
+
+    def sized(_cfg):  # called by LLM once the weights are resident (free device memory is known)
         return engine_config(args, device)
 
     llm = LLM(
@@ -95,9 +92,9 @@ def load(args: argparse.Namespace):
         family=args.family,
         quantization=args.quantization,
         quantize_activations=args.quantize_activations,
+        before_weights=before_weights,
     )
     max_len = llm.engine.max_model_len
-    template = Path(args.chat_template).read_text() if args.chat_template else None
     name = args.served_model_name or (str(args.model) if args.model else "SmolLM2-135M-Instruct")
     metrics = Metrics()
     state = ServerState(
@@ -130,43 +127,34 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    template = startup.check_flags(args)  # before torch is imported: a bad flag answers at once
+    sock = startup.bind(args.host, args.port)
+    where = startup.url(args.host, sock.getsockname()[1])
+    log.info("%s is reserved; loading the model (connections are refused until it serves)", where)
+    startup.warn_if_open(args.host, api_keys(args))
     import uvicorn
 
     from dayzero.sdk.server.app import build_app
 
-    _DrainingServer = _draining_server_class()
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    llm, state = load(args)
+    startup.check_names(args)
+    llm, state = load(args, template)
+    startup.listen(sock, args.host)
     app = build_app(state)
-    if not state.api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning(
-            "listening on %s with no --api-key: anyone who can reach the port can use the model", args.host
-        )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         state.engine.start()
-        log.info(
-            "serving %s on http://%s:%d (load %.1f s)",
-            state.model_name,
-            args.host,
-            args.port,
-            llm.load_seconds,
-        )
         yield
         state.engine.accepting = False
         state.engine.stop()
 
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level="warning",
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S
     )
-    _DrainingServer(config).run()
+    served = f"serving {state.model_name} on {where} (load {llm.load_seconds:.1f} s)"
+    _draining_server_class()(config, state, args.shutdown_timeout, served).run(sockets=[sock])
     return 0
 
 
@@ -174,8 +162,14 @@ def _draining_server_class():
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
-        """uvicorn's graceful shutdown on SIGTERM/SIGINT, then a normal return (exit status 0);
-        uvicorn itself re-raises the signal after draining, which would end the process with it."""
+        """uvicorn with dayzero's start and stop: "serving" once the socket listens; on SIGTERM /
+        SIGINT /health turns 503, requests may finish for `timeout` s, then the rest are aborted
+        (each stream ends well-formed) and the process exits 0 (uvicorn itself re-raises the
+        signal after draining, which would end the process with it)."""
+
+        def __init__(self, config, state, timeout: float, served: str) -> None:
+            super().__init__(config)
+            self.state, self.timeout, self.served = state, timeout, served
 
         @contextlib.contextmanager
         def capture_signals(self):
@@ -185,6 +179,21 @@ def _draining_server_class():
             finally:
                 for s, handler in previous.items():
                     signal.signal(s, handler)
+
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                log.info("%s", self.served)
+
+        async def shutdown(self, sockets=None) -> None:
+            engine = self.state.engine
+            engine.accepting = False
+            why = f"still running {self.timeout:g} s after the shutdown signal (--shutdown-timeout)"
+            deadline = asyncio.get_running_loop().call_later(self.timeout, engine.abort_all, why)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                deadline.cancel()
 
     return DrainingServer
 
@@ -214,7 +223,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--family", default=None, help="force a family instead of detecting it")
+    p.add_argument(
+        "--family",
+        default=None,
+        help="force a family instead of detecting it (also a config.json whose architectures is wrong)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, help="auto, float32, bfloat16, float16")
     p.add_argument("--max-model-len", type=int, default=None)
