@@ -113,6 +113,8 @@ def test_a_call_array_reads_whole() -> None:
     ]
     cut = CallArray().whole(ARRAY[: ARRAY.index('"days') + 3])  # cut by max_tokens: what was written
     assert [(c.name, c.arguments) for c in cut] == [("get_weather", '{"city": "Pa\\"ris}]", "da')]
+    (bad,) = CallArray().whole('[{"name": "a\\q", "parameters": {}}]')  # not JSON's escape: kept as written
+    assert (bad.name, bad.arguments) == ("a\\q", "{}")
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 5, 11])

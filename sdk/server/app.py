@@ -301,7 +301,11 @@ def tool_grammar(state: ServerState, forced: ForcedChoice):
             400, "tool_choice 'required' or a named function needs structured output", param="tool_choice"
         )
     try:
-        return state.grammars().json(forced.schema, strict=True)
+        compiler = state.grammars()
+    except GrammarError as e:
+        raise ApiError(400, str(e), param="tool_choice") from None
+    try:
+        return compiler.json(forced.schema, strict=True)
     except GrammarError as e:
         raise ApiError(400, f"the tools' parameters: {e}", param="tools") from None
 

@@ -209,9 +209,17 @@ class CallArray:
             return
         e = self.elements[-1]
         if e.part == "key":
-            e.key = json.loads(e.key)
+            e.key = _string(e.key)
         elif e.key == "name":
-            e.call = ToolCall(json.loads(e.name), "")
+            e.call = ToolCall(_string(e.name), "")
+
+
+def _string(literal: str) -> str:
+    """A JSON string literal's value (its text between the quotes if it does not parse)."""
+    try:
+        return json.loads(literal)
+    except json.JSONDecodeError:
+        return literal[1:-1]
 
 
 CallReader = NamedCall | CallArray
