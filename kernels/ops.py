@@ -38,6 +38,22 @@ class PagedMeta:
 
 
 @dataclass(frozen=True)
+class HeadPrep:
+    """norm_rope's parameters for a layer's queries and keys (qk_norm_rope_write): q / k RMSNorm
+    weights (None: no norm), RoPE inverse frequencies [R/2] (None: no rotation), the queries'
+    log-position scaling (base, exponent)."""
+
+    q_weight: torch.Tensor | None
+    k_weight: torch.Tensor | None
+    eps: float
+    weight_in_fp32: bool
+    inv_freq: torch.Tensor | None
+    neox: bool
+    log_scaling: tuple[float, float] | None
+    rope_factor: float
+
+
+@dataclass(frozen=True)
 class Penalties:
     """What rewrites a step's logits [S, V] before sampling, as index lists on the device (one
     entry per occurrence; rows index the batch): presence / frequency over the output tokens,
@@ -106,6 +122,11 @@ declare_op(
     "rope", "rotate the first rotary_dim channels of [T, H, D] by position", features={"partial", "neox"}
 )
 declare_op("kv_write", "write new keys/values [T, Hk, D] into their cache slots")
+declare_op(
+    "qk_norm_rope_write",
+    "norm_rope of q [T, H, D] and k [T, Hk, D], then k and v into their cache slots -> q",
+    features={"norm", "weight_in_fp32", "rope", "partial", "neox", "log_scaling"},
+)
 declare_op(
     "gqa_attention",
     "causal attention of q [T, H, D] over the paged K/V of each row -> [T, H, D]",

@@ -1,11 +1,13 @@
-"""Tile sweep for the Triton packed-weight GEMM (kernels/triton/packed.py, its tensor-core path)
-at Reflection Beam's widths on a CUDA GPU: every (BN, BK, warps, stages) is checked against the
-reference backend and timed (GB/s of packed weights read) on a dense [14336, 5120] weight at 1
-and 32 rows and on 64 stacked [5120, 5120] experts at 1 and 32 tokens (top 8). The best
-geometric mean goes into TILES for a `dayzero bench decode --family beam --quantization FMT` run
-in the same process.
+"""Geometry sweeps for the Triton packed-weight kernels at Reflection Beam's widths on a CUDA GPU,
+each geometry checked against the reference backend and timed (GB/s of packed weights read,
+do_bench median): `tiles`, the tensor-core GEMM (kernels/triton/packed.py: BN, BK, warps,
+stages) on a dense [14336, 5120] weight at 1 and 32 rows and on 64 stacked [5120, 5120] experts
+at 1 and 32 tokens (top 8); `gemv`, the decode GEMV (kernels/triton/packed_gemv.py: BN, NB,
+warps) on the dense weight at 1 and 2 rows and the experts at 1 token (8 pairs). The best
+geometric mean goes into TILES / GEMV for a `dayzero bench decode --family beam --quantization
+FMT` run in the same process.
 
-    python3 scripts/tune_packed_tiles.py nvfp4[,mxfp4,fp8_block] [extra bench flags]
+    python3 scripts/tune_packed_tiles.py nvfp4[,mxfp4,fp8_block] [tiles,gemv] [extra bench flags]
 """
 
 from __future__ import annotations
@@ -66,6 +68,39 @@ def moe_case(w: PackedWeight, t: int, g: torch.Generator) -> Case:
     return f"moe t{t}", nbytes, run, want, y
 
 
+def gemv_dense_case(w: PackedWeight, m: int, g: torch.Generator) -> Case:
+    x = torch.randn(m, HIDDEN, generator=g, device="cuda").bfloat16()
+    want = ref.linear_packed(x, w)
+    y = torch.empty_like(want)
+    return f"gemv dense m{m}", w.nbytes(), lambda c: tp._gemv(x, y, w, config=c), want, y
+
+
+def gemv_moe_case(w: PackedWeight, g: torch.Generator) -> Case:
+    x = torch.randn(1, HIDDEN, generator=g, device="cuda").bfloat16()
+    ids = torch.randperm(EXPERTS, generator=g, device="cuda")[:TOP_K]
+    y = torch.empty(TOP_K, w.shape[-2], dtype=x.dtype, device="cuda")
+    dense = w.dequant(torch.bfloat16)
+    want = torch.stack([x[0] @ dense[e].T for e in ids.tolist()])
+    run = lambda c: tp._gemv(x, y, w, ids, x_row_div=TOP_K, config=c)  # noqa: E731
+    return "gemv moe t1", TOP_K * w.nbytes() // EXPERTS, run, want, y
+
+
+def sweep_gemv(fmt: str, dense: PackedWeight, experts: PackedWeight, g: torch.Generator) -> tuple:
+    cases = [gemv_dense_case(dense, m, g) for m in (1, 2)] + [gemv_moe_case(experts, g)]
+    results = {}
+    for geo in itertools.product((4, 8, 16, 32), (4, 8, 16), (1, 2, 4, 8)):
+        c = dict(zip(("BN", "NB", "num_warps"), geo, strict=True))
+        try:
+            results[geo] = score(cases, c)
+        except Exception as e:  # a geometry that fails to compile or computes wrong is skipped, said
+            print(fmt, "gemv", geo, "FAIL", str(e).splitlines()[0][:100], flush=True)
+            continue
+        print(fmt, "gemv", geo, " ".join(f"{r:7.0f}" for r in results[geo]), flush=True)
+    best = max(results, key=lambda k: sum(math.log(r) for r in results[k]))
+    print(f"BEST {fmt} gemv {best} GB/s {[round(r) for r in results[best]]} for {[c[0] for c in cases]}")
+    return best
+
+
 def score(cases: list[Case], c: dict) -> list[float]:
     """GB/s per case; raises when the result is off."""
     out = []
@@ -79,8 +114,7 @@ def score(cases: list[Case], c: dict) -> list[float]:
     return out
 
 
-def sweep(fmt: str, g: torch.Generator) -> tuple[int, int, int, int]:
-    dense, experts = weight(fmt, (14336, HIDDEN), g), weight(fmt, (EXPERTS, HIDDEN, HIDDEN), g)
+def sweep(fmt: str, dense: PackedWeight, experts: PackedWeight, g: torch.Generator) -> tuple:
     cases = [dense_case(dense, m, g) for m in (1, 32)] + [moe_case(experts, t, g) for t in (1, 32)]
     bks = (64, 128) if fmt == "fp8_block" else (128, 256, 512)
     results = {}
@@ -100,9 +134,16 @@ def sweep(fmt: str, g: torch.Generator) -> tuple[int, int, int, int]:
 
 
 if __name__ == "__main__":
-    formats = sys.argv[1].split(",")
+    formats, parts = sys.argv[1].split(","), sys.argv[2].split(",")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    tp.TILES.update({fmt: sweep(fmt, gen) for fmt in formats})
+    for fmt in formats:
+        dense, experts = weight(fmt, (14336, HIDDEN), gen), weight(fmt, (EXPERTS, HIDDEN, HIDDEN), gen)
+        if "tiles" in parts:
+            tp.TILES[fmt] = sweep(fmt, dense, experts, gen)
+        if "gemv" in parts:
+            tp.GEMV[fmt] = sweep_gemv(fmt, dense, experts, gen)
+        del dense, experts
+        torch.cuda.empty_cache()
     for fmt in formats:
         main(
             [
@@ -114,6 +155,6 @@ if __name__ == "__main__":
                 "1,8,32",
                 "--quantization",
                 fmt,
-                *sys.argv[2:],
+                *sys.argv[3:],
             ]
         )

@@ -65,6 +65,27 @@ def test_expert_gemvs_at_beam_widths(t: int) -> None:
     assert got <= 2 * own + 1e-3, (got, own)
 
 
+@pytest.mark.parametrize("rows", [1, 32])
+def test_greedy_sampler_at_beam_vocab(rows: int) -> None:
+    """The Triton greedy sampler on bf16 logits over 151,936 tokens: the batched sampler's tokens,
+    logprobs within 1e-5 (both fp32 sums, another order); a non-greedy batch falls back to it."""
+    from dayzero.kernels.batched import sampling as batched
+    from dayzero.kernels.ops import SamplingBatch
+    from dayzero.kernels.triton import sampling
+
+    g = torch.Generator(device=CUDA).manual_seed(rows)
+    z = (torch.randn(rows, 151936, generator=g, device=CUDA) * 4).bfloat16()
+    zero = torch.zeros(rows, device=CUDA)
+    b = SamplingBatch(zero, zero.long(), zero + 1, zero, (None,) * rows, ())
+    (tg, lg), (tw, lw) = sampling.sample(z, b), batched.sample(z, b)
+    assert torch.equal(tg, tw) and (lg - lw).abs().max().item() <= 1e-5
+    hot = SamplingBatch(zero + 0.7, zero.long(), zero + 1, zero, (None,) * rows, tuple(range(rows)))
+    torch.manual_seed(0)
+    t1, _ = sampling.sample(z, hot)
+    torch.manual_seed(0)
+    assert torch.equal(t1, batched.sample(z, hot)[0])
+
+
 def test_norm_and_rope_bf16() -> None:
     from dayzero.kernels.reference import basic
     from dayzero.kernels.triton import fused, norm
@@ -84,6 +105,8 @@ def test_norm_and_rope_bf16() -> None:
 
 def test_fused_ops_bf16() -> None:
     """The fused small ops and routing at Beam's widths in bf16 against the fp32 reference."""
+    from dayzero.kernels.ops import HeadPrep
+    from dayzero.kernels.reference import attention as ref_attention
     from dayzero.kernels.reference import basic
     from dayzero.kernels.reference.moe import moe_route as reference_route
     from dayzero.kernels.triton import fused, routing
@@ -114,6 +137,17 @@ def test_fused_ops_bf16() -> None:
         q, qw,
     )  # fmt: skip
     assert got <= 2 * own + 1e-3, (got, own)
+    k, v = torch.randn(8, 8, 128, generator=g), torch.randn(8, 8, 128, generator=g)
+    slots = torch.randperm(64, generator=g)[:8].to(CUDA)
+    for fn in (ref_attention.qk_norm_rope_write, fused.qk_norm_rope_write):
+        q16, k16, v16, w16 = (a.to(CUDA).bfloat16() for a in (q, k, v, qw))
+        kc, vc = torch.zeros(2, 64, 8, 128, dtype=torch.bfloat16, device=CUDA)
+        prep = HeadPrep(w16, w16, 1e-6, True, inv, True, (2048.0, 0.1), 1.0)
+        got = fn(q16, k16, v16, pos, prep, kc, vc, slots)
+        want_q = basic.norm_rope(q16, pos, w16, 1e-6, True, inv, True, (2048.0, 0.1))
+        want_k = basic.norm_rope(k16, pos, w16, 1e-6, True, inv, True, None)
+        assert _rel(got, want_q) <= 1e-2 and _rel(kc[slots], want_k) <= 1e-2, fn
+        assert torch.equal(vc[slots], v16) and not kc[~torch.isin(torch.arange(64, device=CUDA), slots)].any()
     o, gate, bias = (
         torch.randn(8, 48, 128, generator=g),
         torch.randn(8, 48, 128, generator=g),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.kernels.ops import PagedMeta
+from dayzero.kernels.ops import HeadPrep, PagedMeta
+from dayzero.kernels.reference.basic import norm_rope
 from dayzero.kernels.registry import register
 
 
@@ -32,6 +33,28 @@ def kv_write(
     """k_cache[slots[t]] = k[t] for every new token t; k, v [T, Hk, D], caches [N, Hk, D]."""
     k_cache[slots] = k.to(k_cache.dtype)
     v_cache[slots] = v.to(v_cache.dtype)
+
+
+@register("qk_norm_rope_write", "reference", graphs=True)
+def qk_norm_rope_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    prep: HeadPrep,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """q [T, H, D], k, v [T, Hk, D]: q' = norm_rope(q) with the log scaling, k' = norm_rope(k)
+    (basic.norm_rope's math), k' and v into their cache slots; returns q'."""
+    p = prep
+    q = norm_rope(
+        q, positions, p.q_weight, p.eps, p.weight_in_fp32, p.inv_freq, p.neox, p.log_scaling, p.rope_factor
+    )
+    k = norm_rope(k, positions, p.k_weight, p.eps, p.weight_in_fp32, p.inv_freq, p.neox, None, p.rope_factor)
+    kv_write(k, v, k_cache, v_cache, slots)
+    return q
 
 
 @register("gqa_attention", "reference")

@@ -1,7 +1,7 @@
 """Triton backend (CUDA): packed-weight GEMMs (`packed`), paged GQA attention reading the cache
 in place (`attention`), stacked experts read in place (`moe`), MoE routing (`routing`), RMSNorm
 (`norm`), the fused small ops (`fused`: residual add + norm, head norm + RoPE, output
-gate, SwiGLU, the K/V cache write).
+gate, SwiGLU, the K/V cache write), the greedy sampler (`sampling`).
 Registered only where `triton` imports (CUDA builds of torch bring it); every kernel is checked
 against the reference backend in Triton's CPU interpreter in CI (tests/test_triton_interpreter.py)
 and on the GPU (scripts/gpu_bringup.sh runs tests/test_triton_packed.py, tests/test_triton_cuda.py)."""
@@ -14,7 +14,7 @@ from dayzero.kernels.ops import PACKED_FORMATS
 from dayzero.kernels.registry import OPS, Capabilities, register
 
 if importlib.util.find_spec("triton") is not None:
-    from dayzero.kernels.triton import attention, fused, moe, norm, packed, routing
+    from dayzero.kernels.triton import attention, fused, moe, norm, packed, routing, sampling
 
     _half = dict(  # the packed GEMMs: shapes from the tensors alone, no host sync (graph-safe)
         devices=frozenset({"cuda"}),
@@ -52,6 +52,7 @@ if importlib.util.find_spec("triton") is not None:
         ("sigmoid_gate", fused.sigmoid_gate),
         ("swiglu", fused.swiglu),
         ("kv_write", fused.kv_write),
+        ("qk_norm_rope_write", fused.qk_norm_rope_write),
         ("moe_route", routing.moe_route),
     ):
         register(op, "triton", Capabilities(features=OPS.get(op).features, **_any))(fn)
@@ -61,3 +62,7 @@ if importlib.util.find_spec("triton") is not None:
         "triton",
         Capabilities(features=frozenset({"fp32", "limit"}), **(_any | {"priority": 20})),
     )(moe.moe_experts)
+    # above the batched sampler (priority 10), which it runs itself for any batch but all-greedy
+    register(
+        "sample", "triton", Capabilities(features=OPS.get("sample").features, **(_any | {"priority": 20}))
+    )(sampling.sample)

@@ -12,6 +12,7 @@ the unfused ops round them:
   sigmoid_gate  o * sigmoid(g (+ b[h]))                                           [T, H, D]
   swiglu        silu(min(g, limit)) * clamp(u, -limit, limit)  (fp32: rounded once)  [T, I]
   kv_write      k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]      [T, Hk, D] each
+  qk_norm_rope_write  q' = norm_rope(q) (with its log scaling), k' = norm_rope(k), kv_write(k', v)
 
 rmsnorm(v, w) = v / sqrt(mean(v^2) + eps) * w; weight_in_fp32: w * h rounded once, else h
 rounded, then times w (rounded). Rows may be strided views (q / k / gate slices of one fused
@@ -24,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from dayzero.kernels.ops import HeadPrep
+from dayzero.kernels.reference import attention as ref_attention
 from dayzero.kernels.reference import basic
-from dayzero.kernels.reference.attention import kv_write as basic_kv_write
 from dayzero.kernels.triton.norm import _rows
 
 
@@ -96,25 +98,17 @@ def _load_normed(base, w_ptr, idx, mask, r, dt: tl.constexpr, NORM: tl.constexpr
 
 
 @triton.jit
-def _norm_rope(
-    x_ptr, pos_ptr, w_ptr, f_ptr, y_ptr, H, stride_t, stride_h, D, eps, base, exponent, factor,
+def _norm_rope_row(
+    src, out, w_ptr, f_ptr, p, D, eps, sc, factor, dt: tl.constexpr,
     HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, W_FP32: tl.constexpr,
     ROPE: tl.constexpr, NEOX: tl.constexpr, SCALE: tl.constexpr, FACTOR: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    t, h = row // H, row % H
-    src = x_ptr + t.to(tl.int64) * stride_t + h * stride_h
-    out = y_ptr + row.to(tl.int64) * D
-    dt = y_ptr.dtype.element_ty
+    """One head vector src [D] -> out [D]: rmsnorm, rope at position p, times sc (SCALE)."""
     d = tl.arange(0, BD)
     r = 0.0
     if NORM:
         x = tl.load(src + d, mask=d < D, other=0.0).to(tl.float32)
         r = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-    p = tl.load(pos_ptr + t).to(tl.float32)
-    sc = 1.0
-    if SCALE:
-        sc = tl.exp(exponent * tl.log(1.0 + (p + 1.0) / base))
     if ROPE:
         j = tl.arange(0, BH)
         jm = j < HALF
@@ -137,6 +131,58 @@ def _norm_rope(
     if SCALE:
         v = v * sc
     tl.store(out + d, v.to(dt), mask=rest)
+
+
+@triton.jit
+def _log_scale(p, base, exponent):
+    return tl.exp(exponent * tl.log(1.0 + (p + 1.0) / base))
+
+
+@triton.jit
+def _norm_rope(
+    x_ptr, pos_ptr, w_ptr, f_ptr, y_ptr, H, stride_t, stride_h, D, eps, base, exponent, factor,
+    HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, W_FP32: tl.constexpr,
+    ROPE: tl.constexpr, NEOX: tl.constexpr, SCALE: tl.constexpr, FACTOR: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    t, h = row // H, row % H
+    p = tl.load(pos_ptr + t).to(tl.float32)
+    sc = _log_scale(p, base, exponent) if SCALE else 1.0
+    _norm_rope_row(
+        x_ptr + t.to(tl.int64) * stride_t + h * stride_h, y_ptr + row.to(tl.int64) * D, w_ptr, f_ptr, p,
+        D, eps, sc, factor, y_ptr.dtype.element_ty, HALF, BH, BD, NORM, W_FP32, ROPE, NEOX, SCALE, FACTOR,
+    )  # fmt: skip
+
+
+@triton.jit
+def _qk_norm_rope_write(
+    q_ptr, k_ptr, v_ptr, pos_ptr, wq_ptr, wk_ptr, f_ptr, y_ptr, kc_ptr, vc_ptr, slots_ptr, H, Hk,
+    sqt, sqh, skt, skh, svt, svh, skc, skch, svc, svch, D, eps, base, exponent, factor,
+    HALF: tl.constexpr, BH: tl.constexpr, BD: tl.constexpr, NORM: tl.constexpr, W_FP32: tl.constexpr,
+    ROPE: tl.constexpr, NEOX: tl.constexpr, SCALE: tl.constexpr, FACTOR: tl.constexpr,
+):  # fmt: skip
+    """Program (t, h) of H + Hk heads: a query head into y, or a key head into its cache slot
+    with the value head beside it."""
+    row = tl.program_id(0)
+    t, h = (row // (H + Hk)).to(tl.int64), row % (H + Hk)
+    p = tl.load(pos_ptr + t).to(tl.float32)
+    dt = y_ptr.dtype.element_ty
+    if h < H:
+        sc = _log_scale(p, base, exponent) if SCALE else 1.0
+        _norm_rope_row(
+            q_ptr + t * sqt + h * sqh, y_ptr + (t * H + h) * D, wq_ptr, f_ptr, p, D, eps, sc, factor, dt,
+            HALF, BH, BD, NORM, W_FP32, ROPE, NEOX, SCALE, FACTOR,
+        )  # fmt: skip
+    else:
+        hk = h - H
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        _norm_rope_row(
+            k_ptr + t * skt + hk * skh, kc_ptr + slot * skc + hk * skch, wk_ptr, f_ptr, p, D, eps, 1.0,
+            factor, dt, HALF, BH, BD, NORM, W_FP32, ROPE, NEOX, False, FACTOR,
+        )  # fmt: skip
+        d = tl.arange(0, BD)
+        v = tl.load(v_ptr + t * svt + hk * svh + d, mask=d < D)
+        tl.store(vc_ptr + slot * svc + hk * svch + d, v.to(vc_ptr.dtype.element_ty), mask=d < D)
 
 
 def norm_rope(
@@ -167,6 +213,41 @@ def norm_rope(
             HALF=half, BH=triton.next_power_of_2(max(half, 1)), BD=triton.next_power_of_2(x.shape[-1]),
             NORM=weight is not None, W_FP32=weight_in_fp32, ROPE=inv_freq is not None, NEOX=neox,
             SCALE=log_scaling is not None, FACTOR=inv_freq is not None and rope_factor != 1.0,
+        )  # fmt: skip
+    return y
+
+
+def qk_norm_rope_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    prep: HeadPrep,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """norm_rope of q and k and the K/V cache write as one launch (the reference's three)."""
+    p = prep
+    views = (q, k, v, k_cache, v_cache)
+    odd = q.dim() != 3 or any(t.stride(-1) != 1 for t in views) or k_cache.dtype != q.dtype
+    if odd or any(w is not None and w.dtype != q.dtype for w in (p.q_weight, p.k_weight)):
+        return ref_attention.qk_norm_rope_write(q, k, v, positions, p, k_cache, v_cache, slots)
+    (t, h, d), hk = q.shape, k.shape[1]
+    y = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    half = 0 if p.inv_freq is None else p.inv_freq.shape[0]
+    base, exponent = p.log_scaling or (1.0, 0.0)
+    if t:
+        _qk_norm_rope_write[(t * (h + hk),)](
+            q, k, v, positions, q if p.q_weight is None else p.q_weight,
+            q if p.k_weight is None else p.k_weight, q if p.inv_freq is None else p.inv_freq, y,
+            k_cache, v_cache, slots, h, hk, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+            v_cache.stride(1), d, p.eps, base, exponent, p.rope_factor,
+            HALF=half, BH=triton.next_power_of_2(max(half, 1)), BD=triton.next_power_of_2(d),
+            NORM=p.q_weight is not None, W_FP32=p.weight_in_fp32, ROPE=p.inv_freq is not None,
+            NEOX=p.neox, SCALE=p.log_scaling is not None,
+            FACTOR=p.inv_freq is not None and p.rope_factor != 1.0,
         )  # fmt: skip
     return y
 
@@ -266,7 +347,7 @@ def kv_write(
 ) -> None:
     """One launch for both caches (the reference's two index writes); strided views in place."""
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        return basic_kv_write(k, v, k_cache, v_cache, slots)
+        return ref_attention.kv_write(k, v, k_cache, v_cache, slots)
     t, hk, d = k.shape
     if t:
         _kv_write[(t * hk,)](

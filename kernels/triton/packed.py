@@ -2,10 +2,11 @@
 weights, bf16/fp16 activations, fp32 accumulation. For GPUs without FP4 math (Hopper): each
 weight tile is decoded in registers right after it is loaded, so a step reads the packed bytes
 only. The math is kernels/packed.py's: W[n, k] = value(codes[n, k]) * (scale[n, k // G] * global[n]),
-rounded to the activation dtype before the product, as the reference backend does.
+rounded to the activation dtype before the product on the tensor cores, as the reference does.
 
-Two kernels, each for dense linears and stacked experts: `_packed_gemv` (decode: one row a
-program on the CUDA cores; a pair reads its expert by id) and `_packed_gemm` (tensor-core tiles;
+Two kernels, each for dense linears and stacked experts: `packed_gemv` (decode, packed_gemv.py:
+one row a program on the CUDA cores, fp16 sums of 16 elements; a pair reads its expert by id)
+and `_packed_gemm` (tensor-core tiles;
 the (token, slot) pairs sorted by expert and padded to whole row blocks by `_align`, on the
 device, no host sync; a program takes one block of one expert and one tile of output columns).
 """
@@ -20,17 +21,9 @@ import triton.language as tl
 
 from dayzero.kernels.packed import PackedWeight
 from dayzero.kernels.reference.basic import swiglu
+from dayzero.kernels.triton.packed_gemv import _e2m1, packed_gemv
 
 FMT = {"nvfp4": 0, "mxfp4": 1, "fp8_block": 2}
-
-
-@triton.jit
-def _e2m1_scaled(c):
-    """4-bit code -> value * 2^-14, exactly, as fp16 bits: the sign to bit 15, the 3 magnitude
-    bits (exponent, mantissa) to bits 9-11, where fp16's exponent bias (15 against E2M1's 1)
-    makes every code, the subnormal 0.5 included, its value times 2^-14."""
-    bits = ((c & 7).to(tl.uint16) << 9) | ((c & 8).to(tl.uint16) << 12)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -48,9 +41,9 @@ def _fp4_tile(
         s = s.to(tl.float32) * glob[:, None]
     else:
         s = tl.exp2(s.to(tl.float32) - 127.0)
-    s = tl.where(sm, s * 16384.0, 0.0)  # 2^14 undoes _e2m1_scaled's; exact (a power of 2)
+    s = tl.where(sm, s * 16384.0, 0.0)  # 2^14 undoes _e2m1's; exact (a power of 2)
     s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BK // G, G // 2)), (BN, BK // 2))
-    return _e2m1_scaled(c & 15) * s, _e2m1_scaled(c >> 4) * s
+    return _e2m1(c & 15).to(tl.float32) * s, _e2m1(c >> 4).to(tl.float32) * s
 
 
 @triton.jit
@@ -129,61 +122,6 @@ def _packed_gemm(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _packed_gemv(
-    x_ptr,
-    y_ptr,
-    codes_ptr,
-    scale_ptr,
-    glob_ptr,
-    ids_ptr,
-    N,
-    K: tl.constexpr,
-    stride_xm,
-    stride_ym,
-    stride_ce,
-    stride_cn,
-    stride_se,
-    stride_sn,
-    stride_ge,
-    x_row_div,
-    FMT: tl.constexpr,
-    INDIRECT: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-):
-    """One output row a program (decode: a token, or a (token, slot) pair with expert
-    ids_ptr[row]): y[r, n-tile] = sum_k W_e[n, k] x[r // x_row_div, k] on the CUDA cores, the
-    weights rounded to x's dtype first as on the tensor-core path; no expert sorting needed."""
-    r, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(ids_ptr + r).to(tl.int64) if INDIRECT else 0
-    xrow = x_ptr + (r // x_row_div).to(tl.int64) * stride_xm
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    n_ok = offs_n < N
-    wbase = codes_ptr + e * stride_ce + offs_n[:, None].to(tl.int64) * stride_cn
-    sbase = scale_ptr + e * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
-    acc = tl.zeros((BN,), dtype=tl.float32)
-    dt = x_ptr.dtype.element_ty
-    if FMT == 2:
-        for k0 in range(0, K, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            x = tl.load(xrow + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            w = _fp8_tile(wbase, sbase, k0, n_ok, K, BK).to(dt).to(tl.float32)
-            acc += tl.sum(w * x[None, :], axis=1)
-    else:
-        glob = tl.zeros((BN,), dtype=tl.float32)
-        if FMT == 0:
-            glob = tl.load(glob_ptr + e * stride_ge + offs_n, mask=n_ok, other=0.0)
-        for k0 in range(0, K // 2, BK // 2):
-            lo, hi = _fp4_tile(wbase, sbase, glob, k0, n_ok, FMT, K, BN, BK)
-            offs_b = k0 + tl.arange(0, BK // 2)
-            xe = tl.load(xrow + 2 * offs_b, mask=offs_b < K // 2, other=0.0).to(tl.float32)
-            xo = tl.load(xrow + 2 * offs_b + 1, mask=offs_b < K // 2, other=0.0).to(tl.float32)
-            lo, hi = lo.to(dt).to(tl.float32), hi.to(dt).to(tl.float32)
-            acc += tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1)
-    tl.store(y_ptr + r.to(tl.int64) * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
-
-
 # Row tiles stay at 16 / 32: with Triton 3.6 on the H200, 64-row tiles (its wgmma path) with
 # weights decoded in registers gave an illegal address at 16 output columns and wrong sums at 32
 # (measured 2026-11-29 with this kernel's first version); every tile shape used here is checked
@@ -226,15 +164,20 @@ def _strides(w: PackedWeight) -> tuple:
 
 
 GEMV_ROWS = 2  # up to this many rows a weight (on average), one program a row on the CUDA cores
+# (BN output rows, NB sub-blocks of 16 elements a loop step, num_warps) by format: the best
+# geometric mean of the nvfp4 sweep (scripts/tune_packed_tiles.py nvfp4 gemv, H200, one run:
+# 714 / 458 / 973 GB/s at dense m=1 / m=2 / experts t=1); mxfp4 and fp8_block not swept
+GEMV = {"nvfp4": (8, 16, 1), "mxfp4": (8, 16, 1), "fp8_block": (8, 16, 1)}
 
 
-def _gemv(x, y, w: PackedWeight, ids=None, x_row_div=1) -> None:
+def _gemv(x, y, w: PackedWeight, ids=None, x_row_div=1, config: dict | None = None) -> None:
     codes, scale, glob, sce, scn, sse, ssn, sge = _strides(w)
-    cfg = _config(w.format.name, y.shape[0], w.shape[-2])
-    _packed_gemv[(y.shape[0], triton.cdiv(w.shape[-2], cfg["BN"]))](
+    bn, nb, warps = GEMV[w.format.name]
+    cfg = config or {"BN": bn, "NB": nb, "num_warps": warps}
+    packed_gemv[(y.shape[0], triton.cdiv(w.shape[-2], cfg["BN"]))](
         x, y, codes, scale, glob, ids if ids is not None else x, w.shape[-2], w.shape[-1],
         x.stride(0), y.stride(0), sce, scn, sse, ssn, sge, x_row_div,
-        FMT=FMT[w.format.name], INDIRECT=ids is not None, **cfg,
+        FMT=FMT[w.format.name], INDIRECT=ids is not None, F16=x.dtype != torch.float32, **cfg,
     )  # fmt: skip
 
 

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from dayzero.kernels.ops import HeadPrep
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl, StaticCache
 from dayzero.sdk.blocks.rope import ROPE_TYPES, rope_kind, rope_table
@@ -119,20 +120,17 @@ class GqaAttention(nn.Module):
         q = q.reshape(t, c.heads, c.head_dim)
         k = k.reshape(t, c.kv_heads, c.head_dim)
         v = v.reshape(t, c.kv_heads, c.head_dim)
-        if self.q_norm is not None or self.inv_freq is not None or c.query_scaling is not None:
-            eps, w32, inv, p, a = (
-                c.norm_eps,
-                c.norm_weight_in_fp32,
-                self.inv_freq,
-                ctx.positions,
-                self.rope_factor,
-            )
-            q = ops.norm_rope(q, p, self.q_norm, eps, w32, inv, c.neox, c.query_scaling, a)
-            k = ops.norm_rope(k, p, self.k_norm, eps, w32, inv, c.neox, None, a)
         kv = ctx.caches[self.group][:, self.offset : self.offset + 2 * c.kv_heads * c.head_dim]
         kv = kv.view(-1, 2, c.kv_heads, c.head_dim)  # [N, 2, Hk, D]
         meta = ctx.paged[self.group]
-        ops.kv_write(k, v, kv[:, 0], kv[:, 1], meta.slots)
+        if self.q_norm is not None or self.inv_freq is not None or c.query_scaling is not None:
+            prep = HeadPrep(
+                self.q_norm, self.k_norm, c.norm_eps, c.norm_weight_in_fp32, self.inv_freq, c.neox,
+                c.query_scaling, self.rope_factor,
+            )  # fmt: skip
+            q = ops.qk_norm_rope_write(q, k, v, ctx.positions, prep, kv[:, 0], kv[:, 1], meta.slots)
+        else:
+            ops.kv_write(k, v, kv[:, 0], kv[:, 1], meta.slots)
         o = ops.gqa_attention(q, kv[:, 0], kv[:, 1], meta, c.scale, c.window, c.softcap)  # [T, H, D]
         if c.output_gate != "none":
             o = ops.sigmoid_gate(o, gate.reshape(t, c.heads, c.head_dim), self.gate_bias)
@@ -193,7 +191,6 @@ def _gqa_needs(c: GqaCfg):
     attn = {"causal"} | ({"sliding_window"} if c.window else set()) | ({"softcap"} if c.softcap else set())
     needs = [
         ("linear", frozenset({"bias"}) if c.bias else frozenset(), None),
-        ("kv_write", frozenset(), c.head_dim),
         ("gqa_attention", frozenset(attn), c.head_dim),
     ]
     prep = ({"norm"} | ({"weight_in_fp32"} if c.norm_weight_in_fp32 else set())) if c.qk_norm else set()
@@ -203,8 +200,9 @@ def _gqa_needs(c: GqaCfg):
         )
     if c.query_scaling is not None:
         prep.add("log_scaling")
-    if prep:
-        needs.append(("norm_rope", frozenset(prep), None))
+    needs.append(
+        ("qk_norm_rope_write", frozenset(prep), None) if prep else ("kv_write", frozenset(), c.head_dim)
+    )
     if c.output_gate != "none":
         needs.append(
             ("sigmoid_gate", frozenset({"bias"} if c.output_gate == "sigmoid_head_bias" else ()), None)

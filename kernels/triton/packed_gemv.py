@@ -1,0 +1,93 @@
+"""Weight-only GEMV on packed weights for decode shapes (a few rows a weight), on the CUDA cores:
+one program a (row, BN output rows) tile streams its weights' bytes once and never widens a
+weight to fp32. The math (kernels/packed.py):
+
+  y[n] = sum_b s[n, b] * sum_{k in b} v(codes[n, k]) x[k]          b: sub-blocks of 16 elements
+  s[n, b] = scale[n, 16 b // G] (* global[n])    G = 16 (nvfp4), 32 (mxfp4), 128 (fp8_block)
+
+The inner sum runs in fp16 over 16 elements: x is taken to fp16 times a power of two 2^c chosen
+per row so that max|x| 2^c <= 2^XE (nothing of a bf16 x is lost above 2^-28 of its max), a 4-bit
+code is its value times 2^-14 as fp16 bits (three bit operations, `_e2m1`), an fp8 code widens
+to fp16 exactly. With XE = 14 (4-bit: |v 2^-14| <= 6 2^-14) or 2 (fp8: |v| <= 448) a product is
+at most 6 / 1,792 and a sub-block's sum at most 96 / 28,672, inside fp16's range; each sub-block
+sum then leaves fp16 for good: times its scale in fp32, and y = acc 2^(14 or 0) / 2^c.
+Rounding differs from the reference (weights rounded to bf16, fp32 products) by the fp16 sums'
+about 2^-11 relative error. An fp32 x (an fp32 model) keeps fp32 products and sums.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _e2m1(c):
+    """4-bit codes -> value * 2^-14 as fp16: the sign to bit 15, the 3 magnitude bits to bits 9-11
+    (fp16's exponent bias 15 against E2M1's 1 makes every code exact, the subnormal 0.5 too)."""
+    bits = ((c & 7).to(tl.uint16) << 9) | ((c & 8).to(tl.uint16) << 12)
+    return bits.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _fp16_row(xrow, K: tl.constexpr, XE: tl.constexpr, XB: tl.constexpr):
+    """2^c with max|x| 2^c <= 2^XE (1 for a zero row)."""
+    amax = tl.zeros((XB,), tl.float32)
+    for k0 in range(0, K, XB):
+        o = k0 + tl.arange(0, XB)
+        amax = tl.maximum(amax, tl.abs(tl.load(xrow + o, mask=o < K, other=0.0).to(tl.float32)))
+    m = tl.max(amax, 0)
+    return tl.where(m > 0, tl.exp2(XE - tl.ceil(tl.log2(tl.maximum(m, 1e-30)))), 1.0)
+
+
+@triton.jit
+def packed_gemv(
+    x_ptr, y_ptr, codes_ptr, scale_ptr, glob_ptr, ids_ptr, N, K: tl.constexpr,
+    stride_xm, stride_ym, stride_ce, stride_cn, stride_se, stride_sn, stride_ge, x_row_div,
+    FMT: tl.constexpr, INDIRECT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, F16: tl.constexpr,
+):  # fmt: skip
+    """y[r, n-tile] = W_e x[r // x_row_div]; e = ids_ptr[r] when INDIRECT (a (token, slot) pair
+    reads its expert in place), else 0. FMT: 0 nvfp4, 1 mxfp4, 2 fp8_block; NB sub-blocks of 16
+    elements a loop step; F16 False (fp32 x): the sums in fp32, x as it is."""
+    r, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(ids_ptr + r).to(tl.int64) if INDIRECT else 0
+    xrow = x_ptr + (r // x_row_div).to(tl.int64) * stride_xm
+    XE: tl.constexpr = 14 if FMT < 2 else 2
+    G: tl.constexpr = 16 if FMT == 0 else (32 if FMT == 1 else 128)
+    SB: tl.constexpr = 8 if FMT < 2 else 16  # bytes of a 16-element sub-block
+    dt: tl.constexpr = tl.float16 if F16 else tl.float32
+    xs = _fp16_row(xrow, K, XE, 1024) if F16 else 1.0
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    wbase = codes_ptr + e * stride_ce + offs_n.to(tl.int64) * stride_cn  # [BN]
+    sbase = scale_ptr + e * stride_se + offs_n.to(tl.int64) * stride_sn
+    glob = tl.full((BN,), 1.0, tl.float32)
+    if FMT == 0:
+        glob = tl.load(glob_ptr + e * stride_ge + offs_n, mask=n_ok, other=0.0)
+    j, b = tl.arange(0, NB), tl.arange(0, SB)
+    acc = tl.zeros((BN,), tl.float32)
+    for s0 in range(0, tl.cdiv(K, 16), NB):
+        sub = s0 + j  # [NB]
+        byte = sub[:, None] * SB + b[None, :]  # [NB, SB]
+        lim = K // 2 if FMT < 2 else K
+        b_ok = byte < lim
+        cm = n_ok[:, None, None] & b_ok[None]
+        c = tl.load(wbase[:, None, None] + byte[None, :, :], mask=cm)  # no `other`: e4m3 takes none
+        if FMT < 2:
+            c = tl.where(cm, c, 0)  # two codes a byte, the low nibble the even element
+            xe = (tl.load(xrow + 2 * byte, mask=b_ok, other=0.0).to(tl.float32) * xs).to(dt)
+            xo = (tl.load(xrow + 2 * byte + 1, mask=b_ok, other=0.0).to(tl.float32) * xs).to(dt)
+            part = tl.sum(_e2m1(c & 15).to(dt) * xe[None] + _e2m1(c >> 4).to(dt) * xo[None], axis=2)
+        else:
+            xv = (tl.load(xrow + byte, mask=b_ok, other=0.0).to(tl.float32) * xs).to(dt)
+            part = tl.sum(tl.where(cm, c.to(dt), 0.0) * xv[None], axis=2)  # [BN, NB]
+        s_ok = n_ok[:, None] & (sub < tl.cdiv(K, 16))[None, :]
+        s = tl.load(sbase[:, None] + (sub * 16 // G)[None, :], mask=s_ok)  # e4m3 / e8m0 / fp32 [BN, NB]
+        if FMT == 0:
+            s = s.to(tl.float32) * glob[:, None]
+        elif FMT == 1:
+            s = tl.exp2(s.to(tl.float32) - 127.0)
+        s = tl.where(s_ok, s, 0.0)  # masked e4m3 loads take no `other`
+        acc += tl.sum(part.to(tl.float32) * s, axis=1)
+    out = acc * ((16384.0 if FMT < 2 else 1.0) / xs)
+    tl.store(y_ptr + r.to(tl.int64) * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_ok)
