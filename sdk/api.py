@@ -21,7 +21,7 @@ from dayzero.sdk.config.model import ModelConfig
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.engine.grammar import GrammarCompiler
 from dayzero.sdk.families import build
-from dayzero.sdk.loader import load_weights, open_checkpoint
+from dayzero.sdk.loader import LOAD_FORMATS, fill_dummy, load_weights, open_checkpoint, refuse_dummy
 from dayzero.sdk.loader.detok import Detokenizer
 from dayzero.sdk.loader.tokenizer import load_tokenizer
 from dayzero.sdk.quant import check_requested
@@ -148,18 +148,24 @@ class LLM:
         quantization: str | None = None,
         quantize_activations: bool = False,
         before_weights: Callable[[LLM], None] | None = None,
+        load_format: str = "auto",
     ) -> None:
         """quantization: the format the checkpoint must hold (checked, see sdk.quant);
         quantize_activations: NVFP4 activation quantization with the checkpoint's input scales
         (what FP4 hardware computes; emulated where there is none); before_weights: called with
         the LLM once its checkpoint, config and tokenizer are read, before the model is built
-        (a caller's own checks fail there, not after the load)."""
+        (a caller's own checks fail there, not after the load); load_format "dummy": random
+        weights, no tensor read (a folder with config.json and a tokenizer is enough)."""
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format {load_format!r}: known {', '.join(LOAD_FORMATS)}")
         t0 = time.perf_counter()
         self.path = resolve_model(model) if model else embedded_default()
         self.device = torch.device(device or default_device())
         self.dtype = parse_dtype(dtype, self.device)
         log.info("opening the checkpoint %s", self.path)
         self.checkpoint = ckpt = open_checkpoint(self.path, family)
+        if load_format == "dummy":
+            refuse_dummy(ckpt)  # before the packing is read from tensor headers
         self.config = ckpt.family.config(ckpt.hf, str(ckpt.path))
         log.info("family %s (%s); reading the tokenizer", ckpt.family.name, ckpt.format)
         self.tokenizer = load_tokenizer(ckpt.path, ckpt.format)  # before the weights: fail fast
@@ -177,7 +183,11 @@ class LLM:
         self.model, self.ops = build(
             ckpt.family, self.config, ckpt.hf, self.device, self.dtype, packed, quantize_activations
         )
-        load_weights(self.model, ckpt, progress=progress)
+        if load_format == "dummy":
+            log.warning("random weights (load format dummy): the answers mean nothing")
+            fill_dummy(self.model, ckpt)
+        else:
+            load_weights(self.model, ckpt, progress=progress)
         if callable(engine):  # sized once the weights are resident (free device memory is known)
             engine = engine(self.config)
         self.engine = Engine(self.model, self.config, self.ops, engine or EngineConfig())

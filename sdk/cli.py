@@ -10,6 +10,11 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dayzero.kernels.registry import Registry
+    from dayzero.sdk.families import Family
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -60,7 +65,7 @@ def _specs(args: argparse.Namespace) -> int:
     return 1 if broken else 0
 
 
-def specs_table(families) -> tuple[list[str], list[str]]:
+def specs_table(families: Registry[Family]) -> tuple[list[str], list[str]]:
     """(the table: a header and a row per family that loads, what is wrong with each that does
     not): one invalid spec under models/ leaves the others listed."""
     from dayzero.sdk.codegen.support import device_support
@@ -200,8 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--sizes", default="32,256,1024", help="scheduler: live request counts (comma separated)")
     b.add_argument("--steps", type=int, default=1000, help="scheduler: timed decode steps per size")
-    b.add_argument("--family", default="beam", help="decode: the family (its spec's `bench` config)")
-    b.add_argument("--set", default=None, help="decode: JSON HF-config overrides on top of the bench config")
+    b.add_argument(
+        "--family", default="beam", help="decode, agentic --random-weights: the family (its bench config)"
+    )
+    b.add_argument(
+        "--set", default=None, help="decode, agentic --random-weights: JSON overrides of the bench config"
+    )
     b.add_argument("--batches", default="1,32", help="decode: batch sizes")
     b.add_argument("--prompt-len", type=int, default=512, help="decode: prompt tokens before timing")
     b.add_argument("--new-tokens", type=int, default=64, help="decode: timed tokens per request")
@@ -237,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="agentic: seeds the token content and turn counts")
     b.add_argument("--port", type=int, default=0, help="agentic: server port (0: a free one)")
     b.add_argument("--serve-flags", default="", help="agentic: more `dayzero serve` flags, as one string")
+    b.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="agentic: serve --family's bench config (+ --set) with random weights instead of MODEL",
+    )
     device_flags(b)
     b.set_defaults(fn=_bench)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -55,6 +56,26 @@ def test_bench_agentic_prints_turns_and_the_summary_line(tmp_path):
         lines[-1],
     )
     assert m and 0 < float(m[4]) <= 1 and float(m[1]) > 0, lines[-1]
+
+
+def test_bench_agentic_random_weights_serves_the_bench_config():
+    """--random-weights: the family's bench config (shrunk here by --set) served with random
+    weights (`--load-format dummy`) and the embedded tokenizer, no checkpoint on disk; the output
+    keeps its shape and later turns hit the prefix cache."""
+    tiny = {
+        "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+        "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "mlp_layer_types": ["dense", "sparse"],
+    }  # fmt: skip
+    r = run(
+        "bench", "agentic", "--random-weights", "--family", "beam", "--set", json.dumps(tiny),
+        "--agents", "1", "--turns", "2", "--first-turn", "48", "--turn-tokens", "16", "--max-output", "6",
+        "--device", "cpu",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "serving the beam bench config with random weights" in r.stdout
+    m = re.search(r"agentic per_user_tok_s=([\d.]+) .* hit_rate=([\d.]+)", r.stdout)
+    assert m and float(m[1]) > 0 and float(m[2]) > 0.5, r.stdout[-1500:]
 
 
 def test_unknown_bench_part_is_refused():

@@ -309,3 +309,22 @@ def test_mtp_layer_tensors_are_set_aside_and_others_still_fail(tmp_path: Path) -
     )
     with pytest.raises(WeightError, match=rf"model\.layers\.{n + 1}\.enorm\.weight"):
         load_weights(model, open_checkpoint(ckpt), progress=False)
+
+
+def test_dummy_load_format_needs_no_weights(ckpt_copy: Path) -> None:
+    """--load-format dummy: config.json and the tokenizer are enough; weights come from a fixed
+    seed (N(0, 0.02^2), two loads equal); an unknown format or a quantized config is refused."""
+    from dayzero.sdk.api import LLM
+
+    for f in ckpt_copy.glob("*.safetensors"):
+        f.unlink()
+    a, b = (LLM(ckpt_copy, device="cpu", load_format="dummy", progress=False) for _ in range(2))
+    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(p, q) and 0.015 < p.float().std().item() < 0.025, name
+    with pytest.raises(ValueError, match="load_format 'bogus': known auto, dummy"):
+        LLM(ckpt_copy, device="cpu", load_format="bogus")
+    cfg = json.loads((ckpt_copy / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (ckpt_copy / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="dummy makes float weights; this one is quantized"):
+        LLM(ckpt_copy, device="cpu", load_format="dummy")

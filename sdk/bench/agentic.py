@@ -6,29 +6,37 @@ Each of N agents runs T turns (seeded, between --turns' bounds): the first promp
 the model's answer) plus --turn-tokens new ids (the tool's output); each answer is greedy, at
 most --max-output tokens, EOS ignored. The agents run concurrently, each waiting for its answer
 before its next turn, against `dayzero serve MODEL` started in a subprocess; answers stream
-(`stream_options.include_usage`, `return_token_ids`). Measured per turn: time to first token,
-decode rate (tokens after the first over the time after it), and the prompt tokens the prefix
-cache served (`usage.prompt_tokens_details.cached_tokens`). Printed: a table per turn, then
-per-user decode tok/s, TTFT p50 / p99, the prefix-cache hit rate from turn 2 on and the total
-time, and a summary line.
+(`stream_options.include_usage`, `return_token_ids`). With --random-weights the server runs the
+--family's spec `bench` config (the decode benchmark's model) with random weights
+(`--load-format dummy`) and the embedded default's tokenizer, so no checkpoint is needed.
+Measured per turn: time to first token, decode rate (tokens after the first over the time after
+it), and the prompt tokens the prefix cache served (`usage.prompt_tokens_details.cached_tokens`).
+Printed: a table per turn, then per-user decode tok/s, TTFT p50 / p99, the prefix-cache hit rate
+from turn 2 on and the total time, and a summary line.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 
 from dayzero.sdk.api import embedded_default, resolve_model
+from dayzero.sdk.families import FAMILIES
 from dayzero.sdk.loader import open_checkpoint
+from dayzero.sdk.loader.tokenizer import load_tokenizer
+from dayzero.sdk.spec.reference import merge, reference_config
 
 SERVER_START_S = 600  # loading a large checkpoint takes a while
 
@@ -107,14 +115,37 @@ def _turns(spec: str) -> tuple[int, int]:
     return lo_n, hi_n
 
 
+def random_model(family: str, overrides: str | None, out: Path, context: int) -> Path:
+    """A folder serving FAMILY's spec `bench` config (+ JSON overrides) with random weights: its
+    config.json (the embedded default's vocabulary, positions >= context) beside the embedded
+    default's tokenizer, saved from its GGUF; served with --load-format dummy."""
+    spec = FAMILIES.get(family).spec.spec
+    tok = load_tokenizer(embedded_default(), "gguf")
+    base = merge(dict(spec.bench), {"vocab_size": len(tok), "max_position_embeddings": context})
+    hf = reference_config(spec.reference, merge(base, json.loads(overrides) if overrides else {}))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf, indent=1))
+    tok.save_pretrained(str(out))
+    return out
+
+
 def main(args: argparse.Namespace) -> int:
     lo, hi = _turns(args.turns)
-    path = resolve_model(args.model) if args.model else embedded_default()
-    ckpt = open_checkpoint(path)
-    vocab = ckpt.family.config(ckpt.hf).embedding.vocab
     rng = np.random.default_rng(args.seed)
     plan = [int(rng.integers(lo, hi + 1)) for _ in range(args.agents)]
     longest = args.first_turn + max(plan) * (args.max_output + args.turn_tokens)
+    with tempfile.TemporaryDirectory(prefix="dayzero-agentic-") as tmp:
+        if args.random_weights:
+            args.model = str(random_model(args.family, args.set, Path(tmp), longest + args.max_output))
+            args.serve_flags = f"{args.serve_flags} --load-format dummy"
+            print(f"serving the {args.family} bench config with random weights from {args.model}")
+        return run(args, plan, longest)
+
+
+def run(args: argparse.Namespace, plan: list[int], longest: int) -> int:
+    path = resolve_model(args.model) if args.model else embedded_default()
+    ckpt = open_checkpoint(path)
+    vocab = ckpt.family.config(ckpt.hf).embedding.vocab
     flags = ["--max-model-len", str(longest + args.max_output), "--max-num-seqs", str(max(args.agents, 1))]
     flags += ["--device", args.device] if args.device else []
     flags += ["--dtype", args.dtype] if args.dtype else []

@@ -23,7 +23,16 @@ from dayzero.sdk.spec.resolver import Resolver
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Checkpoint", "CheckpointError", "WeightError", "load_weights", "open_checkpoint"]
+__all__ = [
+    "LOAD_FORMATS",
+    "Checkpoint",
+    "CheckpointError",
+    "WeightError",
+    "fill_dummy",
+    "load_weights",
+    "open_checkpoint",
+    "refuse_dummy",
+]
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,26 @@ def open_checkpoint(path: str | Path, family: str | None = None) -> Checkpoint:
         hf["eos_token_id"] = eos
     fam = FAMILIES.get(family) if family else family_for(hf, str(p / "config.json"))
     return Checkpoint(p, "safetensors", hf, fam, read_quant_config(p, hf))
+
+
+LOAD_FORMATS = ("auto", "dummy")  # dummy: vLLM's --load-format dummy (random weights, nothing read)
+
+
+def refuse_dummy(ckpt: Checkpoint) -> None:
+    if ckpt.quant is not None:
+        raise CheckpointError(f"{ckpt.path}: --load-format dummy makes float weights; this one is quantized")
+
+
+def fill_dummy(model: nn.Module, ckpt: Checkpoint, seed: int = 0) -> None:
+    """Random weights for timing and serving tests without the checkpoint's files (vLLM's
+    `--load-format dummy`): every parameter N(0, 0.02^2), drawn on its device from a fixed seed.
+    Float checkpoints only (`refuse_dummy`): a quantized one's packing comes from its tensor headers."""
+    refuse_dummy(ckpt)
+    gens: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for p in model.parameters():
+            g = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+            p.normal_(0.0, 0.02, generator=g)
 
 
 def load_weights(

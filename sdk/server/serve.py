@@ -17,9 +17,15 @@ import contextlib
 import logging
 import os
 import signal
+from typing import TYPE_CHECKING
 
 from dayzero.sdk.server import startup
 from dayzero.sdk.server.startup import parse_gib, parse_size
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from dayzero.sdk.server.app import ServerState
 
 log = logging.getLogger("dayzero.server")
 
@@ -93,6 +99,7 @@ def load(args: argparse.Namespace, template: str | None = None):
         quantization=args.quantization,
         quantize_activations=args.quantize_activations,
         before_weights=before_weights,
+        load_format=args.load_format,
     )
     max_len = llm.engine.max_model_len
     name = args.served_model_name or (str(args.model) if args.model else "SmolLM2-135M-Instruct")
@@ -167,7 +174,7 @@ def _draining_server_class():
         (each stream ends well-formed) and the process exits 0 (uvicorn itself re-raises the
         signal after draining, which would end the process with it)."""
 
-        def __init__(self, config, state, timeout: float, served: str) -> None:
+        def __init__(self, config: uvicorn.Config, state: ServerState, timeout: float, served: str) -> None:
             super().__init__(config)
             self.state, self.timeout, self.served = state, timeout, served
 
@@ -267,6 +274,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--quantize-activations",
         action="store_true",
         help="NVFP4 activation quantization with the checkpoint's input scales (default: weight-only)",
+    )
+    p.add_argument(
+        "--load-format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="dummy: random weights, nothing read (config.json and a tokenizer suffice; benchmarks)",
     )
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument(
