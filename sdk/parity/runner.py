@@ -33,7 +33,7 @@ from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, Sampl
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import Checkpoint, load_weights, open_checkpoint
 from dayzero.sdk.parity.dequant import write_dequantized
-from dayzero.sdk.scheduler import Scheduler, make_config
+from dayzero.sdk.scheduler import CacheGroup, Scheduler, make_config
 from dayzero.sdk.spec.reference import reference_class
 
 
@@ -246,7 +246,7 @@ def _layer_diff(ours: Ours, ref: Reference, prompt: list[int], tol: float, spec)
 RETRACTION = {"block_size": 8, "max_tokens_per_step": 64, "chunk_size": 16}  # the checks' engine
 
 
-def retraction_budget(groups, lengths: list[int], batch: int) -> int:
+def retraction_budget(groups: list[CacheGroup], lengths: list[int], batch: int) -> int:
     """KV bytes for the retraction checks: the state slots, and pages for the longest request at
     its final length alone (plus one page a group), so the requests, admitted together, outgrow
     it. A request's blocks in a paged group: ceil(L / block); in a sliding group at most the

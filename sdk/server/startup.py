@@ -13,7 +13,12 @@ import errno
 import ipaddress
 import logging
 import socket
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("dayzero.server")
 
@@ -37,10 +42,10 @@ def parse_gib(text: str) -> int:
         return parse_size(text)
 
 
-def _size(flag: str, text: str, parse=parse_size) -> int:
+def _size(flag: str, text: str, parse: Callable[[str], int] = parse_size) -> int:
     try:
         value = parse(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, or inf
         raise ValueError(f"{flag} {text}: not a size (bytes, or with a unit: 512MiB, 2GiB)") from None
     if value < 0:
         raise ValueError(f"{flag} {text}: must not be negative")
@@ -175,7 +180,7 @@ def warn_if_open(host: str, api_keys: tuple[str, ...]) -> None:
         )
 
 
-def probe_template(tokenizer, template: str | None) -> None:
+def probe_template(tokenizer: PreTrainedTokenizerBase, template: str | None) -> None:
     """Render the chat template (--chat-template, else the checkpoint's) on a probe conversation,
     as a chat request renders it: a template that cannot is a start-up error, not a 400 later."""
     own = getattr(tokenizer, "chat_template", None)
