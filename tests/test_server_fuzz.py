@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_fixture import Server
 
+ORDINARY = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
 SCALARS = st.one_of(
     st.none(),
     st.booleans(),
@@ -73,6 +74,7 @@ BODIES = st.one_of(
 @pytest.fixture(scope="module")
 def server():
     s = Server("--max-num-seqs", "8", "--kv-cache-memory", "128MiB", "--max-model-len", "512")
+    s.answer = httpx.post(f"{s.url}/v1/completions", json=ORDINARY, timeout=60).json()["choices"][0]["text"]
     yield s
     s.stop()
 
@@ -100,6 +102,58 @@ def test_no_body_makes_a_5xx(server, path: str, body: dict, raw: bytes | None) -
     assert r.status_code < 500, (r.status_code, r.text[:500], body)
     if r.status_code >= 400:
         assert "error" in r.json()
+
+
+NUMBERS = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, float("nan"), float("inf")]),
+)
+NUMERIC = {  # every numeric field, where it sits in a body
+    "max_tokens": NUMBERS,
+    "max_completion_tokens": NUMBERS,
+    "temperature": NUMBERS,
+    "top_p": NUMBERS,
+    "top_k": NUMBERS,
+    "min_p": NUMBERS,
+    "seed": NUMBERS,
+    "n": NUMBERS,
+    "presence_penalty": NUMBERS,
+    "frequency_penalty": NUMBERS,
+    "repetition_penalty": NUMBERS,
+    "min_tokens": NUMBERS,
+    "logprobs": NUMBERS,
+    "top_logprobs": NUMBERS,
+    "stop_token_ids": st.lists(NUMBERS, min_size=1, max_size=2),
+    "logit_bias": st.dictionaries(st.integers(-(2**70), 2**70).map(str), NUMBERS, min_size=1, max_size=2),
+}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    chat=st.booleans(),
+    numbers=st.fixed_dictionaries({}, optional=NUMERIC),
+    prompt_ids=st.one_of(st.none(), st.lists(NUMBERS, min_size=1, max_size=2)),
+)
+def test_out_of_range_numbers_are_4xx_and_leave_the_server_serving(
+    server, chat: bool, numbers: dict, prompt_ids: list | None
+) -> None:
+    """Integers up to 2^70 and floats with NaN / inf in every numeric field: never a 5xx nor a hang,
+    and the next ordinary request still answers correctly."""
+    body = {"max_tokens": 2} | numbers
+    if chat:
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    else:
+        body["prompt"] = prompt_ids if prompt_ids is not None else "Hi"
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    content = json.dumps(body, allow_nan=True).encode()
+    with httpx.Client(timeout=60) as http:
+        r = http.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"})
+        assert r.status_code < 500, (r.status_code, r.text[:500], body)
+        if r.status_code >= 400:
+            assert r.json()["error"]["param"], r.text
+        ok = http.post(f"{server.url}/v1/completions", json=ORDINARY)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == server.answer, ok.text
 
 
 def test_still_serving_after_the_fuzz(server) -> None:

@@ -54,6 +54,8 @@ def test_a_busy_port_fails_before_the_model_loads() -> None:
         (["--port", "70000"], "--port 70000: a port is at most 65535"),
         (["--kv-cache-memory", "lots"], "--kv-cache-memory lots: not a size"),
         (["--swap-space", "-1"], "--swap-space -1: must not be negative"),
+        (["--max-request-bytes", "0"], "--max-request-bytes 0: must be at least 1"),
+        (["--max-request-bytes", "big"], "--max-request-bytes big: not a size"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization 1.5: a fraction in (0, 1]"),
         (["--shutdown-timeout", "-1"], "--shutdown-timeout -1.0: seconds, at least 0"),
         (["--host", "no-such-host.invalid"], "--host no-such-host.invalid: cannot be resolved"),

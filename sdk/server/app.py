@@ -26,6 +26,13 @@ from dayzero.sdk.engine.engine import SamplingParams
 from dayzero.sdk.engine.grammar import GrammarCompiler, GrammarError
 from dayzero.sdk.loader.detok import Detokenizer
 from dayzero.sdk.server.async_engine import AsyncEngine, Overloaded, ShuttingDown, Update
+from dayzero.sdk.server.limits import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    REFUSED,
+    BodyLimit,
+    longest_token_bytes,
+    text_too_long,
+)
 from dayzero.sdk.server.metrics import Metrics
 from dayzero.sdk.server.protocol import (
     ChatRequest,
@@ -34,6 +41,7 @@ from dayzero.sdk.server.protocol import (
     Sampling,
     TokenizeRequest,
     error_body,
+    validation_error,
 )
 from dayzero.sdk.server.tool_choice import CallReader, ForcedChoice, ToolsError, forced_choice
 from dayzero.sdk.server.tools import ToolParser, ToolStream
@@ -88,12 +96,15 @@ class ServerState:
     sampling_defaults: dict = field(default_factory=dict)  # for fields a request leaves unset
     tool_parser: ToolParser | None = None  # how this model writes tool calls (sdk/server/tools.py)
     grammars: Callable[[], GrammarCompiler] | None = None  # structured output (made on first use)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a longer body gets 413 unread
+    max_token_bytes: int = 0  # the tokenizer's longest token in bytes (0: measured by build_app)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="dayzero", version="0.1.0")
     app.state.dz = state
+    state.max_token_bytes = state.max_token_bytes or longest_token_bytes(state.tokenizer)
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
@@ -116,15 +127,21 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, e: RequestValidationError) -> JSONResponse:
-        err = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
-        param = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or None
+        message, param = validation_error(list(e.errors()), e.body)
         state.metrics.requests.labels("error_400").inc()
-        return JSONResponse(
-            error_body(f"{param or 'body'}: {err['msg']}", param=param, code=400), status_code=400
-        )
+        return JSONResponse(error_body(message, param=param, code=400), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _bug(_req: Request, e: Exception) -> JSONResponse:
+        """A bug, not the client's: counted, answered in OpenAI's shape (the traceback is logged)."""
+        state.metrics.requests.labels("error_500").inc()
+        msg = f"internal error: {type(e).__name__}: {e}"
+        return JSONResponse(error_body(msg, "internal_server_error", code=500), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_req: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http(req: Request, e: StarletteHTTPException) -> JSONResponse:
+        if not req.scope.get(REFUSED):  # else counted (and answered) as a 413
+            state.metrics.requests.labels(f"error_{e.status_code}").inc()
         return JSONResponse(error_body(str(e.detail), code=e.status_code), status_code=e.status_code)
 
     @app.get("/health")
@@ -160,11 +177,11 @@ def build_app(state: ServerState) -> FastAPI:
                 messages = [m.for_template() for m in req.messages]
             except ValueError as e:
                 raise ApiError(400, str(e), param="messages") from None
-            check_unicode([m["content"] for m in messages], "messages")
+            check_text(state, [m["content"] for m in messages], "messages")
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             ids = await apply_template(state, messages, tools)
         else:
-            check_unicode(req.prompt or "", "prompt")
+            check_text(state, [req.prompt or ""], "prompt")
             ids = await asyncio.to_thread(
                 state.tokenizer.encode, req.prompt or "", add_special_tokens=req.add_special_tokens
             )
@@ -186,7 +203,7 @@ def build_app(state: ServerState) -> FastAPI:
         check_model(state, req)
         check_unicode(req.stops(), "stop")
         prompts = normalise_prompt(req.prompt)
-        check_unicode(prompts, "prompt")
+        check_text(state, prompts, "prompt")
         if not prompts or len(prompts) * req.n > MAX_CHOICES:
             raise ApiError(
                 400, f"1..{MAX_CHOICES} prompts x n per request, got {len(prompts)} x {req.n}", param="prompt"
@@ -214,7 +231,7 @@ def build_app(state: ServerState) -> FastAPI:
             messages = [m.for_template() for m in req.messages]
         except ValueError as e:
             raise ApiError(400, str(e), param="messages") from None
-        check_unicode([m["content"] for m in messages], "messages")
+        check_text(state, [m["content"] for m in messages], "messages")
         forced = forced_tools(req)
         tools = offered_tools(state, req, forced is not None)
         grammar = await asyncio.to_thread(tool_grammar, state, forced) if forced else None
@@ -234,6 +251,8 @@ def build_app(state: ServerState) -> FastAPI:
             calls=forced.reader if forced else None,
         )
 
+    count_413 = state.metrics.requests.labels("error_413").inc
+    app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes, on_refuse=count_413)
     return app
 
 
@@ -259,6 +278,14 @@ def check_unicode(value, param: str) -> None:
         except UnicodeEncodeError:
             why = f"{param}: not valid Unicode (a lone surrogate escape)"
             raise ApiError(400, why, param=param) from None
+
+
+def check_text(state: ServerState, value: list, param: str) -> None:
+    """Valid Unicode, and short enough to fit the context, before any of it is tokenized."""
+    check_unicode(value, param)
+    texts = [v for v in value if isinstance(v, str)]
+    if why := text_too_long(texts, state.max_model_len, state.max_token_bytes):
+        raise ApiError(400, why, param=param)
 
 
 def normalise_prompt(p) -> list[str | list[int]]:
@@ -412,7 +439,18 @@ def sampling_params(
             top_logprobs=top,
         )
     except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(e), param=value_param(req, str(e))) from None
+
+
+def value_param(req: Sampling, message: str) -> str | None:
+    """The field an engine ValueError is about: its message begins with the field's name, or
+    speaks of the prompt (a chat request's messages)."""
+    first = message.split(" ", 1)[0]
+    if first in type(req).model_fields:
+        return first
+    if "prompt" in message.split(" (", 1)[0]:
+        return "messages" if isinstance(req, ChatRequest) else "prompt"
+    return None
 
 
 async def start_choices(
@@ -450,7 +488,7 @@ async def start_choices(
         raise ApiError(503, str(e), kind="service_unavailable", headers={"Retry-After": "5"}) from None
     except ValueError as e:
         abort_all(state, choices)
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(e), param=value_param(req, str(e))) from None
     except BaseException:
         abort_all(state, choices)
         raise
@@ -525,7 +563,7 @@ async def respond(
     if failed := next((c.error for c in choices if c.error), None):
         state.metrics.requests.labels("error_500").inc()
         return JSONResponse(error_body(failed, "internal_server_error", code=500), status_code=500)
-    state.metrics.requests.labels("ok").inc()
+    state.metrics.requests.labels(outcome(choices)).inc()
     body = {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
@@ -535,6 +573,14 @@ async def respond(
         "usage": usage(ids, choices),
     }
     return JSONResponse(body)
+
+
+def outcome(choices: list[Choice]) -> str:
+    """The request's /metrics label: error_500 when a failed step aborted a choice, abort when the
+    server aborted one (shutdown), else ok."""
+    if any(c.error for c in choices):
+        return "error_500"
+    return "abort" if any(c.finish == "abort" for c in choices) else "ok"
 
 
 def usage(prompts: list[list[int]], choices: list[Choice]) -> dict:
@@ -682,7 +728,7 @@ async def stream(
             }
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
-        state.metrics.requests.labels("error_500" if any(c.error for c in choices) else "ok").inc()
+        state.metrics.requests.labels(outcome(choices)).inc()
     except (asyncio.CancelledError, GeneratorExit):
         abort_all(state, choices)
         state.metrics.requests.labels("disconnected").inc()

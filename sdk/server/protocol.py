@@ -1,7 +1,10 @@
 """Request schemas of the OpenAI-compatible API (the fields dayzero honours) and error bodies.
 
 Unknown fields are ignored with one warning in the log, as vLLM does; fields dayzero knows of but
-does not implement are refused with a 400 naming them, rather than silently ignored.
+does not implement are refused with a 400 naming them, rather than silently ignored. JSON types are
+strict, as OpenAI's API has them ("8" is not an integer, true is not a number, NaN and Infinity are
+no floats), and every number is bounded by the range of the type it finally reaches (the C++
+scheduler's int32 token ids and counts, a torch generator's int64 seed).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_N = 16
 INT32_MAX = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]  # the scheduler's int32 (the vocabulary: app.py)
+Count = Annotated[int, Field(ge=1, le=INT32_MAX)]  # a token count reaching C++ (the context: app.py)
 # parameters dayzero does not implement, with the values that ask for nothing (accepted)
 UNSUPPORTED: dict[str, tuple] = {
     "best_of": (None, 1),
@@ -22,7 +27,13 @@ UNSUPPORTED: dict[str, tuple] = {
 }
 
 
-class JsonSchemaFormat(BaseModel):
+class Strict(BaseModel):
+    """JSON types as OpenAI's API has them: no coercion from strings or bools, finite floats."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class JsonSchemaFormat(Strict):
     model_config = ConfigDict(extra="allow")
 
     name: str | None = None
@@ -30,7 +41,7 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Strict):
     """OpenAI's: text (no constraint), json_object (any JSON object), json_schema."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -47,15 +58,15 @@ _WARNED: set[str] = set()
 log = logging.getLogger("dayzero.server")
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class Sampling(BaseModel):
+class Sampling(Strict):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0, le=100)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] = 0
@@ -68,7 +79,7 @@ class Sampling(BaseModel):
     response_format: ResponseFormat | None = None
     seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # a torch generator's range
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = []  # the scheduler's int32
+    stop_token_ids: list[TokenId] = []
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -103,23 +114,23 @@ class Sampling(BaseModel):
 
 
 class CompletionRequest(Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]  # several prompts: their choices in turn
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]  # several prompts: their choices in turn
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False  # the prompt's text before each answer
 
 
-class ToolCallFunction(BaseModel):
+class ToolCallFunction(Strict):
     name: str
     arguments: str  # a JSON object, as OpenAI sends it
 
 
-class ToolCallIn(BaseModel):
+class ToolCallIn(Strict):
     id: str
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Strict):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -159,7 +170,7 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class FunctionDef(BaseModel):
+class FunctionDef(Strict):
     model_config = ConfigDict(extra="allow")
 
     name: Annotated[str, Field(min_length=1, max_length=256)]
@@ -167,7 +178,7 @@ class FunctionDef(BaseModel):
     parameters: dict[str, Any] | None = None
 
 
-class ToolDef(BaseModel):
+class ToolDef(Strict):
     type: Literal["function"]
     function: FunctionDef
 
@@ -179,10 +190,10 @@ class ChatRequest(Sampling):
     parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Count | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -196,12 +207,57 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(Strict):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
+    tokens: list[TokenId]
 
 
 def error_body(
     message: str, kind: str = "invalid_request_error", param: str | None = None, code: int | str | None = None
 ) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _is_tag(key: object) -> bool:
+    """A union member's tag in pydantic's error location (`str`, `list[int]`, `ChatMessage`)."""
+    s = str(key)
+    return "[" in s or s in TYPE_TAGS or s[:1].isupper() or s.startswith("function-")
+
+
+def client_param(loc: tuple, body: object) -> str | None:
+    """The field as the client wrote it (`stop`, not `stop.str`): pydantic's location walked
+    against the body that was sent, union tags dropped."""
+    path: list[str] = []
+    node = body
+    for key in loc[1:] if loc[:1] == ("body",) else loc:
+        in_dict = isinstance(node, dict) and isinstance(key, str) and key in node
+        if in_dict or (isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node)):
+            node = node[key]
+        elif _is_tag(key):
+            continue
+        else:
+            node = None
+        path.append(str(key))
+    return ".".join(path) or None
+
+
+def validation_error(errors: list[dict], body: object) -> tuple[str, str | None]:
+    """A 400's message and param for pydantic's errors: the first field named as the client wrote
+    it, with each union member's complaint; a JSON syntax error with its line and column."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        pos = first["loc"][-1] if isinstance(first["loc"][-1], int) else 0
+        doc = body if isinstance(body, str) else ""
+        e = json.JSONDecodeError(first.get("ctx", {}).get("error", "invalid JSON"), doc, pos)
+        return f"the body is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}", None
+    params = [client_param(tuple(e.get("loc", ())), body) or "" for e in errors]
+    top = params[0].split(".")[0]  # the first field at fault; of its union's members, the deepest
+    param = max((p for p in params if p.split(".")[0] == top), key=lambda p: p.count(".")) or None
+    msgs = [e["msg"] for e, p in zip(errors, params, strict=True) if p == (param or "")]
+    why = "; or ".join(dict.fromkeys(msgs))
+    return f"{param or 'body'}: {why}", param

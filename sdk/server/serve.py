@@ -115,6 +115,7 @@ def load(args: argparse.Namespace, template: str | None = None):
         sampling_defaults=llm.sampling_defaults if args.generation_config == "auto" else {},
         tool_parser=tool_parser(args, llm),
         grammars=lambda: llm.grammars,
+        max_request_bytes=parse_size(args.max_request_bytes),
     )
     return llm, state
 
@@ -249,6 +250,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="largest prefill chunk (SGLang's name; vLLM's --long-prefill-token-threshold)",
     )
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
+    p.add_argument(
+        "--max-request-bytes",
+        default="32MiB",
+        help="largest request body: bytes, or with a unit (a larger one gets 413 before it is read)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument(
         "--kv-cache-memory",

@@ -75,6 +75,8 @@ def check_flags(args: argparse.Namespace) -> str | None:
     if args.kv_cache_memory is not None and _size("--kv-cache-memory", args.kv_cache_memory) == 0:
         raise ValueError(f"--kv-cache-memory {args.kv_cache_memory}: leaves no memory for the KV cache")
     _size("--swap-space", args.swap_space, parse_gib)
+    if _size("--max-request-bytes", args.max_request_bytes) == 0:
+        raise ValueError(f"--max-request-bytes {args.max_request_bytes}: must be at least 1")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("--served-model-name: empty")
     if args.chat_template is None:
