@@ -112,11 +112,6 @@ declare_op(
     "x' = x + y (y <- rms_norm(y) first: sandwich; scaled: depth-scaled) -> (x', rms_norm(x'))",
     features={"weight_in_fp32", "post_norm", "scaled"},
 )
-declare_op(
-    "norm_rope",
-    "per head of [T, H, D]: rms_norm, then rope, then log-position query scaling (each optional)",
-    features={"norm", "weight_in_fp32", "rope", "partial", "neox", "log_scaling"},
-)
 declare_op("sigmoid_gate", "o * sigmoid(gate (+ bias[h])) over [T, H, D]", features={"bias"})
 declare_op(
     "rope", "rotate the first rotary_dim channels of [T, H, D] by position", features={"partial", "neox"}

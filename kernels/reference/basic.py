@@ -78,8 +78,7 @@ def add_rms_norm(
     return x, rms_norm(x, weight, eps, weight_in_fp32)
 
 
-@register("norm_rope", "reference", graphs=True)
-def norm_rope(
+def norm_rope(  # the math of qk_norm_rope_write (reference/attention.py)
     x: torch.Tensor,
     positions: torch.Tensor,
     weight: torch.Tensor | None = None,

@@ -48,7 +48,6 @@ if importlib.util.find_spec("triton") is not None:
     register("rope", "triton", Capabilities(features=frozenset({"partial", "neox"}), **_any))(fused.rope)
     for op, fn in (
         ("add_rms_norm", fused.add_rms_norm),
-        ("norm_rope", fused.norm_rope),
         ("sigmoid_gate", fused.sigmoid_gate),
         ("swiglu", fused.swiglu),
         ("kv_write", fused.kv_write),
