@@ -42,6 +42,9 @@ class Checkpoint:
     hf: dict  # HF config fields
     family: Family
     quant: QuantConfig | None = None
+    # tensors the config was read from (GGUF: rope_freqs.weight, the llama3 RoPE scaling), checked
+    # then; they hold no parameter, and load_weights passes over them
+    config_tensors: frozenset[str] = frozenset()
 
     @property
     def folder(self) -> Path:
@@ -100,7 +103,8 @@ def open_checkpoint(path: str | Path, family: str | None = None) -> Checkpoint:
         fmt = next((w for w in fam.spec.spec.weights if w.format == "gguf"), None)
         if fmt is None:
             raise CheckpointError(f"{p}: family {fam.name} has no gguf weight rules")
-        return Checkpoint(p, "gguf", gguf_io.hf_config(p, fmt.config), fam)
+        hf, config_tensors = gguf_io.hf_config(p, fmt.config)
+        return Checkpoint(p, "gguf", hf, fam, config_tensors=config_tensors)
     if not (p / "config.json").exists():
         raise CheckpointError(f"{p}: not a checkpoint folder (no config.json) nor a .gguf file")
     hf = json.loads((p / "config.json").read_text())
@@ -152,6 +156,9 @@ def load_weights(
     total = count if tensors is not None else ckpt.count()
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
     for name, tensor in tensors if tensors is not None else ckpt.tensors():
+        if name in ckpt.config_tensors:  # read into the config when the checkpoint was opened
+            bar.update(1)
+            continue
         if mapping.is_mtp(name):
             aside += 1
             bar.update(1)
