@@ -3,9 +3,9 @@ each geometry checked against the reference backend and timed (GB/s of packed we
 do_bench median): `tiles`, the tensor-core GEMM (kernels/triton/packed.py: BN, BK, warps,
 stages) on a dense [14336, 5120] weight at 1 and 32 rows and on 64 stacked [5120, 5120] experts
 at 1 and 32 tokens (top 8); `gemv`, the decode GEMV (kernels/triton/packed_gemv.py: BN, NB,
-warps) on the dense weight at 1 and 2 rows and the experts at 1 token (8 pairs). The best
-geometric mean goes into TILES / GEMV for a `dayzero bench decode --family beam --quantization
-FMT` run in the same process.
+warps, the 4-bit decode in PTX or in Triton) on the dense weight at 1 and 2 rows and the experts
+at 1 token (8 pairs). The best geometric mean goes into TILES / GEMV for a `dayzero bench
+decode --family beam --quantization FMT` run in the same process.
 
     python3 scripts/tune_packed_tiles.py nvfp4[,mxfp4,fp8_block] [tiles,gemv] [extra bench flags]
 """
@@ -88,8 +88,9 @@ def gemv_moe_case(w: PackedWeight, g: torch.Generator) -> Case:
 def sweep_gemv(fmt: str, dense: PackedWeight, experts: PackedWeight, g: torch.Generator) -> tuple:
     cases = [gemv_dense_case(dense, m, g) for m in (1, 2)] + [gemv_moe_case(experts, g)]
     results = {}
-    for geo in itertools.product((4, 8, 16, 32), (4, 8, 16), (1, 2, 4, 8)):
-        c = dict(zip(("BN", "NB", "num_warps"), geo, strict=True))
+    decodes = (True,) if fmt != "fp8_block" else (False,)  # 4-bit: the PTX decode (Triton's swept before)
+    for geo in itertools.product(decodes, (1, 2, 4, 8, 16), (8, 16, 32, 64), (1, 2, 4)):
+        c = dict(zip(("ASM", "BN", "NB", "num_warps"), geo, strict=True))
         try:
             results[geo] = score(cases, c)
         except Exception as e:  # a geometry that fails to compile or computes wrong is skipped, said

@@ -248,3 +248,26 @@ def test_vllm_flag_names_and_units() -> None:
     ca, cb = engine_config(a, "cpu"), engine_config(b, "cpu")
     assert ca == cb
     assert ca.kv_cache_bytes == 64 << 20 and ca.chunk_size == 256 and ca.host_cache_bytes == 2 << 30
+
+
+def test_agentic_roofline_counts_the_weights_and_the_kv_at_the_mean_context(tmp_path):
+    """The agentic roofline (shapes only, no GPU): a step reads the weights once and, per request,
+    K and V of every layer over its context, so the bytes grow by L * 2 * Hkv * D * 2 (bf16) a
+    token of context and a request; the mean context weighs each turn's prompt + half its answer
+    by its answer tokens."""
+    from dayzero.sdk.bench.agentic import Turn, roofline
+    from dayzero.sdk.loader import open_checkpoint
+    from dayzero.sdk.parity.tiny import write_tiny
+
+    ckpt = open_checkpoint(write_tiny("llama", tmp_path / "ckpt", seed=4))
+    hf = ckpt.hf
+    kv_row = 2 * hf["num_key_value_heads"] * (hf["hidden_size"] // hf["num_attention_heads"]) * 2  # K, V bf16
+    per_token = hf["num_hidden_layers"] * kv_row
+    bw = 1e12
+    turns = [Turn(0, 1, 1000, 0, 100, 0.1, 1.0), Turn(0, 2, 3000, 900, 300, 0.1, 1.0)]
+    ctx = int(((1000 + 50) * 100 + (3000 + 150) * 300) / 400)
+    one = bw / roofline(ckpt, turns, 1, bw)  # bytes a step
+    short = bw / roofline(ckpt, [Turn(0, 1, 10, 0, 2, 0.1, 1.0)], 1, bw)  # context 11
+    assert one - short == (ctx - 11) * per_token
+    two = bw / roofline(ckpt, turns, 2, bw)  # two requests: the weights once, the cache twice
+    assert two - one == ctx * per_token

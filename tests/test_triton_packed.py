@@ -52,6 +52,27 @@ def test_linear_matches_reference(fmt: str, seed: int, m: int, n: int, k: int) -
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("fmt", ("nvfp4", "mxfp4"))
+@pytest.mark.parametrize("asm", (True, False))
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 300, 512), (2, 4096, 2048), (1, 1000, 32 * 17)])
+def test_gemv_decodes_match_reference(fmt: str, asm: bool, seed: int, m: int, n: int, k: int) -> None:
+    """Both 4-bit decodes of the decode GEMV (PTX, Triton's), at geometries whose tiles end inside
+    the weight (n % BN, K / 16 % NB != 0: 34 sub-blocks), on rows of very different scales (1e-3, 3e3: the
+    per-row power of two keeps fp16 sums in range)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = _weight(fmt, (n, k), g)
+    x = (
+        torch.randn(m, k, generator=g, device="cuda") * torch.tensor([1e-3, 3e3], device="cuda")[:m, None]
+    ).bfloat16()
+    want = ref.linear_packed(x, w)
+    for bn, nb, warps in ((8, 16, 1), (16, 8, 2), (4, 4, 4)):
+        y = torch.empty_like(want)
+        triton_packed._gemv(x, y, w, config={"ASM": asm, "BN": bn, "NB": nb, "num_warps": warps})
+        for r in range(m):  # each row against its own scale
+            _close(y[r], want[r])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
 def test_moe_experts_match_reference(fmt: str, seed: int, tokens: int) -> None:

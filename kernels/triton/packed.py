@@ -14,6 +14,7 @@ device, no host sync; a program takes one block of one expert and one tile of ou
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -21,7 +22,7 @@ import triton.language as tl
 
 from dayzero.kernels.packed import PackedWeight
 from dayzero.kernels.reference.basic import swiglu
-from dayzero.kernels.triton.packed_gemv import _e2m1, packed_gemv
+from dayzero.kernels.triton.packed_gemv import _e2m1, pack_x_fp16, packed_gemv, packed_gemv_fp4
 
 FMT = {"nvfp4": 0, "mxfp4": 1, "fp8_block": 2}
 
@@ -164,21 +165,54 @@ def _strides(w: PackedWeight) -> tuple:
 
 
 GEMV_ROWS = 2  # up to this many rows a weight (on average), one program a row on the CUDA cores
-# (BN output rows, NB sub-blocks of 16 elements a loop step, num_warps) by format: the best
-# geometric mean of the nvfp4 sweep (scripts/tune_packed_tiles.py nvfp4 gemv, H200, one run:
-# 714 / 458 / 973 GB/s at dense m=1 / m=2 / experts t=1); mxfp4 and fp8_block not swept
-GEMV = {"nvfp4": (8, 16, 1), "mxfp4": (8, 16, 1), "fp8_block": (8, 16, 1)}
+# (PTX decode, BN output rows, NB sub-blocks of 16 elements a loop step, num_warps) by format:
+# the best geometric mean of the nvfp4 sweep (scripts/tune_packed_tiles.py nvfp4 gemv, H200);
+# mxfp4 takes nvfp4's, fp8_block (Triton's decode) was not swept
+GEMV = {"nvfp4": (True, 8, 64, 1), "mxfp4": (True, 8, 64, 1), "fp8_block": (False, 8, 16, 1)}
 
 
 def _gemv(x, y, w: PackedWeight, ids=None, x_row_div=1, config: dict | None = None) -> None:
     codes, scale, glob, sce, scn, sse, ssn, sge = _strides(w)
-    bn, nb, warps = GEMV[w.format.name]
-    cfg = config or {"BN": bn, "NB": nb, "num_warps": warps}
+    asm, bn, nb, warps = GEMV[w.format.name]
+    cfg = dict(config or {"ASM": asm, "BN": bn, "NB": nb, "num_warps": warps})
+    if cfg.pop("ASM", True) and _asm_ok(x, w):  # PTX decode on CUDA; Triton's elsewhere
+        k = w.shape[-1]
+        xq = torch.empty(x.shape[0], k // 2, dtype=torch.int32, device=x.device)
+        xs = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        pack_x_fp16[(x.shape[0],)](x, xq, xs, k, x.stride(0), BK=min(1024, triton.next_power_of_2(k // 2)))
+        subs = codes.view(torch.int64)  # 16 codes a sub-block
+        packed_gemv_fp4[(y.shape[0], triton.cdiv(w.shape[-2], cfg["BN"]))](
+            xq, xs, y, subs, scale, glob, ids if ids is not None else xs, w.shape[-2], k,
+            y.stride(0), sce // 8, scn // 8, sse, ssn, sge, x_row_div,
+            FMT=FMT[w.format.name], INDIRECT=ids is not None, **cfg,
+        )  # fmt: skip
+        return
     packed_gemv[(y.shape[0], triton.cdiv(w.shape[-2], cfg["BN"]))](
         x, y, codes, scale, glob, ids if ids is not None else x, w.shape[-2], w.shape[-1],
         x.stride(0), y.stride(0), sce, scn, sse, ssn, sge, x_row_div,
         FMT=FMT[w.format.name], INDIRECT=ids is not None, F16=x.dtype != torch.float32, **cfg,
     )  # fmt: skip
+
+
+def _asm_ok(x: torch.Tensor, w: PackedWeight) -> bool:
+    """The PTX GEMV applies: 4-bit codes in whole 16-element sub-blocks, rows of whole words
+    (8-byte aligned), a 16-bit x on an NVIDIA GPU (not Triton's interpreter, not ROCm)."""
+    c = w.codes
+    return (
+        x.is_cuda
+        and torch.version.hip is None
+        and not _interpreting()
+        and x.dtype != torch.float32
+        and w.format.name in ("nvfp4", "mxfp4")
+        and w.shape[-1] % 16 == 0
+        and c.stride(-1) == 1
+        and all(st % 8 == 0 for st in c.stride()[:-1])
+        and c.storage_offset() % 8 == 0
+    )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _launch(x, y, w: PackedWeight, rows=None, experts=None, m=None, x_row_div=1, bm=16, config=None) -> None:

@@ -91,3 +91,142 @@ def packed_gemv(
         acc += tl.sum(part.to(tl.float32) * s, axis=1)
     out = acc * ((16384.0 if FMT < 2 else 1.0) / xs)
     tl.store(y_ptr + r.to(tl.int64) * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+# One 16-element sub-block of 4-bit codes (two 32-bit words; element i of a word in bits
+# 4i..4i+3) against its x, eight fp16 pairs read from the address given (two 16-byte loads, the
+# pair order of `pack_x_fp16`) -> the 16 products summed, as fp32. A pair of codes (i, i + 4) is
+# decoded in three integer operations into two fp16 lanes of value * 2^-14 (the nibbles brought
+# to bits 12-15 / 28-31 by a shift: the sign stays, the magnitude goes to bits 9-11, as `_e2m1`),
+# then one fp16x2 FMA; each lane sums 8 products in fp16, the two lanes are added in fp32.
+_FP4X16_DOT = tl.constexpr(
+    """
+{
+.reg .b32 w0, w1, q, m, h, acc, x0, x1, x2, x3, x4, x5, x6, x7;
+.reg .b16 lo, hi;
+.reg .f32 flo, fhi;
+mov.b64 {w0, w1}, $1;
+ld.global.nc.v4.b32 {x0, x1, x2, x3}, [$2];
+ld.global.nc.v4.b32 {x4, x5, x6, x7}, [$2+16];
+and.b32 m, w0, 0x70007000;
+shr.b32 m, m, 3;
+lop3.b32 h, w0, 0x80008000, m, 0xEA;
+mul.rn.f16x2 acc, h, x3;
+shl.b32 q, w0, 4;
+and.b32 m, q, 0x70007000;
+shr.b32 m, m, 3;
+lop3.b32 h, q, 0x80008000, m, 0xEA;
+fma.rn.f16x2 acc, h, x2, acc;
+shl.b32 q, w0, 8;
+and.b32 m, q, 0x70007000;
+shr.b32 m, m, 3;
+lop3.b32 h, q, 0x80008000, m, 0xEA;
+fma.rn.f16x2 acc, h, x1, acc;
+shl.b32 q, w0, 12;
+and.b32 m, q, 0x70007000;
+shr.b32 m, m, 3;
+lop3.b32 h, q, 0x80008000, m, 0xEA;
+fma.rn.f16x2 acc, h, x0, acc;
+and.b32 m, w1, 0x70007000;
+shr.b32 m, m, 3;
+lop3.b32 h, w1, 0x80008000, m, 0xEA;
+fma.rn.f16x2 acc, h, x7, acc;
+shl.b32 q, w1, 4;
+and.b32 m, q, 0x70007000;
+shr.b32 m, m, 3;
+lop3.b32 h, q, 0x80008000, m, 0xEA;
+fma.rn.f16x2 acc, h, x6, acc;
+shl.b32 q, w1, 8;
+and.b32 m, q, 0x70007000;
+shr.b32 m, m, 3;
+lop3.b32 h, q, 0x80008000, m, 0xEA;
+fma.rn.f16x2 acc, h, x5, acc;
+shl.b32 q, w1, 12;
+and.b32 m, q, 0x70007000;
+shr.b32 m, m, 3;
+lop3.b32 h, q, 0x80008000, m, 0xEA;
+fma.rn.f16x2 acc, h, x4, acc;
+mov.b32 {lo, hi}, acc;
+cvt.f32.f16 flo, lo;
+cvt.f32.f16 fhi, hi;
+add.f32 $0, flo, fhi;
+}
+"""
+)
+
+
+@triton.jit
+def _fp4x16_dot(w, xaddr):
+    return tl.inline_asm_elementwise(
+        _FP4X16_DOT, "=f,l,l", [w, xaddr], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def _f16x2(lo, hi):
+    """Two fp32 -> one word of two fp16 (lo in the low half), rounded to nearest."""
+    return tl.inline_asm_elementwise(
+        "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
+def pack_x_fp16(x_ptr, xq_ptr, xs_ptr, K: tl.constexpr, stride_xm, BK: tl.constexpr):
+    """Row r of x -> xs[r] = 2^c (max|x| 2^c <= 2^14, as `_fp16_row`) and xq[r] [K / 2] words:
+    word 4w + i holds fp16(x[8w + i] 2^c) low, fp16(x[8w + i + 4] 2^c) high, the pair order of
+    `_fp4x16_dot`."""
+    r = tl.program_id(0).to(tl.int64)
+    xrow = x_ptr + r * stride_xm
+    xs = _fp16_row(xrow, K, 14, BK)
+    tl.store(xs_ptr + r, xs)
+    for k0 in range(0, K // 2, BK):
+        o = k0 + tl.arange(0, BK)  # word index: elements 8 (o // 4) + o % 4 and that + 4
+        e = 8 * (o // 4) + o % 4
+        ok = o < K // 2
+        lo = tl.load(xrow + e, mask=ok, other=0.0).to(tl.float32) * xs
+        hi = tl.load(xrow + e + 4, mask=ok, other=0.0).to(tl.float32) * xs
+        tl.store(xq_ptr + r * (K // 2) + o, _f16x2(lo, hi), mask=ok)
+
+
+@triton.jit
+def packed_gemv_fp4(
+    xq_ptr, xs_ptr, y_ptr, codes_ptr, scale_ptr, glob_ptr, ids_ptr, N, K: tl.constexpr,
+    stride_ym, stride_ce, stride_cn, stride_se, stride_sn, stride_ge, x_row_div,
+    FMT: tl.constexpr, INDIRECT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr,
+):  # fmt: skip
+    """`packed_gemv` for 4-bit codes on CUDA (PTX decode, K % 16 == 0): codes_ptr is the codes
+    as int64 sub-blocks of 16 (strides in sub-blocks), x comes packed by `pack_x_fp16` (xq, xs).
+    Each program keeps a [BN, NB] fp32 sum (sub-block sums times their scales) and reduces it
+    once at the end."""
+    r, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(ids_ptr + r).to(tl.int64) if INDIRECT else 0
+    xr = (r // x_row_div).to(tl.int64)
+    G: tl.constexpr = 16 if FMT == 0 else 32
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    wbase = codes_ptr + e * stride_ce + offs_n.to(tl.int64) * stride_cn  # [BN] sub-blocks
+    sbase = scale_ptr + e * stride_se + offs_n.to(tl.int64) * stride_sn
+    glob = tl.full((BN,), 1.0, tl.float32)
+    if FMT == 0:
+        glob = tl.load(glob_ptr + e * stride_ge + offs_n, mask=n_ok, other=0.0)
+    j = tl.arange(0, NB)
+    zero = tl.zeros((BN, NB), tl.int64)
+    acc = tl.zeros((BN, NB), tl.float32)
+    sub = j  # [NB]
+    m = n_ok[:, None] & (sub < K // 16)[None, :]
+    w = tl.load(wbase[:, None] + sub[None, :], mask=m, other=0)  # [BN, NB] int64
+    s = tl.load(sbase[:, None] + (sub * 16 // G)[None, :], mask=m)  # e4m3 / e8m0
+    for s0 in range(0, K // 16, NB):
+        # the next step's codes and scales are loaded before this step's math (two in flight)
+        w_now, s_now, m_now, sub_now = w, s, m, sub
+        sub = s0 + NB + j
+        m = n_ok[:, None] & (sub < K // 16)[None, :]
+        w = tl.load(wbase[:, None] + sub[None, :], mask=m, other=0)
+        s = tl.load(sbase[:, None] + (sub * 16 // G)[None, :], mask=m)
+        # the sub-block's 8 x words (32 bytes) start at xq[xr, 8 sub]; a masked column reads xq[xr, 0]
+        xaddr = (xq_ptr + xr * (K // 2) + 8 * tl.where(sub_now < K // 16, sub_now, 0)).to(tl.int64)
+        part = _fp4x16_dot(w_now, zero + xaddr[None, :])  # [BN, NB]
+        sf = s_now.to(tl.float32) * glob[:, None] if FMT == 0 else tl.exp2(s_now.to(tl.float32) - 127.0)
+        acc += part * tl.where(m_now, sf, 0.0)
+    out = tl.sum(acc, axis=1) * (16384.0 / tl.load(xs_ptr + xr))
+    tl.store(y_ptr + r.to(tl.int64) * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_ok)

@@ -12,7 +12,10 @@ before its next turn, against `dayzero serve MODEL` started in a subprocess; ans
 Measured per turn: time to first token, decode rate (tokens after the first over the time after
 it), and the prompt tokens the prefix cache served (`usage.prompt_tokens_details.cached_tokens`).
 Printed: a table per turn, then per-user decode tok/s, TTFT p50 / p99, the prefix-cache hit rate
-from turn 2 on and the total time, and a summary line.
+from turn 2 on and the total time, and a summary line. On a CUDA device the per-user rate is
+set against the roofline as `dayzero bench decode` computes it (the device-to-device copy
+bandwidth, measured before the server starts, over the bytes a step reads at --agents requests
+of the turns' mean decode context: prompt + half the answer, weighted by answer tokens).
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 import openai
+import torch
 
+from dayzero.kernels.selection import OpTable
 from dayzero.sdk.api import embedded_default, resolve_model
-from dayzero.sdk.families import FAMILIES
-from dayzero.sdk.loader import open_checkpoint
+from dayzero.sdk.bench.decode import bytes_per_step, copy_bandwidth
+from dayzero.sdk.families import FAMILIES, born_as, kernel_needs
+from dayzero.sdk.loader import Checkpoint, open_checkpoint
 from dayzero.sdk.loader.tokenizer import load_tokenizer
 from dayzero.sdk.spec.reference import merge, reference_config
 
@@ -150,6 +156,9 @@ def run(args: argparse.Namespace, plan: list[int], longest: int) -> int:
     flags += ["--device", args.device] if args.device else []
     flags += ["--dtype", args.dtype] if args.dtype else []
     flags += args.serve_flags.split() if args.serve_flags else []
+    on_gpu = torch.cuda.is_available() and args.device in (None, "cuda")
+    bw = copy_bandwidth(torch.device("cuda")) if on_gpu else None  # before the server holds the GPU
+    torch.cuda.empty_cache()  # the server sizes its cache from the memory left
     port = args.port or _free_port()
     print(f"starting dayzero serve {args.model or '(embedded default)'} {' '.join(flags)} on port {port}")
     t_start = time.perf_counter()
@@ -178,10 +187,27 @@ def run(args: argparse.Namespace, plan: list[int], longest: int) -> int:
     if len(turns) != sum(plan):
         print(f"dayzero bench agentic: {sum(plan) - len(turns)} turn(s) did not complete", file=sys.stderr)
         return 1
-    return report(sorted(turns, key=lambda r: (r.agent, r.turn)), total)
+    roof = roofline(ckpt, turns, args.agents, bw) if bw else None
+    return report(sorted(turns, key=lambda r: (r.agent, r.turn)), total, roof)
 
 
-def report(turns: list[Turn], total: float) -> int:
+def roofline(ckpt: Checkpoint, turns: list[Turn], agents: int, bw: float) -> float:
+    """Per-user decode tok/s the copy bandwidth allows at `agents` requests of the turns' mean
+    decode context (bf16 weights, the model built on the meta device: shapes only)."""
+    cfg = ckpt.family.config(ckpt.hf)
+    dtype = torch.bfloat16  # kernels chosen for the CPU: the parameters' shapes are the same
+    with born_as(torch.device("meta"), dtype):
+        model = ckpt.family.module("model").Model(
+            cfg, kernel_needs(cfg, OpTable(torch.device("cpu"), dtype)).resolve()
+        )
+    decoded = sum(r.output_tokens for r in turns)
+    ctx = sum((r.prompt_tokens + r.output_tokens / 2) * r.output_tokens for r in turns) / max(decoded, 1)
+    nbytes, _, _ = bytes_per_step(cfg, model, int(ctx), batch=agents)
+    print(f"roofline: {bw / 1e12:.2f} TB/s copy, {nbytes / 1e9:.2f} GB a step at {agents} x {ctx:.0f} tokens")
+    return bw / nbytes
+
+
+def report(turns: list[Turn], total: float, roof: float | None = None) -> int:
     print(
         f"{'agent':>5} {'turn':>4} {'prompt':>8} {'cached':>8} {'output':>6} {'ttft s':>8} "
         f"{'decode tok/s':>12}"
@@ -203,12 +229,13 @@ def report(turns: list[Turn], total: float) -> int:
         else float("nan")
     )
     p50, p99 = float(np.percentile(ttft, 50)), float(np.percentile(ttft, 99))
+    vs = f" = {per_user / roof:.3f} of the roofline ({roof:.0f} tok/s)" if roof else ""
     print(
-        f"per-user decode {per_user:.1f} tok/s; TTFT p50 {p50:.3f} s, p99 {p99:.3f} s; "
+        f"per-user decode {per_user:.1f} tok/s{vs}; TTFT p50 {p50:.3f} s, p99 {p99:.3f} s; "
         f"prefix-cache hit rate from turn 2 {hit:.3f}; {len(turns)} turns in {total:.1f} s"
     )
     print(
         f"agentic per_user_tok_s={per_user:.1f} ttft_p50={p50:.3f} ttft_p99={p99:.3f} "
-        f"hit_rate={hit:.3f} total_s={total:.1f}"
+        f"hit_rate={hit:.3f} total_s={total:.1f}" + (f" vs_roofline={per_user / roof:.3f}" if roof else "")
     )
     return 0
