@@ -301,3 +301,15 @@ def test_rope_scaling_type_not_read_is_refused(tmp_path: Path, tiny_llama31: Pat
         CheckpointError, match=r"metadata llama\.rope\.scaling\.type = 'yarn' is not read yet"
     ):
         open_checkpoint(path)
+
+
+def test_parity_reference_of_a_llama31_gguf_keeps_its_scaling(tmp_path: Path, tiny_llama31: Path) -> None:
+    """`dayzero parity` builds transformers from the GGUF with the config dayzero read (its
+    rope_parameters), not transformers' GGUF reading, which drops the llama3 factors."""
+    from dayzero.sdk.parity.runner import Reference
+
+    path = write_gguf(tiny_llama31, tmp_path / "model.gguf")
+    ckpt = open_checkpoint(path)
+    prompt = np.random.default_rng(5).integers(0, ckpt.hf["vocab_size"], size=PROMPT).tolist()
+    ref = Reference(ckpt, tmp_path, torch.device("cpu"), torch.float32).logits(prompt)
+    assert (ref - _reference_logits(tiny_llama31, prompt)).abs().max().item() <= TOL

@@ -114,7 +114,9 @@ class Reference:
     def __init__(self, ckpt: Checkpoint, folder: Path, device: torch.device, dtype: torch.dtype) -> None:
         cls = reference_class(ckpt.family.spec.spec.reference)
         attn = "eager" if dtype == torch.float32 else "sdpa"
-        where = {"gguf_file": ckpt.path.name} if ckpt.format == "gguf" else {}
+        where: dict = {}
+        if ckpt.format == "gguf":  # transformers' GGUF reader drops RoPE scaling; the config read here has it
+            where = {"gguf_file": ckpt.path.name, "config": cls.config_class(**ckpt.hf)}
         model = cls.from_pretrained(folder, dtype=dtype, attn_implementation=attn, **where)
         self.model = model.to(device).eval()
         self.device = device
