@@ -55,18 +55,20 @@ class HeadPrep:
 
 @dataclass(frozen=True)
 class Penalties:
-    """What rewrites a step's logits [S, V] before sampling, as index lists on the device (one
-    entry per occurrence; rows index the batch): presence / frequency over the output tokens,
-    repetition over prompt and output tokens (vLLM's), additive logit biases, and the tokens a
-    row may not produce yet (its stop tokens under min_tokens)."""
+    """What rewrites a step's logits [S, V] before sampling (S rows index the batch, P of them
+    with presence / frequency / repetition penalties): vLLM's penalties over dense per-row
+    tensors gathered from the requests' device state (sdk/engine/sampling.py `TokenCounts`,
+    updated on the device from each step's sampled tokens; no per-step copy of token lists):
+    presence / frequency over the output-token counts, repetition over the tokens seen in the
+    prompt or the output; plus additive logit biases and the tokens a row may not produce yet
+    (its stop tokens under min_tokens), short index lists whose length does not grow."""
 
     presence: torch.Tensor  # [S] fp32, 0: off
     frequency: torch.Tensor  # [S] fp32, 0: off
     repetition: torch.Tensor  # [S] fp32, 1: off
-    out_rows: torch.Tensor  # [N] int64: the output tokens so far
-    out_toks: torch.Tensor
-    seen_rows: torch.Tensor  # [M] int64: prompt and output tokens
-    seen_toks: torch.Tensor
+    rows: torch.Tensor  # [P] int64: the batch rows counts / prompt describe (distinct)
+    counts: torch.Tensor  # [P, V] int32: how often each token is in the row's output so far
+    prompt: torch.Tensor  # [P, V] bool: the token is in the row's prompt
     bias_rows: torch.Tensor  # [B] int64, bias_toks [B] int64, bias_vals [B] fp32
     bias_toks: torch.Tensor
     bias_vals: torch.Tensor

@@ -586,11 +586,20 @@ def test_swiglu_limit_clamps_gate_above_and_up_both_ways(seed: int) -> None:
     assert (gate < -2.5).any()  # the gate is not clamped from below: silu handles it
 
 
-def _penalties(s: int, **kw) -> Penalties:
+def _penalties(s: int, out=None, prompt=None, **kw) -> Penalties:
+    """Penalties of s rows; out / prompt: {row: its output / prompt tokens} for the rows with
+    token state (dense counts and prompt masks, as the engine's device state holds them)."""
     empty = torch.zeros(0, dtype=torch.int64)
+    have = sorted(set(out or {}) | set(prompt or {}))
+    counts = torch.zeros(len(have), V, dtype=torch.int32)
+    seen = torch.zeros(len(have), V, dtype=torch.bool)
+    for j, r in enumerate(have):
+        for t in (out or {}).get(r, []):
+            counts[j, t] += 1
+        seen[j, (prompt or {}).get(r, [])] = True
     base = dict(
         presence=rows(s, 0.0), frequency=rows(s, 0.0), repetition=rows(s, 1.0),
-        out_rows=empty, out_toks=empty, seen_rows=empty, seen_toks=empty,
+        rows=torch.tensor(have, dtype=torch.int64), counts=counts, prompt=seen,
         bias_rows=empty, bias_toks=empty, bias_vals=torch.zeros(0), ban_rows=empty, ban_toks=empty,
     )  # fmt: skip
     return Penalties(**(base | kw))
@@ -599,34 +608,30 @@ def _penalties(s: int, **kw) -> Penalties:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_penalized_logits_match_a_loop_over_tokens(seed: int) -> None:
     """penalized() against the per-token definitions: bias added; repetition divides positive and
-    multiplies negative logits of seen tokens; frequency * count + presence subtracted for output
-    tokens; banned tokens -inf (2 rows, tokens repeated)."""
+    multiplies negative logits of seen tokens (prompt or output); frequency * count + presence
+    subtracted for output tokens; banned tokens -inf (3 rows, tokens repeated, row 1 with no
+    token state)."""
     from dayzero.kernels.reference.sampling import penalized
 
     g = torch.Generator().manual_seed(seed)
-    logits = logits_for(seed, 2)
-    out = [[3, 3, 7, 9], [1, 1, 1]]
-    seen = [[2, 3, 3, 7, 9, 11], [5, 1, 1, 1]]
-    bias = [(0, 4, 2.5), (1, 6, -3.0), (0, 3, 1.0)]
-    ban = [(1, 8), (1, 9)]
-    pres, freq, rep = torch.tensor([0.5, -0.3]), torch.tensor([0.25, 1.0]), torch.rand(2, generator=g) + 1.0
-    cat = lambda rows_toks: (  # noqa: E731
-        torch.tensor([r for r, _ in rows_toks], dtype=torch.int64),
-        torch.tensor([t for _, t in rows_toks], dtype=torch.int64),
-    )
-    o_r, o_t = cat([(r, t) for r, ts in enumerate(out) for t in ts])
-    s_r, s_t = cat([(r, t) for r, ts in enumerate(seen) for t in ts])
-    k_r, k_t = cat(ban)
+    logits = logits_for(seed, 3)
+    out = {0: [3, 3, 7, 9], 2: [1, 1, 1]}
+    prompt = {0: [2, 3, 11], 2: [5]}
+    seen = {r: prompt[r] + out[r] for r in out}
+    bias = [(0, 4, 2.5), (2, 6, -3.0), (0, 3, 1.0), (1, 8, 0.5)]
+    ban = [(2, 8), (2, 9), (1, 0)]
+    pres, freq = torch.tensor([0.5, 0.7, -0.3]), torch.tensor([0.25, 0.6, 1.0])
+    rep = torch.rand(3, generator=g) + 1.0
     p = _penalties(
-        2, presence=pres, frequency=freq, repetition=rep,
-        out_rows=o_r, out_toks=o_t, seen_rows=s_r, seen_toks=s_t,
+        3, out, prompt, presence=pres, frequency=freq, repetition=rep,
         bias_rows=torch.tensor([b[0] for b in bias]), bias_toks=torch.tensor([b[1] for b in bias]),
-        bias_vals=torch.tensor([b[2] for b in bias]), ban_rows=k_r, ban_toks=k_t,
+        bias_vals=torch.tensor([b[2] for b in bias]),
+        ban_rows=torch.tensor([b[0] for b in ban]), ban_toks=torch.tensor([b[1] for b in ban]),
     )  # fmt: skip
     want = logits.clone()
     for r, t, v in bias:
         want[r, t] += v
-    for r in range(2):
+    for r in out:
         for t in set(seen[r]):
             z = want[r, t]
             want[r, t] = z / rep[r] if z > 0 else z * rep[r]
@@ -647,7 +652,7 @@ def test_penalties_steer_both_samplers_alike(seed: int, backend: str) -> None:
     logits = logits_for(seed)
     top = logits.argmax(-1)
     s = logits.shape[0]
-    p = _penalties(s, frequency=rows(s, 2.0), out_rows=torch.arange(s), out_toks=top)
+    p = _penalties(s, {r: [int(top[r])] for r in range(s)}, frequency=rows(s, 2.0))
     batch = SamplingBatch(
         temperature=rows(s, 0.0), top_k=rows(s, 0, torch.int64), top_p=rows(s, 1.0), min_p=rows(s, 0.0),
         generators=(None,) * s, sampled_rows=(), penalties=p,

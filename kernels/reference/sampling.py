@@ -28,23 +28,21 @@ def rewritten(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def penalized(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     """logits [S, V] fp32 rewritten in vLLM's order: + logit bias; then, over the tokens a row has
-    seen (prompt and output), z / r where z > 0 and z * r elsewhere (repetition r); minus
-    frequency * count + presence * [count > 0] over its output tokens; its banned tokens -inf."""
-    s, v = logits.shape
+    seen (prompt or output), z / r where z > 0 and z * r elsewhere (repetition r); minus
+    frequency * count + presence * [count > 0] over its output tokens; its banned tokens -inf.
+    Only the rows p.rows have seen / output tokens; on a row whose penalty is off the rewrite
+    is the identity, bit for bit (z / 1, z * 1, z - 0 * c - 0)."""
     z = logits.clone()
     if p.bias_rows.numel():
         z.index_put_((p.bias_rows, p.bias_toks), p.bias_vals, accumulate=True)
-    if p.seen_rows.numel():
-        seen = torch.zeros(s, v, dtype=torch.bool, device=z.device)
-        seen[p.seen_rows, p.seen_toks] = True
-        r = p.repetition[:, None]
-        z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
-    if p.out_rows.numel():
-        counts = torch.zeros(s, v, dtype=torch.float32, device=z.device)
-        counts.index_put_(
-            (p.out_rows, p.out_toks), torch.ones_like(p.out_rows, dtype=torch.float32), accumulate=True
-        )
-        z = z - p.frequency[:, None] * counts - p.presence[:, None] * (counts > 0).float()
+    if p.rows.numel():
+        zr = z[p.rows]  # [P, V]
+        counts = p.counts.float()  # exact: a count is at most the output length
+        seen = p.prompt | (p.counts > 0)
+        r = p.repetition[p.rows, None]
+        zr = torch.where(seen, torch.where(zr > 0, zr / r, zr * r), zr)
+        zr = zr - p.frequency[p.rows, None] * counts - p.presence[p.rows, None] * (counts > 0).float()
+        z[p.rows] = zr
     if p.ban_rows.numel():
         z[p.ban_rows, p.ban_toks] = float("-inf")
     return z

@@ -128,7 +128,7 @@ class Engine:
         self.params: dict[int, SamplingParams] = {}  # live requests only
         self.generators: dict[int, torch.Generator] = {}
         self._ids = itertools.count()
-        self.sampler = Sampler(ops, self.device)
+        self.sampler = Sampler(ops, self.device, cfg.embedding.vocab)  # + the penalties' device state
         self.matchers = Matchers(cfg.embedding.vocab)  # structured output, per constrained request
         self._inflight: _Launched | None = None  # overlap: the step launched last, not yet fed
         self.stats = {"steps": 0, "retracted": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0}
@@ -267,6 +267,7 @@ class Engine:
             self.generators.pop(rid, None)
             self.params.pop(rid, None)
             self.matchers.drop(rid)
+            self.sampler.state.drop(rid)
 
     def _launch(self, plan, prev: _Launched | None) -> _Launched:
         """Queue the plan's forward pass and sampling on the device (prev: the step before, still
@@ -286,29 +287,23 @@ class Engine:
         params = [self.params[i] for i in sample_ids]
         gens = [self.generators.get(i) for i in sample_ids]
         allowed = self.matchers.bitmask(sample_ids) if self.matchers.constrains(sample_ids) else None
-        if any(p.rewrites for p in params):  # penalties need each row's tokens so far
-            history = [(self.requests[i].prompt_ids, self.requests[i].token_ids) for i in sample_ids]
+        if any(p.rewrites for p in params):
+            # presence / frequency / repetition read the requests' token counts on the device
+            # (a slot taken at a request's first sampled token, counted into by each launch);
+            # min_tokens needs the output length, the token still on the device included
+            state = self.sampler.state
+            new = [i for i, p in zip(sample_ids, params, strict=True) if p.counts_tokens and i not in state]
+            if new:
+                self.sampler.start(new, [self.requests[i].prompt_ids for i in new])
+            flying = set(self._inflight.sample_ids) if self._inflight is not None else set()
+            produced = [len(self.requests[i].token_ids) + (i in flying) for i in sample_ids]
             eos = list(self.cfg.eos_token_ids)
             stops = [tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos)) for p in params]
-            extra = self._last_tokens(plan, req_ids, sample_ids, fill)
-            pending = self.sampler.launch(logits, params, gens, history, stops, extra, allowed)
+            pending = self.sampler.launch(logits, params, gens, sample_ids, produced, stops, allowed)
         else:
             pending = self.sampler.launch(logits, params, gens, allowed=allowed)
         prefill = int(np.asarray(plan.num_tokens)[np.asarray(plan.is_prefill, dtype=bool)].sum())
         return _Launched(plan, req_ids, sample, sample_ids, prefill, pending)
-
-    @staticmethod
-    def _last_tokens(plan, req_ids: np.ndarray, sample_ids: list[int], fill):
-        """(sampled rows, where their last token is in the previous step's tokens, those tokens)
-        for the rows whose last output token the host has not seen yet (overlap), or None."""
-        if fill is None:
-            return None
-        dst, src, last = fill
-        row = np.repeat(np.arange(plan.rows), np.asarray(plan.num_tokens))[dst]
-        where = {rid: s for s, rid in enumerate(sample_ids)}
-        pairs = [(where[int(r)], int(j)) for r, j in zip(req_ids[row], src, strict=True) if int(r) in where]
-        rows = np.asarray([a for a, _ in pairs], dtype=np.int64)
-        return rows, np.asarray([b for _, b in pairs], dtype=np.int64), last
 
     def _device_inputs(self, plan, prev: _Launched | None):
         """(token indices, indices into prev's sampled rows, prev's device tokens) for the plan's
@@ -360,6 +355,7 @@ class Engine:
                 self.generators.pop(rid, None)
                 self.params.pop(rid, None)
                 self.matchers.drop(rid)
+                self.sampler.state.drop(rid)  # its penalties' device counts
         return touched
 
     @torch.inference_mode()

@@ -5,6 +5,11 @@ CUDA), runs the selected `sample` kernel for the whole batch, and queues one dev
 of (tokens, logprobs) into pinned memory behind it; `Pending.result()` waits for that copy only,
 so a step planned meanwhile can already be running on the device (engine overlap). Rows that
 asked for top logprobs get them in a second copy queued the same way.
+
+Presence, frequency and repetition penalties read per-request state that lives on the device
+(`TokenCounts`): the request's prompt is written once when it starts sampling, and each step's
+sampled tokens are counted there on the device, in stream order, before the readback; no token
+list crosses to the device per step.
 """
 
 from __future__ import annotations
@@ -78,6 +83,11 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
+    def counts_tokens(self) -> bool:
+        """Presence, frequency or repetition: the request keeps a `TokenCounts` slot."""
+        return self.counts_output or self.repetition_penalty != 1
+
+    @property
     def rewrites(self) -> bool:
         """Some penalty, bias or min_tokens may change this request's logits."""
         return (
@@ -107,10 +117,94 @@ class Pending:
         return out[0].astype(np.int64), out[1].astype(np.float32), tops
 
 
+class TokenCounts:
+    """The device state of the requests with a presence, frequency or repetition penalty: one
+    slot each in two persistent buffers, counts [slots, V] int32 (how often each token is in
+    the request's output so far) and prompt [slots, V] bool (the token is in its prompt).
+
+    A slot is taken when the request first samples (`start`: zeroed, its prompt written in one
+    copy for every request starting that step), counted into from each step's sampled tokens
+    on the device (`count`, a scatter_add queued after the sampling kernel, so a step launched
+    before the last one is read back (overlap) sees that step's tokens), and given back when the
+    request finishes or is aborted (`drop`). A retracted request keeps its slot: its output stays
+    counted while it waits and when it recomputes. Both buffers are released when no slot is in
+    use.
+
+    Memory: 5 bytes x V a penalized request (V = 49,152: 240 KiB; V = 151,936: 742 KiB), the
+    slot count doubling as needed (high-water mark of the penalized requests alive at once)."""
+
+    MIN_SLOTS = 4
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.vocab, self.device = vocab, device
+        self.slots: dict[int, int] = {}  # request id -> slot
+        self._free: list[int] = []
+        self._empty()
+
+    def _empty(self) -> None:
+        self.counts = torch.zeros(0, self.vocab, dtype=torch.int32, device=self.device)
+        self.prompt = torch.zeros(0, self.vocab, dtype=torch.bool, device=self.device)
+        self._free = []
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self.slots
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def nbytes(self) -> int:
+        return self.counts.nbytes + self.prompt.nbytes
+
+    def _grow(self, need: int) -> None:
+        have = self.counts.shape[0]
+        size = max(self.MIN_SLOTS, 2 * have, have + need)
+        pad = size - have
+        self.counts = torch.cat((self.counts, self.counts.new_zeros(pad, self.vocab)))
+        self.prompt = torch.cat((self.prompt, self.prompt.new_zeros(pad, self.vocab)))
+        self._free.extend(range(size - 1, have - 1, -1))  # lowest slot first
+
+    def start(self, rids: list[int], prompts: list[list[int]], to_device) -> None:
+        """Take a slot for each request (none held yet), zeroed, its prompt marked."""
+        if len(self._free) < len(rids):
+            self._grow(len(rids) - len(self._free))
+        slots = [self._free.pop() for _ in rids]
+        for rid, s in zip(rids, slots, strict=True):
+            self.slots[rid] = s
+        at = np.asarray(slots, dtype=np.int64)
+        rows = np.repeat(at, [len(p) for p in prompts])
+        toks = np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts])
+        # one copy (slots, then each prompt token's slot and id), once a request
+        dev = to_device(torch.from_numpy(np.concatenate((at, rows, toks))))
+        at_d, rows_d, toks_d = dev.split([len(at), len(rows), len(toks)])
+        self.counts.index_fill_(0, at_d, 0)  # a slot given back still holds its last counts
+        self.prompt.index_fill_(0, at_d, False)
+        self.prompt[rows_d, toks_d] = True
+
+    def drop(self, rid: int) -> None:
+        """Give the request's slot back (nothing when it holds none)."""
+        s = self.slots.pop(rid, None)
+        if s is None:
+            return
+        self._free.append(s)
+        if not self.slots:  # the device work queued on the buffers keeps their memory alive
+            self._empty()
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(counts [P, V] int32, prompt [P, V] bool) of the slots [P] (device int64)."""
+        return self.counts.index_select(0, slots), self.prompt.index_select(0, slots)
+
+    def count(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """counts[slots[i], tokens[i]] += 1 on the device (slots [P], tokens [P] int64)."""
+        flat = slots * self.vocab + tokens
+        self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+
+
 class Sampler:
-    def __init__(self, ops, device: torch.device) -> None:
+    def __init__(self, ops, device: torch.device, vocab: int) -> None:
         self.ops, self.device = ops, device
         self.pin = device.type == "cuda"
+        self.state = TokenCounts(vocab, device)
 
     def _to_host(self, x: torch.Tensor) -> torch.Tensor:
         host = torch.empty(x.shape, dtype=x.dtype, pin_memory=self.pin)
@@ -130,27 +224,28 @@ class Sampler:
         dev = (flat.pin_memory() if self.pin else flat).to(self.device, non_blocking=self.pin)
         return list(dev.split([len(a) for a in arrays]))
 
+    def start(self, rids: list[int], prompts: list[list[int]]) -> None:
+        """A `TokenCounts` slot for each request (holding none yet), its prompt marked."""
+        self.state.start(rids, prompts, self._to_device)
+
     def penalties(
         self,
         params: list[SamplingParams],
-        history: list[tuple[list[int], list[int]]],
+        rids: list[int],
+        produced: list[int],
         stops: list[tuple[int, ...]],
-        extra: tuple[np.ndarray, np.ndarray, torch.Tensor] | None,
         dev: torch.Tensor,
-    ) -> Penalties | None:
-        """The rows' penalties as device index lists, in one copy; history[s] = (prompt, the
-        output tokens the host knows); extra = (rows, where in `last` their latest token is, last:
-        the tokens the step before sampled, still on the device: overlap); dev = the rows'
-        parameters on the device (see `launch`)."""
+    ) -> tuple[Penalties, torch.Tensor] | None:
+        """The rows' penalties, and the slots [P] of Penalties.rows (to count the tokens sampled
+        into); rids[s]: row s's request, its `TokenCounts` slot taken (`start`) when it counts
+        tokens; produced[s]: the output tokens it has so far, also one still on the device (for
+        min_tokens); dev = the rows' parameters on the device (see `launch`). The index lists
+        (rows, slots, biases, bans) travel in one copy; none grows with the sequence."""
         if not any(p.rewrites for p in params):
             return None
-        none = np.zeros(0, np.int64)
-        rows_extra, src_extra, last = extra if extra is not None else (none, none, None)
-        has_extra = np.zeros(len(params), dtype=bool)
-        has_extra[rows_extra] = True
-        lists: dict[str, list[np.ndarray]] = {
-            k: [] for k in ("out_r", "out_t", "seen_r", "seen_t", "bias_r", "bias_t", "ban_r", "ban_t")
-        }
+        rows = [s for s, p in enumerate(params) if p.counts_tokens]
+        slots = [self.state.slots[rids[s]] for s in rows]
+        lists: dict[str, list[np.ndarray]] = {k: [] for k in ("bias_r", "bias_t", "ban_r", "ban_t")}
         bias_v: list[float] = []
 
         def add(rows: str, toks: str, s: int, values) -> None:
@@ -158,47 +253,38 @@ class Sampler:
             lists[rows].append(np.full(len(arr), s, dtype=np.int64))
             lists[toks].append(arr)
 
-        for s, (p, (prompt, out)) in enumerate(zip(params, history, strict=True)):
-            if p.counts_output:
-                add("out_r", "out_t", s, out)
-            if p.repetition_penalty != 1:
-                add("seen_r", "seen_t", s, [*prompt, *out])
+        for s, p in enumerate(params):
             if p.logit_bias:
                 add("bias_r", "bias_t", s, [t for t, _ in p.logit_bias])
                 bias_v.extend(b for _, b in p.logit_bias)
-            if p.min_tokens > len(out) + int(has_extra[s]) and stops[s]:
+            if p.min_tokens > produced[s] and stops[s]:
                 add("ban_r", "ban_t", s, stops[s])
         cat = [np.concatenate(v) if v else np.zeros(0, np.int64) for v in lists.values()]
-        # which extra rows count output tokens / have a repetition penalty, as indices into extra
-        count = np.flatnonzero([params[r].counts_output for r in rows_extra.tolist()])
-        rep = np.flatnonzero([params[r].repetition_penalty != 1 for r in rows_extra.tolist()])
         bits = np.asarray(bias_v, dtype=np.float64).view(np.int64)  # travels in the same copy
-        o_r, o_t, s_r, s_t, b_r, b_t, k_r, k_t, e_r, e_s, e_c, e_p, b_v = self._index(
-            [*cat, rows_extra, src_extra, count, rep, bits]
+        rows_d, slots_d, b_r, b_t, k_r, k_t, b_v = self._index(
+            [np.asarray(rows, np.int64), np.asarray(slots, np.int64), *cat, bits]
         )
-        if last is not None and len(rows_extra):
-            toks_extra = last[e_s]
-            o_r, o_t = torch.cat((o_r, e_r[e_c])), torch.cat((o_t, toks_extra[e_c]))
-            s_r, s_t = torch.cat((s_r, e_r[e_p])), torch.cat((s_t, toks_extra[e_p]))
-        return Penalties(
-            presence=dev[4], frequency=dev[5], repetition=dev[6],
-            out_rows=o_r, out_toks=o_t, seen_rows=s_r, seen_toks=s_t,
-            bias_rows=b_r, bias_toks=b_t, bias_vals=b_v.view(torch.float64).float(),
+        counts, prompt = self.state.gather(slots_d)
+        pen = Penalties(
+            presence=dev[4], frequency=dev[5], repetition=dev[6], rows=rows_d, counts=counts,
+            prompt=prompt, bias_rows=b_r, bias_toks=b_t, bias_vals=b_v.view(torch.float64).float(),
             ban_rows=k_r, ban_toks=k_t,
         )  # fmt: skip
+        return pen, slots_d
 
     def launch(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         gens: list[torch.Generator | None],
-        history: list[tuple[list[int], list[int]]] | None = None,
+        rids: list[int] | None = None,
+        produced: list[int] | None = None,
         stops: list[tuple[int, ...]] | None = None,
-        extra: tuple[np.ndarray, np.ndarray, torch.Tensor] | None = None,
         allowed: torch.Tensor | None = None,
     ) -> Pending:
-        """Sample one token per row of logits [S, V] fp32 (row s under params[s]; history, stops
-        and extra feed the penalties, see `penalties`; allowed: the grammars' bitmasks on the host)."""
+        """Sample one token per row of logits [S, V] fp32 (row s under params[s]; rids, produced
+        and stops feed the penalties, see `penalties`; allowed: the grammars' bitmasks on the
+        host). The tokens of the rows with a `TokenCounts` slot are counted into it on the device."""
         host = torch.tensor(
             [[p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
              [p.min_p for p in params], [p.presence_penalty for p in params],
@@ -206,6 +292,8 @@ class Sampler:
             dtype=torch.float32,
         )  # fmt: skip
         dev = (host.pin_memory() if self.pin else host).to(self.device, non_blocking=self.pin)
+        n = len(params)
+        pen = self.penalties(params, rids or [-1] * n, produced or [0] * n, stops or [()] * n, dev)
         batch = SamplingBatch(
             temperature=dev[0],
             top_k=dev[1].long(),
@@ -216,12 +304,12 @@ class Sampler:
             top_k_on=any(p.top_k > 0 and p.temperature > 0 for p in params),
             top_p_on=any(p.top_p < 1 and p.temperature > 0 for p in params),
             min_p_on=any(p.min_p > 0 and p.temperature > 0 for p in params),
-            penalties=self.penalties(
-                params, history or [([], [])] * len(params), stops or [()] * len(params), extra, dev
-            ),
+            penalties=None if pen is None else pen[0],
             allowed=None if allowed is None else self._to_device(allowed),
         )
         tokens, logprobs = self.ops.sample(logits, batch)
+        if pen is not None and pen[0].rows.numel():
+            self.state.count(pen[1], tokens[pen[0].rows])  # on the device, before the readback
         out = self._to_host(torch.stack((tokens.double(), logprobs.double())))
         tops = None
         want = {s: p.top_logprobs for s, p in enumerate(params) if p.top_logprobs}
