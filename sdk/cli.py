@@ -251,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="agentic: serve --family's bench config (+ --set) with random weights instead of MODEL",
     )
+    b.add_argument(
+        "--tokenizer",
+        default=None,
+        help="agentic --random-weights: a tokenizer folder (default: the embedded default's, from its GGUF)",
+    )
     device_flags(b)
     b.set_defaults(fn=_bench)
 

@@ -121,12 +121,15 @@ def _turns(spec: str) -> tuple[int, int]:
     return lo_n, hi_n
 
 
-def random_model(family: str, overrides: str | None, out: Path, context: int) -> Path:
+def random_model(
+    family: str, overrides: str | None, out: Path, context: int, tokenizer: str | None = None
+) -> Path:
     """A folder serving FAMILY's spec `bench` config (+ JSON overrides) with random weights: its
-    config.json (the embedded default's vocabulary, positions >= context) beside the embedded
-    default's tokenizer, saved from its GGUF; served with --load-format dummy."""
+    config.json (the tokenizer's vocabulary, positions >= context) beside a tokenizer: the
+    embedded default's, saved from its GGUF, or the one in the folder `tokenizer`; served with
+    --load-format dummy."""
     spec = FAMILIES.get(family).spec.spec
-    tok = load_tokenizer(embedded_default(), "gguf")
+    tok = load_tokenizer(Path(tokenizer), "hf") if tokenizer else load_tokenizer(embedded_default(), "gguf")
     base = merge(dict(spec.bench), {"vocab_size": len(tok), "max_position_embeddings": context})
     hf = reference_config(spec.reference, merge(base, json.loads(overrides) if overrides else {}))
     out.mkdir(parents=True, exist_ok=True)
@@ -142,7 +145,8 @@ def main(args: argparse.Namespace) -> int:
     longest = args.first_turn + max(plan) * (args.max_output + args.turn_tokens)
     with tempfile.TemporaryDirectory(prefix="dayzero-agentic-") as tmp:
         if args.random_weights:
-            args.model = str(random_model(args.family, args.set, Path(tmp), longest + args.max_output))
+            context = longest + args.max_output
+            args.model = str(random_model(args.family, args.set, Path(tmp), context, args.tokenizer))
             args.serve_flags = f"{args.serve_flags} --load-format dummy"
             print(f"serving the {args.family} bench config with random weights from {args.model}")
         return run(args, plan, longest)
