@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import importlib.metadata
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -45,6 +46,9 @@ from dayzero.sdk.server.protocol import (
 )
 from dayzero.sdk.server.tool_choice import CallReader, ForcedChoice, ToolsError, forced_choice
 from dayzero.sdk.server.tools import ToolParser, ToolStream
+from dayzero.sdk.server.workers import TRIM_AFTER_BYTES, Busy, Trimmer, WorkPool
+
+log = logging.getLogger("dayzero.server")
 
 DISCONNECT_POLL_S = 0.25
 MAX_CHOICES = 64  # prompts x n in one completion request
@@ -98,6 +102,8 @@ class ServerState:
     grammars: Callable[[], GrammarCompiler] | None = None  # structured output (made on first use)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a longer body gets 413 unread
     max_token_bytes: int = 0  # the tokenizer's longest token in bytes (0: measured by build_app)
+    pool: WorkPool = field(default_factory=WorkPool)  # tokenizing off the event loop, bounded
+    trimmer: Trimmer = field(default_factory=Trimmer)  # memory back to the system after a big body
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -124,6 +130,12 @@ def build_app(state: ServerState) -> FastAPI:
         return JSONResponse(
             error_body(str(e), e.kind, e.param, e.status), status_code=e.status, headers=e.headers
         )
+
+    @app.exception_handler(Busy)
+    async def _busy(_req: Request, e: Busy) -> JSONResponse:
+        state.metrics.requests.labels("error_503").inc()
+        body = error_body(str(e), "service_unavailable", code=503)
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, e: RequestValidationError) -> JSONResponse:
@@ -182,7 +194,7 @@ def build_app(state: ServerState) -> FastAPI:
             ids = await apply_template(state, messages, tools)
         else:
             check_text(state, [req.prompt or ""], "prompt")
-            ids = await asyncio.to_thread(
+            ids = await state.pool.run(
                 state.tokenizer.encode, req.prompt or "", add_special_tokens=req.add_special_tokens
             )
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
@@ -234,7 +246,7 @@ def build_app(state: ServerState) -> FastAPI:
         check_text(state, [m["content"] for m in messages], "messages")
         forced = forced_tools(req)
         tools = offered_tools(state, req, forced is not None)
-        grammar = await asyncio.to_thread(tool_grammar, state, forced) if forced else None
+        grammar = await state.pool.run(tool_grammar, state, forced) if forced else None
         ids = await apply_template(state, messages, tools)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
@@ -252,7 +264,13 @@ def build_app(state: ServerState) -> FastAPI:
         )
 
     count_413 = state.metrics.requests.labels("error_413").inc
-    app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes, on_refuse=count_413)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=state.max_request_bytes,
+        on_refuse=count_413,
+        large=TRIM_AFTER_BYTES,
+        on_large=state.trimmer.request,
+    )
     return app
 
 
@@ -299,7 +317,7 @@ def normalise_prompt(p) -> list[str | list[int]]:
 async def tokenize(state: ServerState, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, list):
         return prompt
-    return await asyncio.to_thread(state.tokenizer.encode, prompt, add_special_tokens=True)
+    return await state.pool.run(state.tokenizer.encode, prompt, add_special_tokens=True)
 
 
 def forced_tools(req: ChatRequest) -> ForcedChoice | None:
@@ -373,7 +391,7 @@ async def apply_template(
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         return state.tokenizer.encode(text, add_special_tokens=False)
 
-    return await asyncio.to_thread(render)
+    return await state.pool.run(render)
 
 
 def response_grammar(state: ServerState, req: Sampling):
@@ -461,17 +479,20 @@ async def start_choices(
     tools: bool = False,
     grammar=None,
     calls: Callable[[], CallReader] | None = None,
+    name: str = "",
 ) -> list[Choice]:
     """n choices a prompt; choice index = prompt index * n + i (vLLM's order). tools: calls are
     parsed out of the text (tool_choice auto); grammar and calls: a forced tool choice's grammar
-    and a new reader of the calls an answer is."""
+    and a new reader of the calls an answer is. name: the request's OpenAI id (the log's)."""
     choices: list[Choice] = []
     echo = getattr(req, "echo", False)
+    many = len(prompts) * req.n > 1
     try:
         for p, ids in enumerate(prompts):
             for i in range(req.n):
                 params = sampling_params(state, req, len(ids), i, top, grammar)
-                rid, q = await state.engine.submit(ids, params)
+                label = f"{name} choice {p * req.n + i}" if many else name
+                rid, q = await state.engine.submit(ids, params, name=label)
                 parser = state.tool_parser if tools else None
                 keep = parser.markers if parser else ()
                 detok = Detokenizer(state.tokenizer, ids, req.stops(), keep_special=keep)
@@ -543,8 +564,8 @@ async def respond(
     grammar=None,
     calls: Callable[[], CallReader] | None = None,
 ):
-    choices = await start_choices(state, req, ids, top_logprobs, tools, grammar, calls)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    choices = await start_choices(state, req, ids, top_logprobs, tools, grammar, calls, name=rid)
     if req.stream:
         gen = stream(state, req, request, choices, ids, rid, chat, want_logprobs)
         return StreamingResponse(gen, media_type="text/event-stream")
@@ -553,8 +574,7 @@ async def respond(
             while c.finish is None:
                 u = await next_update(c, request)
                 if u is None:
-                    abort_all(state, choices)
-                    state.metrics.requests.labels("disconnected").inc()
+                    client_gone(state, choices, rid)
                     return Response(status_code=499)
                 apply_update(state, c, u)
     except BaseException:
@@ -563,7 +583,7 @@ async def respond(
     if failed := next((c.error for c in choices if c.error), None):
         state.metrics.requests.labels("error_500").inc()
         return JSONResponse(error_body(failed, "internal_server_error", code=500), status_code=500)
-    state.metrics.requests.labels(outcome(choices)).inc()
+    count_outcome(state, choices)
     body = {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
@@ -573,6 +593,31 @@ async def respond(
         "usage": usage(ids, choices),
     }
     return JSONResponse(body)
+
+
+def client_gone(state: ServerState, choices: list[Choice], rid: str) -> None:
+    """The client went away before the answer was done: its requests are aborted, counted as
+    aborted by the client, and logged by the request's OpenAI id."""
+    live = [c for c in choices if c.finish is None]
+    abort_all(state, choices)
+    state.metrics.requests.labels("abort").inc()
+    state.metrics.aborted.labels("client").inc()
+    log.info(
+        "request %s aborted (the client disconnected): %d prompt tokens, %d generated, "
+        "%d of %d choices unfinished",
+        rid,
+        sum(c.prompt_tokens for c in choices),
+        sum(len(c.tokens) for c in choices),
+        len(live),
+        len(choices),
+    )
+
+
+def count_outcome(state: ServerState, choices: list[Choice]) -> None:
+    label = outcome(choices)
+    state.metrics.requests.labels(label).inc()
+    if label == "abort":
+        state.metrics.aborted.labels("server").inc()
 
 
 def outcome(choices: list[Choice]) -> str:
@@ -728,10 +773,9 @@ async def stream(
             }
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
-        state.metrics.requests.labels(outcome(choices)).inc()
+        count_outcome(state, choices)
     except (asyncio.CancelledError, GeneratorExit):
-        abort_all(state, choices)
-        state.metrics.requests.labels("disconnected").inc()
+        client_gone(state, choices, rid)
         raise
     finally:
         abort_all(state, [c for c in choices if c.finish is None])

@@ -46,6 +46,7 @@ class Update:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    name: str = ""  # how the client knows the request (its OpenAI id, and the choice)
     sent: int = 0
     submitted: float = field(default_factory=time.monotonic)
     first_token: float | None = None
@@ -98,7 +99,10 @@ class AsyncEngine:
         return self.engine.scheduler.num_waiting + self._pending
 
     # ---- asyncio side ------------------------------------------------------------------------
-    async def submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue]:
+    async def submit(
+        self, prompt_ids: list[int], params: SamplingParams, name: str = ""
+    ) -> tuple[int, asyncio.Queue]:
+        """name: how the client knows the request (its OpenAI id), for the log."""
         if not self.accepting:
             raise ShuttingDown("the server is shutting down")
         if self.waiting >= self.max_waiting:
@@ -107,7 +111,7 @@ class AsyncEngine:
         rid, fut, q = next(self._ids), loop.create_future(), asyncio.Queue()
         with self._lock:
             self._pending += 1
-        self._inbox.put(("add", rid, prompt_ids, params, fut, _Stream(loop, q)))
+        self._inbox.put(("add", rid, prompt_ids, params, fut, _Stream(loop, q, name)))
         self._wake.set()
         await fut  # ValueError when the engine refuses it
         return rid, q
@@ -189,14 +193,14 @@ class AsyncEngine:
 
     def _abort_live(self, why: str) -> None:
         self._closing = why
-        for rid in self._streams:
+        for rid, s in self._streams.items():
             out = self.engine.requests.get(rid)
             if out is None or out.finished:
                 continue
             self.engine.abort(rid)  # the next step reports it: its stream's final chunk
             log.warning(
-                "request %d aborted (%s): %d prompt tokens, %d generated",
-                rid,
+                "request %s aborted (%s): %d prompt tokens, %d generated",
+                s.name or rid,
                 why,
                 len(out.prompt_ids),
                 len(out.token_ids),

@@ -45,10 +45,20 @@ REFUSED = "dayzero.body_refused"  # set in the scope of a request answered 413
 
 class BodyLimit:
     """ASGI middleware: a body over max_bytes is answered 413 before it is read in full. The app
-    then sees the client gone (and its own answer, if any, is dropped); on_refuse counts it."""
+    then sees the client gone (and its own answer, if any, is dropped); on_refuse counts it.
+    on_large is called once a request whose body reached `large` bytes is answered (or refused):
+    its buffers are free then, and can go back to the system."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, on_refuse: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        on_refuse: Callable[[], None],
+        large: int | None = None,
+        on_large: Callable[[], None] | None = None,
+    ) -> None:
         self.app, self.max_bytes, self.on_refuse = app, max_bytes, on_refuse
+        self.large, self.on_large = large, on_large
 
     async def refuse(self, scope: Scope, send: Send) -> None:
         scope[REFUSED] = True
@@ -68,7 +78,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
-            return await self.refuse(scope, send)
+            return await self.refuse(scope, send)  # nothing was read: nothing to give back
         seen, started = 0, False
 
         async def counted() -> Message:
@@ -91,4 +101,8 @@ class BodyLimit:
             started = started or message["type"] == "http.response.start"
             await send(message)
 
-        await self.app(scope, counted, guarded)
+        try:
+            await self.app(scope, counted, guarded)
+        finally:
+            if self.on_large is not None and self.large is not None and seen >= self.large:
+                self.on_large()

@@ -11,6 +11,12 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("dayzero_requests", "Requests by outcome", ["outcome"], registry=r)
+        self.aborted = Counter(
+            "dayzero_requests_aborted",
+            "Aborted requests by who ended them (client, server)",
+            ["by"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "dayzero_time_to_first_token_seconds", "Submission to first token", buckets=LATENCY, registry=r
         )

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from dayzero.sdk.server import startup
 from dayzero.sdk.server.startup import parse_gib, parse_size
+from dayzero.sdk.server.workers import DEFAULT_QUEUE, DEFAULT_WORKERS, WorkPool
 
 if TYPE_CHECKING:
     import uvicorn
@@ -116,6 +117,7 @@ def load(args: argparse.Namespace, template: str | None = None):
         tool_parser=tool_parser(args, llm),
         grammars=lambda: llm.grammars,
         max_request_bytes=parse_size(args.max_request_bytes),
+        pool=WorkPool(args.tokenizer_workers, args.tokenizer_queue),
     )
     return llm, state
 
@@ -156,6 +158,7 @@ def serve(args: argparse.Namespace) -> int:
         yield
         state.engine.accepting = False
         state.engine.stop()
+        state.pool.shutdown()
 
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(
@@ -250,6 +253,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="largest prefill chunk (SGLang's name; vLLM's --long-prefill-token-threshold)",
     )
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429")
+    p.add_argument(
+        "--tokenizer-workers",
+        type=int,
+        default=DEFAULT_WORKERS,
+        help="threads that tokenize and render chat templates off the event loop",
+    )
+    p.add_argument(
+        "--tokenizer-queue",
+        type=int,
+        default=DEFAULT_QUEUE,
+        help="requests that may wait for a tokenizer thread; one more is answered 503 with Retry-After",
+    )
     p.add_argument(
         "--max-request-bytes",
         default="32MiB",

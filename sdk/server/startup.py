@@ -62,6 +62,8 @@ def check_flags(args: argparse.Namespace) -> str | None:
         "--max-model-len": (args.max_model_len, 1),
         "--chunked-prefill-size": (args.chunked_prefill_size, 1),
         "--port": (args.port, 0),
+        "--tokenizer-workers": (getattr(args, "tokenizer_workers", None), 1),
+        "--tokenizer-queue": (getattr(args, "tokenizer_queue", None), 0),
     }
     for flag, (value, low) in at_least.items():
         if value is not None and value < low:

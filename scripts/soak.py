@@ -1,0 +1,226 @@
+"""Soak a dayzero server: many small requests over HTTP, the server's RSS printed at intervals.
+
+    .venv/bin/python scripts/soak.py --requests 20000 --concurrency 8 --max-tokens 2
+    .venv/bin/python scripts/soak.py --url http://127.0.0.1:8000 --pid 1234   # a running server
+
+Without --url it starts `dayzero serve` (the embedded default on CPU, plus --serve-flags) on a
+free port and stops it at the end. Requests cycle through completions, chat completions and a
+streamed completion, each with its own prompt. RSS is read from /proc/PID/status (Linux); it is
+printed at the start, after --warmup requests, every --every requests and at the end, with the
+growth per request since the warm-up (a least-squares slope over the samples). --max-growth
+(bytes a request) makes the exit status 1 when the slope is above it.
+
+--big MB first sends one completion whose prompt is MB megabytes of text and prints its status,
+the time to the answer and the server's peak RSS while it ran (sampled every 5 ms), e.g.
+
+    .venv/bin/python scripts/soak.py --big 50 --requests 0 --serve-flags "--max-request-bytes 64MiB"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def rss_kib(pid: int) -> int:
+    """The resident set of process pid in KiB (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def slope(points: list[tuple[int, int]]) -> float:
+    """Least-squares growth in bytes a request over (requests done, RSS KiB) samples."""
+    if len(points) < 2:
+        return 0.0
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    return 1024 * sum((x - mx) * (y - my) for x, y in points) / var if var else 0.0
+
+
+def start_server(flags: list[str], timeout: float = 300) -> tuple[subprocess.Popen, str, object]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tempfile.NamedTemporaryFile("w+", prefix="soak-server-", suffix=".log", delete=False)  # noqa: SIM115
+    cmd = [sys.executable, "-m", "dayzero.sdk.cli", "serve", "--port", str(port), "--device", "cpu", *flags]
+    print(f"starting: {shlex.join(cmd)} (log {log.name})", flush=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise SystemExit(f"the server exited:\n{log.read()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url, log
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit(f"the server was not healthy after {timeout:.0f} s")
+
+
+async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> None:
+    """Request i: a completion, a chat completion or a streamed completion (i mod 3)."""
+    kind = i % 3
+    if kind == 0:
+        body = {"prompt": f"Request {i}: the number after {i} is", "max_tokens": max_tokens, "temperature": 0}
+        r = await client.post(f"{url}/v1/completions", json=body)
+        r.raise_for_status()
+        assert r.json()["choices"][0]["finish_reason"] in ("length", "stop"), r.text
+    elif kind == 1:
+        msgs = [{"role": "user", "content": f"Say the number {i}."}]
+        r = await client.post(f"{url}/v1/chat/completions", json={"messages": msgs, "max_tokens": max_tokens})
+        r.raise_for_status()
+        assert r.json()["choices"][0]["finish_reason"] in ("length", "stop"), r.text
+    else:
+        body = {"prompt": f"Story {i}:", "max_tokens": max_tokens, "stream": True}
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            r.raise_for_status()
+            last = ""
+            async for line in r.aiter_lines():
+                last = line or last
+            assert last == "data: [DONE]", last
+
+
+def big_request(url: str, pid: int | None, megabytes: float) -> None:
+    """One completion with a prompt of `megabytes` MB of text: status, seconds, peak RSS."""
+    body = json.dumps({"prompt": "word " * int(megabytes * 1e6 / 5), "max_tokens": 1}).encode()
+    before = rss_kib(pid) if pid else 0
+    peak, stop = [before], threading.Event()
+
+    def sample() -> None:
+        while pid and not stop.is_set():
+            peak.append(rss_kib(pid))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.monotonic()
+    r = httpx.post(
+        f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=600
+    )
+    took = time.monotonic() - t0
+    time.sleep(1)
+    stop.set()
+    sampler.join()
+    after = rss_kib(pid) if pid else 0
+    print(
+        f"big request: {len(body) / 1e6:.1f} MB body -> {r.status_code} in {took:.2f} s "
+        f"({r.text[:160]}); RSS before {before / 1024:.1f} MiB, peak {max(peak) / 1024:.1f} MiB, "
+        f"1 s after {after / 1024:.1f} MiB",
+        flush=True,
+    )
+
+
+async def soak(args: argparse.Namespace, url: str, pid: int | None) -> list[tuple[int, int]]:
+    counter = itertools.count()
+    done = 0
+    failures = 0
+    samples: list[tuple[int, int]] = []  # (requests done, RSS KiB) from the warm-up on
+    t0 = time.monotonic()
+    next_report = args.warmup
+
+    def report(label: str) -> None:
+        rss = rss_kib(pid) if pid else 0
+        rate = done / max(time.monotonic() - t0, 1e-9)
+        print(
+            f"{label:>9} {done:>7} requests  {time.monotonic() - t0:7.1f} s  {rate:6.1f} req/s  "
+            f"RSS {rss / 1024:8.1f} MiB  failures {failures}",
+            flush=True,
+        )
+        if done >= args.warmup and pid:
+            samples.append((done, rss))
+
+    report("start")
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+
+        async def worker() -> None:
+            nonlocal done, failures, next_report
+            while (i := next(counter)) < args.requests:
+                try:
+                    await one(client, url, i, args.max_tokens)
+                except (httpx.HTTPError, AssertionError, json.JSONDecodeError) as e:
+                    failures += 1
+                    if failures <= 5:
+                        print(f"request {i} failed: {type(e).__name__}: {e}", flush=True)
+                done += 1
+                if done >= next_report:
+                    report("warm-up" if next_report == args.warmup else "")
+                    next_report += args.every
+
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+    report("end")
+    if failures:
+        print(f"{failures} requests failed", flush=True)
+    return samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=20000)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1000, help="requests before the growth is measured")
+    p.add_argument("--every", type=int, default=1000, help="print RSS every this many requests")
+    p.add_argument("--timeout", type=float, default=120, help="seconds a request may take")
+    p.add_argument("--url", default=None, help="a running server (else one is started)")
+    p.add_argument("--pid", type=int, default=None, help="the running server's pid, for its RSS")
+    p.add_argument("--big", type=float, default=None, help="first, one request of this many MB of text")
+    p.add_argument("--serve-flags", default="", help="more `dayzero serve` flags when one is started")
+    p.add_argument(
+        "--max-growth", type=float, default=None, help="exit 1 when RSS grows faster (bytes a request)"
+    )
+    args = p.parse_args(argv)
+    proc = log = None
+    if args.url:
+        url, pid = args.url.rstrip("/"), args.pid
+    else:
+        proc, url, log = start_server(shlex.split(args.serve_flags))
+        pid = proc.pid
+    if pid is None:
+        print("no --pid: RSS is not measured", flush=True)
+    try:
+        if args.big:
+            big_request(url, pid, args.big)
+        samples = asyncio.run(soak(args, url, pid)) if args.requests else []
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+            os.unlink(log.name)
+    if len(samples) >= 2:
+        growth = slope(samples)
+        (n0, r0), (n1, r1) = samples[0], samples[-1]
+        print(
+            f"RSS after warm-up {r0 / 1024:.1f} MiB at {n0} requests, {r1 / 1024:.1f} MiB at {n1}: "
+            f"{growth:+.1f} bytes a request (least squares over {len(samples)} samples)",
+            flush=True,
+        )
+        if args.max_growth is not None and growth > args.max_growth:
+            print(f"growth above the bound of {args.max_growth:g} bytes a request", flush=True)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+"""CPU work of a request that must not run on the event loop (tokenizing, rendering the chat
+template, compiling a tool grammar), in a bounded pool; and giving memory back after a big
+request.
+
+The pool has `workers` threads and holds at most `workers + queue` jobs (running or waiting):
+one more is refused at once with `Busy` (the app answers 503 with Retry-After, in OpenAI's error
+shape), so a burst of large prompts cannot queue without bound behind the tokenizer. A job
+counts until its thread is done with it, even when the client that asked has gone away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import functools
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+log = logging.getLogger("dayzero.server")
+
+T = TypeVar("T")
+
+DEFAULT_WORKERS = 2
+DEFAULT_QUEUE = 64
+TRIM_AFTER_BYTES = 1 << 20  # a request body at least this large gives its memory back after it
+
+
+class Busy(RuntimeError):
+    """Every worker is busy and the queue is full: retry later (HTTP 503)."""
+
+
+class WorkPool:
+    def __init__(self, workers: int = DEFAULT_WORKERS, queue: int = DEFAULT_QUEUE) -> None:
+        if workers < 1 or queue < 0:
+            raise ValueError(f"a work pool needs a worker and a queue >= 0, got {workers}, {queue}")
+        self.workers, self.limit = workers, workers + queue
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="dayzero-tokenize")
+        self._held = 0
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> int:
+        """Jobs running or waiting."""
+        return self._held
+
+    async def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """fn(*args, **kwargs) on a worker thread; Busy when the pool is full."""
+        with self._lock:
+            if self._held >= self.limit:
+                raise Busy(
+                    f"the server is overloaded: {self._held} tokenizing jobs are running or waiting "
+                    f"(limit {self.limit}); retry later"
+                )
+            self._held += 1
+        try:
+            fut = self._executor.submit(fn, *args, **kwargs)
+        except BaseException:
+            self._release()
+            raise
+        fut.add_done_callback(self._release)  # done or cancelled (its client gone before it ran)
+        return await asyncio.wrap_future(fut)
+
+    def _release(self, _fut=None) -> None:
+        with self._lock:
+            self._held -= 1
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim (None elsewhere: macOS, musl, Windows)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def give_memory_back() -> bool:
+    """Return the C heap's free pages to the system (glibc malloc_trim(0)): a big request's
+    buffers, once freed, otherwise stay in the process's RSS. False where there is no glibc."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+class Trimmer:
+    """Runs give_memory_back on a thread after a big request, at most one at a time (a second
+    big request ending during a trim asks for one more after it)."""
+
+    def __init__(self) -> None:
+        self._running = False
+        self._again = False
+        self._lock = threading.Lock()
+        self.trims = 0
+
+    def request(self) -> None:
+        with self._lock:
+            if self._running:
+                self._again = True
+                return
+            self._running = True
+        threading.Thread(target=self._run, name="dayzero-trim", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                give_memory_back()
+            except Exception:  # never worth a request: log and go on
+                log.exception("malloc_trim failed")
+            with self._lock:
+                self.trims += 1
+                if not self._again:
+                    self._running = False
+                    return
+                self._again = False
