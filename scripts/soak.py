@@ -5,7 +5,9 @@
 
 Without --url it starts `dayzero serve` (the embedded default on CPU, plus --serve-flags) on a
 free port and stops it at the end. Requests cycle through completions, chat completions and a
-streamed completion, each with its own prompt. RSS is read from /proc/PID/status (Linux); it is
+streamed completion, each with its own prompt (--distinct K: K prompts over and over, so that
+after the warm-up the bounded caches, the tokenizer's word cache and the prefix cache, hold
+them all and what still grows is the server's own). RSS is read from /proc/PID/status (Linux); it is
 printed at the start, after --warmup requests, every --every requests and at the end, with the
 growth per request since the warm-up (a least-squares slope over the samples). --max-growth
 (bytes a request) makes the exit status 1 when the slope is above it.
@@ -78,9 +80,11 @@ def start_server(flags: list[str], timeout: float = 300) -> tuple[subprocess.Pop
     raise SystemExit(f"the server was not healthy after {timeout:.0f} s")
 
 
-async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> None:
-    """Request i: a completion, a chat completion or a streamed completion (i mod 3)."""
+async def one(client: httpx.AsyncClient, url: str, i: int, max_tokens: int, distinct: int = 0) -> None:
+    """Request i: a completion, a chat completion or a streamed completion (i mod 3); its number
+    in the prompt is i, or i mod distinct."""
     kind = i % 3
+    i = i % distinct if distinct else i
     if kind == 0:
         body = {"prompt": f"Request {i}: the number after {i} is", "max_tokens": max_tokens, "temperature": 0}
         r = await client.post(f"{url}/v1/completions", json=body)
@@ -158,7 +162,7 @@ async def soak(args: argparse.Namespace, url: str, pid: int | None) -> list[tupl
             nonlocal done, failures, next_report
             while (i := next(counter)) < args.requests:
                 try:
-                    await one(client, url, i, args.max_tokens)
+                    await one(client, url, i, args.max_tokens, args.distinct)
                 except (httpx.HTTPError, AssertionError, json.JSONDecodeError) as e:
                     failures += 1
                     if failures <= 5:
@@ -180,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=20000)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=2)
+    p.add_argument("--distinct", type=int, default=0, help="cycle through this many prompts (0: all new)")
     p.add_argument("--warmup", type=int, default=1000, help="requests before the growth is measured")
     p.add_argument("--every", type=int, default=1000, help="print RSS every this many requests")
     p.add_argument("--timeout", type=float, default=120, help="seconds a request may take")
