@@ -21,6 +21,7 @@ from importlib.metadata import entry_points
 import torch
 
 from dayzero.kernels import batched, reference, triton  # noqa: F401  (register on import)
+from dayzero.kernels.collective import TpGroup
 from dayzero.kernels.packed import PackedWeight
 from dayzero.kernels.registry import KERNELS, OPS, Kernel, UnknownKeyError
 
@@ -111,8 +112,9 @@ class OpTable:
     An op with a packed twin (`linear` -> `linear_packed`) runs the twin for packed weights when
     the model needed it."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, tp: TpGroup | None = None) -> None:
         self.device, self.dtype = device, dtype
+        self.tp = tp or TpGroup()  # the collectives of a sharded model (one rank: none)
         self._chosen: dict[str, Kernel] = {}
         self._needs: dict[str, Need] = {}
 

@@ -149,7 +149,21 @@ def _parity(args: argparse.Namespace) -> int:
             ckpt, device=args.device, dtype=args.dtype, seed=args.seed, family=args.family, progress=_say
         )
     print(report.table())
-    return 0 if report.ok else 1
+    ok = report.ok
+    if args.tensor_parallel_size > 1:
+        from dayzero.sdk.loader import open_checkpoint
+        from dayzero.sdk.parity.parallel import compare_ranks
+
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = args.checkpoint or write_tiny(args.family, Path(tmp) / "tiny", seed=args.seed)
+            vocab = open_checkpoint(ckpt).hf["vocab_size"]
+            _say(f"tensor parallel: {args.tensor_parallel_size} ranks against one (gloo, CPU)")
+            tp_ok, lines = compare_ranks(
+                str(ckpt), args.tensor_parallel_size, args.enable_expert_parallel, args.seed, vocab, tmp
+            )
+        print("\n".join(lines))
+        ok = ok and tp_ok
+    return 0 if ok else 1
 
 
 def _say(line: str) -> None:
@@ -325,6 +339,17 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("family", nargs="?", default=None, help="family (optional with --checkpoint)")
     q.add_argument("--checkpoint", default=None, help="checkpoint folder (default: a tiny random one)")
     q.add_argument("--seed", type=int, default=0)
+    q.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="also run the checkpoint on N CPU ranks (gloo) against one rank, the model parity checks",
+    )
+    q.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with --tensor-parallel-size: experts whole per rank",
+    )
     device_flags(q)
     q.set_defaults(fn=_parity)
 

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
+from dayzero.kernels.collective import TpGroup
 from dayzero.kernels.registry import OPS, Registry
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks import BLOCKS
-from dayzero.sdk.config.model import ModelConfig
+from dayzero.sdk.config.model import ONE_RANK, ModelConfig, Parallel
 from dayzero.sdk.errors import SpecError
 from dayzero.sdk.quant.materialize import materialize
 from dayzero.sdk.quant.packing import PackedParam
@@ -52,8 +53,8 @@ class Family:
     def module(self, part: str = "model"):
         return importlib.import_module(f"dayzero.models.{self.folder.replace('/', '.')}.{part}")
 
-    def config(self, hf: dict, source: str = "config.json") -> ModelConfig:
-        return resolve(self.spec, hf, self.module("cache").CACHE_GROUPS, source)
+    def config(self, hf: dict, source: str = "config.json", par: Parallel = ONE_RANK) -> ModelConfig:
+        return resolve(self.spec, hf, self.module("cache").CACHE_GROUPS, source, par)
 
 
 def _discover() -> Registry[Family]:
@@ -158,12 +159,20 @@ def build(
     dtype: torch.dtype,
     packed: dict[str, PackedParam] | None = None,
     act_quant: bool = False,
+    tp: TpGroup | None = None,
 ):
     """The generated model for cfg, parameters uninitialised (the loader writes them); `packed`
-    (a checkpoint's Packing.params) names the parameters held packed."""
+    (a checkpoint's Packing.params) names the parameters held packed; `tp`: the group a
+    sharded cfg (cfg.parallel) runs its collectives over."""
     packed = packed or {}
+    tp = tp or TpGroup()
+    if (tp.size, tp.rank) != (cfg.parallel.size, cfg.parallel.rank):
+        raise ValueError(
+            f"the config is rank {cfg.parallel.rank} of {cfg.parallel.size}, "
+            f"the group rank {tp.rank} of {tp.size}"
+        )
     features = frozenset(p.format for p in packed.values()) | ({"act_quant"} if act_quant else set())
-    ops = kernel_needs(cfg, OpTable(device, dtype), features).resolve()
+    ops = kernel_needs(cfg, OpTable(device, dtype, tp), features).resolve()
     with born_as(device, dtype), params_on_meta():  # no fp32 copy of a big model
         model = fam.module("model").Model(cfg, ops)
     for m in model.modules():

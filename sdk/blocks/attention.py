@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -12,6 +13,7 @@ from dayzero.kernels.ops import HeadPrep
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl, StaticCache
 from dayzero.sdk.blocks.rope import ROPE_TYPES, rope_kind, rope_table
+from dayzero.sdk.config.model import ONE_RANK, Parallel, Slice
 from dayzero.sdk.config.options import BoolV, FloatV, IntV, Ref, Strict
 
 
@@ -68,6 +70,8 @@ class GqaCfg:
     query_scaling: tuple[float, float] | None  # (base, exponent)
     softcap: float | None
     scale: float
+    par: Parallel = ONE_RANK  # tensor parallel: heads / kv_heads above are this rank's
+    kv_total: int = 0  # the model's KV heads (sharded configs)
 
 
 class GqaAttention(nn.Module):
@@ -81,6 +85,10 @@ class GqaAttention(nn.Module):
     o[t, h] = sum_{j <= p_t, j > p_t - W} softmax_j(scale * q[t, h] . k[j, h // (H/Hk)]) v[j, ...]
     o <- o * sigmoid(g (+ b_gate[h]))                   (output_gate)
     y = o W_o (+ b_o)                                   [T, Dm]
+
+    Tensor parallel over P ranks: each rank holds H / P query heads (and their gates) and their
+    KV heads (Hk / P, or, with Hk < P, the one KV head its query heads read: replicated), its
+    columns of W_o; y = sum over ranks of o_r W_o,r (all-reduce), + b_o once.
     """
 
     linear_weights = ("in_proj", "o_proj")  # may be packed
@@ -110,6 +118,26 @@ class GqaAttention(nn.Module):
         proj = {"q": h * d, "k": hk * d, "v": hk * d} | ({"gate": h * d} if cfg.output_gate != "none" else {})
         return {"in_proj": proj, "qkv_bias": {"q": h * d, "k": hk * d, "v": hk * d}}
 
+    @staticmethod
+    def shards(cfg: GqaCfg) -> dict[str, dict[str, Slice]]:
+        p, d, h, hk = cfg.par, cfg.head_dim, cfg.heads, cfg.kv_heads
+        if p.size == 1:
+            return {}
+        q = Slice(-2, p.rank * h * d, h * d)
+        first_kv = p.rank * hk if cfg.kv_total >= p.size else p.rank * cfg.kv_total // p.size
+        kv = Slice(-2, first_kv * d, hk * d)
+        out = {
+            "in_proj": {"q": q, "k": kv, "v": kv} | ({"gate": q} if cfg.output_gate != "none" else {}),
+            "o_proj": {"": Slice(-1, p.rank * h * d, h * d)},
+        }
+        if cfg.bias:
+            out["qkv_bias"] = {
+                part: Slice(-1, sl.start, sl.length) for part, sl in (("q", q), ("k", kv), ("v", kv))
+            }
+        if cfg.output_gate == "sigmoid_head_bias":
+            out["gate_bias"] = {"": Slice(-1, p.rank * h, h)}
+        return out
+
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         c, ops, t = self.cfg, self.ops, x.shape[0]
         proj = ops.linear(x, self.in_proj)  # [T, (2H + 2Hk) D] or [T, (H + 2Hk) D]
@@ -134,7 +162,10 @@ class GqaAttention(nn.Module):
         o = ops.gqa_attention(q, kv[:, 0], kv[:, 1], meta, c.scale, c.window, c.softcap)  # [T, H, D]
         if c.output_gate != "none":
             o = ops.sigmoid_gate(o, gate.reshape(t, c.heads, c.head_dim), self.gate_bias)
-        return ops.linear(o.reshape(t, -1), self.o_proj, self.o_bias)
+        if c.par.size == 1:
+            return ops.linear(o.reshape(t, -1), self.o_proj, self.o_bias)
+        y = ops.tp.all_reduce(ops.linear(o.reshape(t, -1), self.o_proj))  # [T, Dm] summed over ranks
+        return y if self.o_bias is None else y + self.o_bias
 
 
 def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
@@ -180,6 +211,18 @@ def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
         query_scaling=None if qs is None else (float(val(qs.base)), float(val(qs.exponent))),
         softcap=None if o.softcap is None or val(o.softcap) is None else float(val(o.softcap)),
         scale=d**-0.5 if o.scale is None else float(val(o.scale)),
+    )
+
+
+def _shard_gqa(c: GqaCfg, par: Parallel) -> GqaCfg:
+    h = par.even(c.heads, "query heads")
+    if c.kv_heads % par.size and par.size % c.kv_heads:
+        raise ValueError(
+            f"{c.kv_heads} KV heads neither split over nor replicate evenly across "
+            f"tensor-parallel size {par.size}"
+        )
+    return dataclasses.replace(
+        c, heads=h, kv_heads=max(c.kv_heads // par.size, 1), par=par, kv_total=c.kv_heads
     )
 
 
@@ -233,5 +276,6 @@ BLOCKS.add(
         _gqa_cache,
         _gqa_static_cache,
         GqaAttention.__doc__ or "",
+        _shard_gqa,
     ),
 )

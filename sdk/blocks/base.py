@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from dayzero.kernels.registry import Registry
+from dayzero.sdk.config.model import Parallel
 
 Role = Literal["attention", "mlp"]
 
@@ -57,6 +58,9 @@ class BlockDef:
     cache: Callable[[Any], tuple[CacheDecl, ...]] | None = None
     static_cache: Callable[[Any], tuple[StaticCache, ...]] | None = None
     doc: str = ""
+    # tensor parallelism: (resolved config, Parallel) -> this rank's config (its module then
+    # builds its shard and states the slices it loads: `shards`); None: not shardable yet
+    shard: Callable[[Any, Parallel], Any] | None = None
 
 
 BLOCKS: Registry[BlockDef] = Registry("block kind")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -10,6 +11,7 @@ from torch import nn
 
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef
+from dayzero.sdk.config.model import ONE_RANK, Parallel, Slice
 from dayzero.sdk.config.options import BoolV, FloatV, IntV, Strict
 
 
@@ -23,14 +25,18 @@ class SwigluOpts(Strict):
 @dataclass(frozen=True)
 class SwigluCfg:
     hidden: int
-    intermediate: int
+    intermediate: int  # this rank's, when sharded
     fp32: bool
     limit: float | None = None
+    par: Parallel = ONE_RANK
+    reduce: bool = True  # sum the ranks' outputs here (False: the enclosing block does)
 
 
 class SwiGLU(nn.Module):
     """y = W_down (silu(g) * u), g = x W_gate, u = x W_up; [gate; up] is one fused projection.
-    With a limit: g <- min(g, limit), u <- clamp(u, -limit, limit) before the product."""
+    With a limit: g <- min(g, limit), u <- clamp(u, -limit, limit) before the product.
+    Tensor parallel over P ranks: each holds I / P of the intermediate (rows of W_gate, W_up,
+    columns of W_down); y = sum over ranks of its partial product (all-reduce)."""
 
     linear_weights = ("gate_up", "down")  # may be packed
 
@@ -44,9 +50,17 @@ class SwiGLU(nn.Module):
     def parts(cfg: SwigluCfg) -> dict[str, dict[str, int]]:
         return {"gate_up": {"gate": cfg.intermediate, "up": cfg.intermediate}}
 
+    @staticmethod
+    def shards(cfg: SwigluCfg) -> dict[str, dict[str, Slice]]:
+        if cfg.par.size == 1:
+            return {}
+        cols = Slice(-2, cfg.par.rank * cfg.intermediate, cfg.intermediate)
+        return {"gate_up": {"gate": cols, "up": cols}, "down": {"": Slice(-1, cols.start, cols.length)}}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.ops.linear(x, self.gate_up).chunk(2, dim=-1)  # [T, I] each
-        return self.ops.linear(self.ops.swiglu(gate, up, self.cfg.fp32, self.cfg.limit), self.down)
+        y = self.ops.linear(self.ops.swiglu(gate, up, self.cfg.fp32, self.cfg.limit), self.down)
+        return self.ops.tp.all_reduce(y) if self.cfg.reduce and self.cfg.par.size > 1 else y
 
 
 class MoeOpts(Strict):
@@ -82,6 +96,8 @@ class MoeCfg:
     shared_gate: bool
     fp32: bool
     limit: float | None = None
+    par: Parallel = ONE_RANK  # sharded: `experts` (expert parallel) or the intermediates are this rank's
+    experts_total: int = 0  # the model's routed experts (sharded configs)
 
 
 class MoE(nn.Module):
@@ -93,6 +109,11 @@ class MoE(nn.Module):
     y = routed_scale * sum_k w_k SwiGLU_{e_k}(x)  (+ [sigmoid(x w_g)] SwiGLU_shared(x))
     (sigmoid + correction bias + groups is DeepSeek's `noaux_tc` selection; every SwiGLU takes
     the block's limit)
+
+    Over P ranks the router (and routing) is replicated; expert parallel: rank r holds experts
+    [r E / P, (r + 1) E / P) whole and weighs the others' picks 0; tensor parallel: every rank
+    holds I / P of every expert's intermediate; the shared expert is split by its intermediate
+    either way; y = sum over ranks (one all-reduce).
     """
 
     fp32_params = ("router", "correction_bias")  # routing stays fp32 in every model dtype
@@ -102,12 +123,15 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg, self.ops = cfg, ops
         e, i, h = cfg.experts, cfg.intermediate, cfg.hidden
-        self.router = nn.Parameter(torch.empty(e, h))
-        self.correction_bias = nn.Parameter(torch.empty(e)) if cfg.correction_bias else None
+        total = cfg.experts_total or e
+        self.first = cfg.par.rank * e if cfg.par.experts else 0  # this rank's first expert
+        self.router = nn.Parameter(torch.empty(total, h))
+        self.correction_bias = nn.Parameter(torch.empty(total)) if cfg.correction_bias else None
         self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down = nn.Parameter(torch.empty(e, h, i))
         si = cfg.shared_intermediate
-        self.shared = SwiGLU(SwigluCfg(h, si, cfg.fp32, cfg.limit), ops) if si else None
+        shared = SwigluCfg(h, si, cfg.fp32, cfg.limit, cfg.par, reduce=False)
+        self.shared = SwiGLU(shared, ops) if si else None
         self.shared_gate = nn.Parameter(torch.empty(1, h)) if si and cfg.shared_gate else None
 
     def routed(self) -> tuple[int, float]:
@@ -119,6 +143,19 @@ class MoE(nn.Module):
         return {"gate_up": {"gate": cfg.intermediate, "up": cfg.intermediate}} | {
             "shared.gate_up": {"gate": cfg.shared_intermediate, "up": cfg.shared_intermediate}
         }
+
+    @staticmethod
+    def shards(cfg: MoeCfg) -> dict[str, dict[str, Slice]]:
+        """Expert parallel: `[e]` places the leading (expert) index; tensor parallel: slices of
+        each expert's tensors (the shared expert states its own)."""
+        p = cfg.par
+        if p.size == 1:
+            return {}
+        if p.experts:
+            mine = Slice(-3, p.rank * cfg.experts, cfg.experts)  # [e]: the expert index
+            return {"gate_up": {"[e]": mine}, "down": {"[e]": mine}}
+        cols = Slice(-2, p.rank * cfg.intermediate, cfg.intermediate)
+        return {"gate_up": {"gate": cols, "up": cols}, "down": {"": Slice(-1, cols.start, cols.length)}}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, ops = self.cfg, self.ops
@@ -133,13 +170,17 @@ class MoE(nn.Module):
             c.renormalize,
             c.routed_scale,
         )
+        if c.par.experts and c.par.size > 1:  # the picks of this rank's experts, the rest weigh 0
+            local = ids - self.first
+            mine = (local >= 0) & (local < c.experts)
+            w, ids = torch.where(mine, w, 0.0), torch.where(mine, local, 0)
         y = ops.moe_experts(x, self.gate_up, self.down, w, ids, c.fp32, c.limit)
         if self.shared is not None:
             s = self.shared(x)
             if self.shared_gate is not None:
                 s = s * torch.sigmoid(ops.linear(x, self.shared_gate))
             y = y + s
-        return y
+        return ops.tp.all_reduce(y) if c.par.size > 1 else y
 
 
 def _limit(o, val) -> float | None:
@@ -179,6 +220,23 @@ def _resolve_moe(o: MoeOpts, val) -> MoeCfg:
     return c
 
 
+def _shard_swiglu(c: SwigluCfg, par: Parallel) -> SwigluCfg:
+    return dataclasses.replace(c, intermediate=par.even(c.intermediate, "the SwiGLU intermediate"), par=par)
+
+
+def _shard_moe(c: MoeCfg, par: Parallel) -> MoeCfg:
+    shared = par.even(c.shared_intermediate, "the shared expert's intermediate")
+    if par.experts:
+        experts = par.even(c.experts, "the routed experts")
+        return dataclasses.replace(
+            c, experts=experts, shared_intermediate=shared, par=par, experts_total=c.experts
+        )
+    inter = par.even(c.intermediate, "the expert intermediate")
+    return dataclasses.replace(
+        c, intermediate=inter, shared_intermediate=shared, par=par, experts_total=c.experts
+    )
+
+
 def _act_features(c) -> frozenset[str]:
     return frozenset(({"fp32"} if c.fp32 else set()) | ({"limit"} if c.limit is not None else set()))
 
@@ -201,6 +259,17 @@ def _moe_needs(c: MoeCfg):
 
 BLOCKS.add(
     "swiglu",
-    BlockDef("swiglu", "mlp", SwigluOpts, _resolve_swiglu, SwiGLU, _swiglu_needs, doc=SwiGLU.__doc__),
+    BlockDef(
+        "swiglu",
+        "mlp",
+        SwigluOpts,
+        _resolve_swiglu,
+        SwiGLU,
+        _swiglu_needs,
+        doc=SwiGLU.__doc__,
+        shard=_shard_swiglu,
+    ),
 )
-BLOCKS.add("moe", BlockDef("moe", "mlp", MoeOpts, _resolve_moe, MoE, _moe_needs, doc=MoE.__doc__))
+BLOCKS.add(
+    "moe", BlockDef("moe", "mlp", MoeOpts, _resolve_moe, MoE, _moe_needs, doc=MoE.__doc__, shard=_shard_moe)
+)

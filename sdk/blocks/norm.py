@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from dayzero.kernels.selection import OpTable
-from dayzero.sdk.config.model import EmbeddingCfg, HeadCfg, NormCfg, ResidualCfg
+from dayzero.sdk.config.model import EmbeddingCfg, HeadCfg, NormCfg, ResidualCfg, Slice
 
 
 class RMSNorm(nn.Module):
@@ -129,17 +129,33 @@ class Streams(nn.Module):
 
 
 class Embedding(nn.Module):
+    """x = W[ids]; vocab-parallel over P ranks: rank r holds rows [r V / P, (r + 1) V / P), looks
+    up the ids in its range (the others give 0) and the ranks' rows are summed."""
+
     def __init__(self, cfg: EmbeddingCfg, ops: OpTable) -> None:
         super().__init__()
-        self.ops = ops
-        self.weight = nn.Parameter(torch.empty(cfg.vocab, cfg.dim))
+        self.cfg, self.ops = cfg, ops
+        self.rows = cfg.par.even(cfg.vocab, "the vocabulary")  # [V / P, Dm] on each rank
+        self.start = cfg.par.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, cfg.dim))
+
+    @staticmethod
+    def shards(cfg: EmbeddingCfg) -> dict[str, dict[str, Slice]]:
+        rows = cfg.vocab // cfg.par.size
+        return {"weight": {"": Slice(-2, cfg.par.rank * rows, rows)}} if cfg.par.size > 1 else {}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.ops.embedding(ids, self.weight)  # [T, Dm]
+        if self.cfg.par.size == 1:
+            return self.ops.embedding(ids, self.weight)  # [T, Dm]
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.rows)
+        x = self.ops.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None]
+        return self.ops.tp.all_reduce(x)
 
 
 class LMHead(nn.Module):
-    """logits = h W^T (W = the embedding when tied), then cap * tanh(logits / cap); fp32 out."""
+    """logits = h W^T (W = the embedding when tied), then cap * tanh(logits / cap); fp32 out.
+    Vocab-parallel: each rank's [S, V / P] logits for its rows, gathered to [S, V]."""
 
     linear_weights = ("weight",)  # may be packed (untied)
 
@@ -147,11 +163,19 @@ class LMHead(nn.Module):
         super().__init__()
         self.cfg, self.ops = cfg, ops
         self.tied = [embed] if cfg.tie else None  # a list: not a second registered parameter
-        self.weight = None if cfg.tie else nn.Parameter(torch.empty(cfg.vocab, cfg.dim))
+        rows = cfg.par.even(cfg.vocab, "the vocabulary")
+        self.weight = None if cfg.tie else nn.Parameter(torch.empty(rows, cfg.dim))
+
+    @staticmethod
+    def shards(cfg: HeadCfg) -> dict[str, dict[str, Slice]]:
+        rows = cfg.vocab // cfg.par.size
+        return (
+            {"weight": {"": Slice(-2, cfg.par.rank * rows, rows)}} if cfg.par.size > 1 and not cfg.tie else {}
+        )
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         w = self.tied[0].weight if self.tied else self.weight
-        logits = self.ops.linear(h, w)  # [S, V]
+        logits = self.ops.tp.all_gather(self.ops.linear(h, w))  # [S, V]
         if self.cfg.softcap is not None:
             return self.ops.softcap(logits, self.cfg.softcap)
         return logits.float()

@@ -11,6 +11,36 @@ from typing import Any, Literal
 
 
 @dataclass(frozen=True)
+class Parallel:
+    """This process's place in tensor parallelism: `size` ranks, this one `rank`; `experts`:
+    whole experts placed on ranks (expert parallel) rather than every expert split."""
+
+    size: int = 1
+    rank: int = 0
+    experts: bool = False
+
+    def even(self, n: int, what: str) -> int:
+        """n / size, refused by name when it does not divide."""
+        if n % self.size:
+            raise ValueError(f"{what} ({n}) does not split over tensor-parallel size {self.size}")
+        return n // self.size
+
+
+ONE_RANK = Parallel()  # no tensor parallelism
+
+
+@dataclass(frozen=True)
+class Slice:
+    """The part of a checkpoint tensor one rank holds: `length` indices from `start` along `dim`,
+    counted from the end (-1 columns, -2 rows, -3 the expert index of a stacked tensor), so a
+    slice means the same for one expert's tensor and for all experts stacked."""
+
+    dim: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
 class NormCfg:
     dim: int
     eps: float
@@ -40,6 +70,7 @@ class ResidualCfg:
 class EmbeddingCfg:
     vocab: int
     dim: int
+    par: Parallel = ONE_RANK  # vocab-parallel over par.size ranks: rows [rank V / size, ...)
 
 
 @dataclass(frozen=True)
@@ -48,6 +79,7 @@ class HeadCfg:
     dim: int
     tie: bool
     softcap: float | None
+    par: Parallel = ONE_RANK  # vocab-parallel: each rank's logits for its rows, then gathered
 
 
 @dataclass(frozen=True)
@@ -88,3 +120,4 @@ class ModelConfig:
     max_position: int | None
     eos_token_ids: tuple[int, ...]
     symbols: tuple[tuple[str, Any], ...]  # every resolved symbol (for inspection and debugging)
+    parallel: Parallel = ONE_RANK  # the blocks' configs are this rank's shards

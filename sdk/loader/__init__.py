@@ -79,10 +79,11 @@ class Checkpoint:
             self.quant, {n: h for n, h in header.items() if not mapping.is_mtp(n)}, mapping.param_of
         )
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, want: safetensors_io.Want | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor; `want` (safetensors): what of each to read (GGUF reads every one whole)."""
         if self.format == "gguf":
             return gguf_io.iter_tensors(self.path)
-        return safetensors_io.iter_tensors(safetensors_io.shard_files(self.path))
+        return safetensors_io.iter_tensors(safetensors_io.shard_files(self.path), want)
 
     def count(self) -> int:
         if self.format == "gguf":
@@ -155,7 +156,22 @@ def load_weights(
     aside = 0
     total = count if tensors is not None else ckpt.count()
     bar = tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress, leave=False)
-    for name, tensor in tensors if tensors is not None else ckpt.tensors():
+    sliced: set[str] = set()
+
+    def want(name: str, _shape) -> object:
+        """Tensor parallel: this rank's slice of a tensor, nothing of another rank's expert."""
+        if name in ckpt.config_tensors or mapping.is_mtp(name) or name in packed:
+            return True
+        target = mapping.target(name)
+        part = None if target is None else writer.wants(name, target)
+        if part is None:
+            bar.update(1)  # not read at all
+        elif part is not True:
+            sliced.add(name)
+        return part
+
+    sharded = tensors is None and bool(writer.shards)
+    for name, tensor in tensors if tensors is not None else ckpt.tensors(want if sharded else None):
         if name in ckpt.config_tensors:  # read into the config when the checkpoint was opened
             bar.update(1)
             continue
@@ -169,7 +185,7 @@ def load_weights(
             if target is not None:
                 writer.write_packed(name, target, comp, tensor, packing.config.convention)
         elif (target := mapping.target(name)) is not None:
-            writer.write(name, target, tensor)
+            writer.write(name, target, tensor, sliced=name in sliced)
         del tensor  # dropped before the next tensor is read (bounds peak memory)
         bar.update(1)
     bar.close()

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from dayzero.kernels.packed import PackedWeight
+from dayzero.sdk.config.model import Slice
 from dayzero.sdk.errors import WeightError
-from dayzero.sdk.quant.layout import expected_shape, to_rows
+from dayzero.sdk.quant.layout import expected_shape, slice_component, to_rows
 from dayzero.sdk.spec.schema import WeightFormat
 from dayzero.sdk.transforms import TRANSFORMS
 
@@ -92,6 +93,7 @@ class StrictWriter:
         self.params = dict(model.named_parameters())
         self.packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedWeight)}
         self.parts: dict[str, dict[str, tuple[int, int]]] = {}
+        self.shards: dict[str, dict[str, Slice]] = {}  # tensor parallel: what this rank keeps
         for prefix, mod in model.named_modules():
             if hasattr(mod, "parts") and hasattr(mod, "cfg"):
                 for pname, sizes in mod.parts(mod.cfg).items():
@@ -99,6 +101,9 @@ class StrictWriter:
                     for part, n in sizes.items():
                         offs[part], o = (o, n), o + n
                     self.parts[f"{prefix}.{pname}" if prefix else pname] = offs
+            if hasattr(mod, "shards") and hasattr(mod, "cfg"):
+                for pname, slices in mod.shards(mod.cfg).items():
+                    self.shards[f"{prefix}.{pname}" if prefix else pname] = slices
         self.covered = {
             n: torch.zeros(p.shape[:-1] if p.dim() > 1 else p.shape, dtype=torch.bool)
             for n, p in self.params.items()
@@ -109,9 +114,14 @@ class StrictWriter:
 
     def _narrow(self, tensor_name: str, t: Target, dst: torch.Tensor, cov: torch.Tensor):
         """The slice of dst (and its coverage) that t's selectors pick: [e] along the leading
-        dim, then [part] along the rows."""
+        dim, then [part] along the rows. None: an expert another rank holds (expert parallel)."""
+        placed = self.shards.get(t.param, {}).get("[e]")
         for sel in t.selectors:
             if isinstance(sel, int):
+                if placed is not None:
+                    if not placed.start <= sel < placed.start + placed.length:
+                        return None
+                    sel -= placed.start
                 if sel >= dst.shape[0]:
                     raise WeightError(
                         f"checkpoint tensor {tensor_name}: index {sel} out of {dst.shape[0]} in {t.param}"
@@ -125,13 +135,52 @@ class StrictWriter:
                 dst, cov = dst.narrow(0, off, n), cov.narrow(0, off, n)
         return dst, cov
 
+    def _slice_of(self, tensor_name: str, t: Target) -> Slice | None:
+        """The slice of a checkpoint tensor this rank keeps (tensor parallel); None: all of it."""
+        slices = self.shards.get(t.param)
+        if not slices:
+            return None
+        part = next((s for s in reversed(t.selectors) if isinstance(s, str)), "")
+        sl = slices.get(part)
+        if sl is None and not any(isinstance(s, int) for s in t.selectors):
+            sl = slices.get("[e]")  # all experts in one tensor: this rank's run of them
+        if sl is None and (parts := sorted(set(slices) - {"[e]"})):
+            raise WeightError(
+                f"checkpoint tensor {tensor_name} writes {t.param} whole, which tensor parallelism "
+                f"splits by part ({', '.join(parts)}); map each part by its own rule"
+            )
+        return sl
+
+    def wants(self, tensor_name: str, t: Target) -> Slice | bool | None:
+        """What of a checkpoint tensor this rank reads: None nothing (another rank's expert),
+        True all of it (also when a transform needs the whole tensor), or its Slice."""
+        placed = self.shards.get(t.param, {}).get("[e]")
+        e = next((s for s in t.selectors if isinstance(s, int)), None)
+        if placed is not None and e is not None and not placed.start <= e < placed.start + placed.length:
+            return None
+        sl = self._slice_of(tensor_name, t)
+        return True if sl is None or t.transform is not None else sl
+
+    def _shard(self, tensor_name: str, t: Target, value: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a whole checkpoint tensor (as it is on one rank)."""
+        sl = self._slice_of(tensor_name, t)
+        if sl is None:
+            return value
+        if value.dim() < -sl.dim or value.shape[sl.dim] < sl.start + sl.length:
+            raise WeightError(
+                f"checkpoint tensor {tensor_name}: shape {list(value.shape)} has no indices "
+                f"{sl.start}..{sl.start + sl.length - 1} along dim {sl.dim} for this rank's {t.param}"
+            )
+        return value.narrow(sl.dim, sl.start, sl.length)
+
     def _store(self, tensor_name: str, param: str, dst, cov, value: torch.Tensor) -> None:
         if cov.any():
             raise WeightError(f"checkpoint tensor {tensor_name} writes {param}, which was already written")
         dst.copy_(value)
         cov.fill_(True)
 
-    def write(self, tensor_name: str, t: Target, value: torch.Tensor) -> None:
+    def write(self, tensor_name: str, t: Target, value: torch.Tensor, sliced: bool = False) -> None:
+        """Write one checkpoint tensor (sliced: already this rank's slice, read as `wants` said)."""
         if t.param in self.packed:
             dt = str(value.dtype).removeprefix("torch.")
             raise WeightError(
@@ -146,9 +195,14 @@ class StrictWriter:
             raise WeightError(
                 f"checkpoint tensor {tensor_name} has dtype {value.dtype}; expected a float type"
             )
-        dst, cov = self._narrow(tensor_name, t, self.params[t.param].data, self.covered[t.param])
+        narrowed = self._narrow(tensor_name, t, self.params[t.param].data, self.covered[t.param])
+        if narrowed is None:  # another rank's expert
+            return
+        dst, cov = narrowed
         if t.transform is not None:
             value = t.transform(value)
+        if not sliced:
+            value = self._shard(tensor_name, t, value)
         if tuple(value.shape) != tuple(dst.shape):
             raise WeightError(
                 f"checkpoint tensor {tensor_name}: shape {list(value.shape)}, "
@@ -168,13 +222,18 @@ class StrictWriter:
                 f"checkpoint tensor {tensor_name} is a packed component, but {t.param} is not packed"
             )
         fmt = pw.format.name
-        dst, cov = self._narrow(tensor_name, t, getattr(pw, comp), self.covered[f"{t.param}:{comp}"])
+        narrowed = self._narrow(tensor_name, t, getattr(pw, comp), self.covered[f"{t.param}:{comp}"])
+        if narrowed is None:
+            return
+        dst, cov = narrowed
         want = pw.format.component(comp).dtype
         if value.dtype != want and not (comp in ("global", "input") and value.is_floating_point()):
             raise WeightError(
                 f"checkpoint tensor {tensor_name} has dtype {str(value.dtype).removeprefix('torch.')}; "
                 f"the {fmt} {comp} is {str(want).removeprefix('torch.')}"
             )
+        if (sl := self._slice_of(tensor_name, t)) is not None:  # this rank's part (tensor parallel)
+            value = slice_component(convention, fmt, comp, value, sl, tensor_name)
         shapes = expected_shape(convention, fmt, comp, dst.shape[0], pw.shape[-1])
         if tuple(value.shape) not in shapes:
             raise WeightError(

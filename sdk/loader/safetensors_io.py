@@ -2,21 +2,27 @@
 
 The header is parsed and checked here (dtype, shape x itemsize == bytes, data inside the file)
 so a truncated or corrupt file fails naming the tensor. Each tensor is read into its own buffer
-and handed out; nothing else is held, so peak memory is the model plus the largest tensor.
+and handed out; nothing else is held, so peak memory is the model plus the largest tensor. A
+tensor-parallel rank reads only its slice of each tensor, and nothing of the experts other ranks
+hold (`want`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import mmap
 import os
 import struct
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from dayzero.sdk.config.model import Slice
 from dayzero.sdk.errors import CheckpointError
 
 DTYPES = {
@@ -95,10 +101,44 @@ def shard_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+# what a reader wants of a tensor (name, shape): None nothing (not read at all), True all of it,
+# a Slice (sdk/config/model.py) that part of it only
+Want = Callable[[str, tuple[int, ...]], "Slice | bool | None"]
+
+
+def _read_slice(f, mm: mmap.mmap, t: TensorInfo, sl: Slice) -> torch.Tensor:
+    """One rank's part of a tensor: rows of the leading dim as one contiguous read; a slice of
+    an inner dim through the file's mapping (the pages it touches are the OS's cache, only the
+    slice is copied into this process)."""
+    dt, dim = DTYPES[t.dtype], len(t.shape) + sl.dim
+    if dim == 0:
+        row = math.prod(t.shape[1:]) * dt.itemsize
+        buf = torch.empty(sl.length * row, dtype=torch.uint8)
+        f.seek(t.begin + sl.start * row)
+        if f.readinto(memoryview(buf.numpy())) != buf.numel():
+            raise CheckpointError(f"{f.name}: tensor {t.name}: short read (file changed while loading?)")
+        return buf.view(dt).reshape(sl.length, *t.shape[1:])
+    with warnings.catch_warnings():  # a read-only mapping: the view is never written
+        warnings.simplefilter("ignore", UserWarning)
+        whole = torch.frombuffer(mm, dtype=torch.uint8, count=t.end - t.begin, offset=t.begin)
+    return whole.view(dt).reshape(t.shape).narrow(dim, sl.start, sl.length).clone()
+
+
+def iter_tensors(files: list[Path], want: Want | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor (or what `want` asks of each: skipped ones are never read)."""
     for path in files:
-        with open(path, "rb") as f:
-            for t in read_header(path):
+        infos = read_header(path)  # a short or corrupt file fails here, named
+        with open(path, "rb") as f, contextlib.ExitStack() as stack:
+            mm = None
+            for t in infos:
+                part = True if want is None else want(t.name, t.shape)
+                if part is None:
+                    continue
+                if part is not True:
+                    if mm is None:
+                        mm = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                    yield t.name, _read_slice(f, mm, t, part)
+                    continue
                 buf = torch.empty(t.end - t.begin, dtype=torch.uint8)
                 f.seek(t.begin)
                 if f.readinto(memoryview(buf.numpy())) != t.end - t.begin:

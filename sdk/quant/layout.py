@@ -22,6 +22,8 @@ import math
 import torch
 
 from dayzero.kernels.packed import FP8_BLOCK
+from dayzero.sdk.config.model import Slice
+from dayzero.sdk.errors import WeightError
 
 # convention -> component -> suffix appended to F ("" : F itself; "@input_scale": the module's)
 NAMES: dict[str, dict[str, str]] = {
@@ -82,3 +84,39 @@ def to_rows(fmt: str, component: str, t: torch.Tensor, rows: int) -> torch.Tenso
         t = t[:, 0, :, 0] if t.dim() == 4 else t.reshape(math.ceil(rows / FP8_BLOCK), -1)
         return t.repeat_interleave(FP8_BLOCK, dim=0)[:rows]
     return t.reshape(rows, -1)
+
+
+# elements of K (columns) one index of a component covers, per format and component
+_COLS = {
+    ("nvfp4", "codes"): 2, ("mxfp4", "codes"): 2, ("fp8_block", "codes"): 1,
+    ("nvfp4", "scale"): 16, ("mxfp4", "scale"): 32, ("fp8_block", "scale"): FP8_BLOCK,
+}  # fmt: skip
+
+
+def slice_component(
+    convention: str, fmt: str, component: str, t: torch.Tensor, sl: Slice, name: str
+) -> torch.Tensor:
+    """One tensor-parallel rank's part of a stored component, for the slice `sl` of the float
+    weight (sdk/config/model.py): rows split by row (fp8_block scales by whole 128-row blocks),
+    columns by the format's blocks (two codes a byte, a scale per 16 / 32 / 128 columns); a
+    slice that cuts a block is refused, naming the tensor. Scalars (global, input) stay whole."""
+    if component in ("global", "input"):
+        return t
+    if sl.dim == -3:  # experts stacked in one tensor: the expert index leads
+        return t.narrow(0, sl.start, sl.length)
+    if fmt == "fp8_block" and component == "scale" and t.dim() == 4:
+        t = t[:, 0, :, 0]  # ModelOpt's [rb, 1, kb, 1]
+    blocked = convention == "gpt_oss" and component == "codes"  # [.., R, K / 32, 16]
+    if sl.dim == -2:
+        per = FP8_BLOCK if (fmt, component) == ("fp8_block", "scale") else 1
+        dim = t.dim() - (3 if blocked else 2)
+    else:
+        per = 32 if blocked else _COLS[(fmt, component)]
+        dim = t.dim() - (2 if blocked else 1)
+    end = sl.start + sl.length
+    if sl.start % per or (sl.length % per and end != t.shape[dim] * per):
+        raise WeightError(
+            f"checkpoint tensor {name}: this rank's {'rows' if sl.dim == -2 else 'columns'} "
+            f"{sl.start}..{end - 1} cut its {fmt} blocks of {per}; tensor parallelism needs them whole"
+        )
+    return t.narrow(dim, sl.start // per, -(-sl.length // per))

@@ -12,6 +12,7 @@ from typing import Any
 
 from dayzero.sdk.blocks import BLOCKS
 from dayzero.sdk.config.model import (
+    ONE_RANK,
     CacheGroupCfg,
     EmbeddingCfg,
     HeadCfg,
@@ -19,6 +20,7 @@ from dayzero.sdk.config.model import (
     LayerCfg,
     ModelConfig,
     NormCfg,
+    Parallel,
     ResidualCfg,
 )
 from dayzero.sdk.errors import SpecError
@@ -86,8 +88,11 @@ def _hyper(spec: Spec, r: Resolver) -> HyperCfg | None:
     return cfg
 
 
-def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "config.json") -> ModelConfig:
-    """Spec + HF config -> ModelConfig. `group_decls` is the generated cache geometry."""
+def resolve(
+    loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "config.json", par: Parallel = ONE_RANK
+) -> ModelConfig:
+    """Spec + HF config -> ModelConfig. `group_decls` is the generated cache geometry; `par`:
+    this rank's place in tensor parallelism (the blocks' configs and caches are its shards)."""
     spec, r = loaded.spec, Resolver(loaded, hf, source)
     spath = str(loaded.path)
     hidden = r.number(spec.embedding.dim, int, "embedding.dim")
@@ -98,8 +103,13 @@ def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "con
     resolved: dict[str, Any] = {}
     for name, opts in loaded.blocks.items():
         if name in attn_types or name in mlp_types:
+            block = BLOCKS.get(opts.kind)
             try:
-                resolved[name] = BLOCKS.get(opts.kind).resolve(opts, r.value)
+                resolved[name] = block.resolve(opts, r.value)
+                if par.size > 1:
+                    if block.shard is None:
+                        raise ValueError(f"block kind {opts.kind!r} has no tensor-parallel sharding yet")
+                    resolved[name] = block.shard(resolved[name], par)
             except (ValueError, TypeError) as e:
                 if isinstance(e, SpecError):
                     raise
@@ -160,6 +170,10 @@ def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "con
         for layer in layers
     ]
     vocab = r.number(spec.embedding.vocab, int, "embedding.vocab")
+    if vocab % par.size:
+        raise SpecError(
+            spath, "embedding.vocab", f"{vocab} rows do not split over tensor-parallel size {par.size}"
+        )
     softcap = r.value(spec.head.softcap)
     eos = r.value(spec.eos_token_ids) if spec.eos_token_ids else None
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
@@ -170,17 +184,18 @@ def resolve(loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "con
     return ModelConfig(
         family=spec.family,
         spec_hash=loaded.hash,
-        embedding=EmbeddingCfg(vocab, hidden),
+        embedding=EmbeddingCfg(vocab, hidden, par),
         layers=tuple(layers),
         final_norm=norm,
         streams=hyper.streams if hyper else 1,
         head=HeadCfg(
-            vocab, hidden, bool(r.value(spec.head.tie)), None if softcap is None else float(softcap)
+            vocab, hidden, bool(r.value(spec.head.tie)), None if softcap is None else float(softcap), par
         ),
         cache_groups=groups,
         max_position=None if max_pos is None else int(max_pos),
         eos_token_ids=eos_ids,
         symbols=tuple(sorted(r.values.items())),
+        parallel=par,
     )
 
 

@@ -1,0 +1,32 @@
+"""The tensor-parallel group a model's collectives run over: torch.distributed (NCCL on GPUs,
+gloo on CPUs). A block calls these where its math crosses shards: after a row-parallel product
+(the partial sums of every rank add up: all_reduce) and after a vocab-parallel LM head (each rank
+holds a slice of the vocabulary: all_gather). With one rank every call returns its input, so the
+one-device path runs no collective and makes no copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class TpGroup:
+    def __init__(self, size: int = 1, rank: int = 0, group: dist.ProcessGroup | None = None) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"tensor-parallel rank {rank} out of size {size}")
+        self.size, self.rank, self.group = size, rank, group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """sum over ranks of x (in place; x as it is on one rank)."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., N] on each rank -> [..., size * N], rank r's slice at r * N."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
