@@ -79,6 +79,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, to
     temp, top_k = batch.temperature.tolist(), batch.top_k.tolist()
     top_p, min_p = batch.top_p.tolist(), batch.min_p.tolist()
     for s in batch.sampled_rows:
+        if not torch.isfinite(logits[s]).any():  # no token left (a grammar that allows none): the
+            continue  # argmax, as a greedy row and the batched sampler give; the engine refuses it
         z = filtered(logits[s] / temp[s], int(top_k[s]), top_p[s], min_p[s])
         tokens[s] = torch.multinomial(z.softmax(-1), 1, generator=batch.generators[s]).squeeze(0)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)

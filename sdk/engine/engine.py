@@ -134,6 +134,7 @@ class Engine:
         self.stats = {"steps": 0, "retracted": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0}
         self.stats["device_inputs"] = 0  # input tokens filled in on the device (overlap)
         self.stats["failed_steps"] = 0
+        self.stats["failed_requests"] = 0  # aborted alone by a failure after their step (_collect)
         self.failures = 0  # failed steps in a row (the server's health turns 503 at a few)
         self.graphs = self._decode_graphs()
 
@@ -224,7 +225,9 @@ class Engine:
         A step that raises (out of device memory, a kernel error) aborts the requests of the
         plans in flight, with the error in `RequestOutput.error`; their blocks go back and none
         of the KV those plans were to write stays in the prefix cache (`discard_inflight`).
-        Every other request goes on. `failures` counts failed steps in a row."""
+        Every other request goes on. `failures` counts failed steps in a row. A failure of one
+        request's own bookkeeping once its token is fed (its grammar rejects the token) aborts
+        that request alone, with the error (`_fail_request`); the step does not fail."""
         touched: dict[int, RequestOutput] = {}
         try:
             self._step(touched)
@@ -329,20 +332,39 @@ class Engine:
         self.scheduler.feed(done.req_ids, done.sample, tokens.astype(np.int32))
         self.stats["prefill_tokens"] += done.prefill_tokens
         self.stats["decode_tokens"] += done.plan.num_input_tokens - done.prefill_tokens
+        # From here the scheduler holds the tokens: nothing may raise out of this loop (the
+        # step's plan is no longer in flight, so a step failure could abort nobody, and every
+        # later step would fail the same way). Each row's token is recorded first; a check of
+        # one request that fails after that (its grammar rejects the token) aborts that request.
         touched: dict[int, RequestOutput] = {}
         for row, (rid, tok, lp) in enumerate(
             zip(done.sample_ids, tokens.tolist(), logprobs.tolist(), strict=True)
         ):
             if rid not in self.params:  # finished or aborted while this step ran (overlap)
                 continue
-            self.matchers.accept(rid, tok)
             out = self.requests[rid]
-            out.token_ids.append(tok)
-            out.logprobs.append(lp)
-            if row in tops:
-                out.top_logprobs.append(tops[row])
             touched[rid] = out
+            try:
+                out.token_ids.append(tok)
+                out.logprobs.append(lp)
+                if row in tops:
+                    out.top_logprobs.append(tops[row])
+                self.matchers.accept(rid, tok)
+            except Exception as e:  # this request's failure, not the step's
+                self._fail_request(rid, e)
         return touched
+
+    def _fail_request(self, rid: int, err: Exception) -> None:
+        """Abort one request whose bookkeeping after its token was fed failed, with the error.
+        The scheduler frees its blocks now; the next plan reports it finished, and `_finished`
+        drops its state then (a plan made already may still hold a row of it), "abort"."""
+        log.exception("request %s failed after its step, aborting it alone: %s", rid, err)
+        self.stats["failed_requests"] += 1
+        out = self.requests[rid]
+        if out.error is None:
+            out.error = f"internal error in the engine: {type(err).__name__}: {err}"
+        with contextlib.suppress(SchedulerError):  # finished by this very token: reported anyway
+            self.scheduler.abort(rid)
 
     def _finished(self, plan) -> dict[int, RequestOutput]:
         """Mark the requests this plan reports finished; they are no longer live."""
@@ -350,7 +372,9 @@ class Engine:
         for rid, reason in zip(plan.finished_ids.tolist(), plan.finished_reasons.tolist(), strict=True):
             if rid in self.requests:
                 out = self.requests[rid]
-                out.finish_reason = _REASONS.get(reason, "stop")
+                # a request failed on its own (`_fail_request`) ends "abort" even when its last
+                # token also finished it
+                out.finish_reason = "abort" if out.error else _REASONS.get(reason, "stop")
                 touched[rid] = out
                 self.generators.pop(rid, None)
                 self.params.pop(rid, None)

@@ -6,7 +6,8 @@ turns a JSON schema, or "any JSON object", into a compiled grammar that travels 
 `SamplingParams.grammar`. The engine keeps one matcher a constrained request: before a step it
 fills the rows' bitmasks of allowed tokens ([S, ceil(V / 32)] int32, bit v of word v // 32),
 which the sampler applies as -inf; after the step each matcher accepts the token drawn. Once
-the grammar is complete only the stop tokens remain allowed.
+the grammar is complete only the stop tokens remain allowed, and min_tokens does not ban them
+then (sampling.py `only_among`): a complete grammar ends its request.
 """
 
 from __future__ import annotations

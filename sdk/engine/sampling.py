@@ -95,6 +95,24 @@ class SamplingParams:
         )
 
 
+def only_among(bitmask: torch.Tensor, tokens: tuple[int, ...], vocab: int) -> bool:
+    """The grammar's bitmask row [ceil(V / 32)] int32 (host) allows no token but `tokens`.
+
+    min_tokens bans a request's stop tokens (EOS, stop_token_ids) until it has produced that
+    many; a grammar that is complete (a JSON value closed) allows nothing but those stop tokens.
+    Both at once would leave the row no token at all: every logit -inf, an argmax of token 0 that
+    the grammar then rejects. The grammar wins there, as the output's validity is what the client
+    asked for: the stop tokens stay allowed, and the request ends ("stop") once its grammar is
+    complete, shorter than min_tokens. While the grammar allows anything else, the ban holds."""
+    words = bitmask.numpy().view(np.uint32).copy()
+    if vocab % 32:  # bits past the vocabulary are not tokens
+        words[vocab // 32] &= np.uint32((1 << (vocab % 32)) - 1)
+    words[vocab // 32 + (vocab % 32 > 0) :] = 0
+    idx = np.asarray(tokens, dtype=np.int64)
+    np.bitwise_and.at(words, idx // 32, ~(np.uint32(1) << (idx % 32).astype(np.uint32)))
+    return not words.any()
+
+
 @dataclass
 class Pending:
     """A step's sampled rows, on their way to the host."""
@@ -235,12 +253,15 @@ class Sampler:
         produced: list[int],
         stops: list[tuple[int, ...]],
         dev: torch.Tensor,
+        allowed: torch.Tensor | None = None,
     ) -> tuple[Penalties, torch.Tensor] | None:
         """The rows' penalties, and the slots [P] of Penalties.rows (to count the tokens sampled
         into); rids[s]: row s's request, its `TokenCounts` slot taken (`start`) when it counts
         tokens; produced[s]: the output tokens it has so far, also one still on the device (for
-        min_tokens); dev = the rows' parameters on the device (see `launch`). The index lists
-        (rows, slots, biases, bans) travel in one copy; none grows with the sequence."""
+        min_tokens); dev = the rows' parameters on the device (see `launch`); allowed: the
+        grammars' bitmasks on the host (a row whose grammar allows only its stop tokens keeps
+        them: min_tokens does not ban them there). The index lists (rows, slots, biases, bans)
+        travel in one copy; none grows with the sequence."""
         if not any(p.rewrites for p in params):
             return None
         rows = [s for s, p in enumerate(params) if p.counts_tokens]
@@ -258,6 +279,8 @@ class Sampler:
                 add("bias_r", "bias_t", s, [t for t, _ in p.logit_bias])
                 bias_v.extend(b for _, b in p.logit_bias)
             if p.min_tokens > produced[s] and stops[s]:
+                if allowed is not None and only_among(allowed[s], stops[s], self.state.vocab):
+                    continue  # the grammar wins over min_tokens: see `only_among`
                 add("ban_r", "ban_t", s, stops[s])
         cat = [np.concatenate(v) if v else np.zeros(0, np.int64) for v in lists.values()]
         bits = np.asarray(bias_v, dtype=np.float64).view(np.int64)  # travels in the same copy
@@ -293,7 +316,7 @@ class Sampler:
         )  # fmt: skip
         dev = (host.pin_memory() if self.pin else host).to(self.device, non_blocking=self.pin)
         n = len(params)
-        pen = self.penalties(params, rids or [-1] * n, produced or [0] * n, stops or [()] * n, dev)
+        pen = self.penalties(params, rids or [-1] * n, produced or [0] * n, stops or [()] * n, dev, allowed)
         batch = SamplingBatch(
             temperature=dev[0],
             top_k=dev[1].long(),
