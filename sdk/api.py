@@ -107,6 +107,9 @@ def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return table[name]
 
 
+Prompt = str | dict  # a string, or vLLM's {"prompt_token_ids": [...]} / {"prompt": str}
+
+
 @dataclass
 class CompletionOutput:
     """One answer, shaped as vLLM's CompletionOutput."""
@@ -123,7 +126,7 @@ class CompletionOutput:
 class Completion:
     """One prompt's answers, shaped as vLLM's RequestOutput (`outputs[i].text`, ...)."""
 
-    prompt: str
+    prompt: str | None  # None for a prompt given as token ids (as vLLM)
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
 
@@ -201,16 +204,39 @@ class LLM:
     def encode(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        if isinstance(prompt, dict) and set(prompt) == {"prompt"} and isinstance(prompt["prompt"], str):
+            return self.encode(prompt["prompt"])
+        if isinstance(prompt, dict) and set(prompt) == {"prompt_token_ids"}:
+            ids = prompt["prompt_token_ids"]
+            vocab = self.config.embedding.vocab
+            if not ids or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt_token_ids must be a non-empty list of ids in [0, {vocab})")
+            return list(ids)
+        raise TypeError(
+            f"a prompt is a str, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, not {prompt!r:.80}"
+        )
+
+    def default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no SamplingParams: the checkpoint's
+        generation_config.json values over SamplingParams' defaults (vLLM's
+        `get_default_sampling_params`); given SamplingParams are used as they are."""
+        return SamplingParams(**self.sampling_defaults)
+
     def generate(
-        self, prompts: list[str] | str, params: SamplingParams | list[SamplingParams] | None = None
+        self, prompts: Prompt | list[Prompt], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Completion]:
         """Every prompt's `n` answers (seed + i each), stop strings honoured: the text ends before
-        the first one and its request ends there (finish_reason "stop")."""
-        prompts = [prompts] if isinstance(prompts, str) else prompts
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        the first one and its request ends there (finish_reason "stop"). A prompt is a string or,
+        as vLLM's TokensPrompt, {"prompt_token_ids": [...]} (or {"prompt": str})."""
+        prompts = prompts if isinstance(prompts, list) else [prompts]
+        default = params or self.default_sampling_params()
+        plist = params if isinstance(params, list) else [default] * len(prompts)
         runs: list[list[tuple[int, Detokenizer]]] = []
         for prompt, sp in zip(prompts, plist, strict=True):
-            ids = self.encode(prompt)
+            ids = self.prompt_ids(prompt)
             seeds = [None if sp.seed is None else sp.seed + i for i in range(sp.n)]
             runs.append(
                 [
@@ -241,5 +267,6 @@ class LLM:
                 outs.append(
                     CompletionOutput(i, d.take(final=True), o.token_ids, o.logprobs, reason, sum(o.logprobs))
                 )
-            results.append(Completion(prompt, list(run[0][1].prompt_ids), outs))
+            text = prompt if isinstance(prompt, str) else prompt.get("prompt")
+            results.append(Completion(text, list(run[0][1].prompt_ids), outs))
         return results

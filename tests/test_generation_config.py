@@ -40,3 +40,50 @@ def test_unset_fields_take_the_checkpoint_defaults() -> None:
         state, CompletionRequest(prompt="x", max_tokens=4, temperature=1.0, top_k=5), 3, 0, 0
     )
     assert (own.temperature, own.top_k, own.min_p) == (1.0, 5, 0.1)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory):
+    from dayzero.sdk.api import LLM
+    from dayzero.sdk.parity.tiny import write_tiny
+
+    path = write_tiny("llama", tmp_path_factory.mktemp("gen") / "ckpt", seed=5)
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.8, "top_k": 1}))
+    return LLM(str(path), device="cpu", progress=False)
+
+
+def test_offline_generate_takes_the_checkpoints_defaults(tiny_llm) -> None:
+    """LLM.generate with no SamplingParams samples with generation_config.json's values (here
+    top_k 1: the greedy tokens at any temperature); given SamplingParams are used as they are."""
+    from dayzero.sdk.engine.sampling import SamplingParams
+
+    prompt = "the quick brown fox"
+    greedy = tiny_llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0]
+    assert tiny_llm.default_sampling_params().top_k == 1
+    for attempt in range(3):  # unseeded draws: top_k 1 leaves one token each step
+        with_defaults = tiny_llm.generate(prompt)[0].outputs[0]
+        assert with_defaults.token_ids == greedy.token_ids, attempt
+    own = [
+        tiny_llm.generate(prompt, SamplingParams(temperature=0.8, max_tokens=16, seed=s))[0]
+        .outputs[0]
+        .token_ids
+        for s in (0, 1, 7)
+    ]
+    assert any(toks != greedy.token_ids for toks in own)  # no top_k 1 there: sampled
+
+
+def test_token_id_prompts_as_vllm(tiny_llm) -> None:
+    from dayzero.sdk.engine.sampling import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    text = tiny_llm.generate("hello there", greedy)[0]
+    ids = tiny_llm.generate({"prompt_token_ids": text.prompt_token_ids}, greedy)[0]
+    assert ids.prompt is None and ids.outputs[0].token_ids == text.outputs[0].token_ids
+    assert (
+        tiny_llm.generate({"prompt": "hello there"}, greedy)[0].outputs[0].token_ids
+        == text.outputs[0].token_ids
+    )
+    with pytest.raises(ValueError, match="prompt_token_ids must be a non-empty list of ids"):
+        tiny_llm.generate({"prompt_token_ids": [1, 10**9]}, greedy)
+    with pytest.raises(TypeError, match="a prompt is a str"):
+        tiny_llm.generate({"prompt_ids": [1]}, greedy)
