@@ -134,15 +134,17 @@ def test_a_failing_or_hanging_rank_is_named():
     assert time.monotonic() - t0 < 50  # ended, not waited for
 
 
-def test_sliced_reads_equal_the_slices_of_whole_tensors(tmp_path):
+def test_sliced_reads_equal_the_slices_of_whole_tensors(tmp_path, monkeypatch):
     """A rank's read of a safetensors file: leading-dim rows as one read, an inner dim's slice
-    through the mapping, a tensor it does not want never read; each equals the slice of the
-    whole tensor."""
+    through a buffer of whole rows (made small here: several reads a tensor), a tensor it does
+    not want never read; each equals the slice of the whole tensor."""
     from safetensors.torch import save_file
 
     from dayzero.sdk.config.model import Slice
+    from dayzero.sdk.loader import safetensors_io
     from dayzero.sdk.loader.safetensors_io import iter_tensors
 
+    monkeypatch.setattr(safetensors_io, "CHUNK_BYTES", 64)
     g = torch.Generator().manual_seed(5)
     whole = {
         "a": torch.randn(6, 10, generator=g),

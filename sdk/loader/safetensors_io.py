@@ -3,19 +3,16 @@
 The header is parsed and checked here (dtype, shape x itemsize == bytes, data inside the file)
 so a truncated or corrupt file fails naming the tensor. Each tensor is read into its own buffer
 and handed out; nothing else is held, so peak memory is the model plus the largest tensor. A
-tensor-parallel rank reads only its slice of each tensor, and nothing of the experts other ranks
-hold (`want`).
+tensor-parallel rank keeps only its slice of each tensor and reads nothing of the experts other
+ranks hold (`want`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import mmap
 import os
 import struct
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,45 +103,49 @@ def shard_files(folder: Path) -> list[Path]:
 Want = Callable[[str, tuple[int, ...]], "Slice | bool | None"]
 
 
-def _read_slice(f, mm: mmap.mmap, t: TensorInfo, sl: Slice) -> torch.Tensor:
+CHUNK_BYTES = 8 << 20  # an inner-dim slice is read through a buffer of this many bytes of whole rows
+
+
+def _read_into(f, buf: torch.Tensor, offset: int, what: str) -> None:
+    f.seek(offset)
+    if f.readinto(memoryview(buf.numpy())) != buf.numel():
+        raise CheckpointError(f"{f.name}: tensor {what}: short read (file changed while loading?)")
+
+
+def _read_slice(f, t: TensorInfo, sl: Slice) -> torch.Tensor:
     """One rank's part of a tensor: rows of the leading dim as one contiguous read; a slice of
-    an inner dim through the file's mapping (the pages it touches are the OS's cache, only the
-    slice is copied into this process)."""
+    an inner dim through a bounded buffer of whole leading rows (the file is read in full, only
+    the slice is kept)."""
     dt, dim = DTYPES[t.dtype], len(t.shape) + sl.dim
+    row = math.prod(t.shape[1:]) * dt.itemsize  # bytes of one leading index
     if dim == 0:
-        row = math.prod(t.shape[1:]) * dt.itemsize
         buf = torch.empty(sl.length * row, dtype=torch.uint8)
-        f.seek(t.begin + sl.start * row)
-        if f.readinto(memoryview(buf.numpy())) != buf.numel():
-            raise CheckpointError(f"{f.name}: tensor {t.name}: short read (file changed while loading?)")
+        _read_into(f, buf, t.begin + sl.start * row, t.name)
         return buf.view(dt).reshape(sl.length, *t.shape[1:])
-    with warnings.catch_warnings():  # a read-only mapping: the view is never written
-        warnings.simplefilter("ignore", UserWarning)
-        whole = torch.frombuffer(mm, dtype=torch.uint8, count=t.end - t.begin, offset=t.begin)
-    return whole.view(dt).reshape(t.shape).narrow(dim, sl.start, sl.length).clone()
+    out = torch.empty(*t.shape[:dim], sl.length, *t.shape[dim + 1 :], dtype=dt)
+    step = max(1, CHUNK_BYTES // max(row, 1))
+    for r0 in range(0, t.shape[0], step):
+        n = min(step, t.shape[0] - r0)
+        buf = torch.empty(n * row, dtype=torch.uint8)
+        _read_into(f, buf, t.begin + r0 * row, t.name)
+        out[r0 : r0 + n] = buf.view(dt).reshape(n, *t.shape[1:]).narrow(dim, sl.start, sl.length)
+    return out
 
 
 def iter_tensors(files: list[Path], want: Want | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor (or what `want` asks of each: skipped ones are never read)."""
     for path in files:
         infos = read_header(path)  # a short or corrupt file fails here, named
-        with open(path, "rb") as f, contextlib.ExitStack() as stack:
-            mm = None
+        with open(path, "rb") as f:
             for t in infos:
                 part = True if want is None else want(t.name, t.shape)
                 if part is None:
                     continue
                 if part is not True:
-                    if mm is None:
-                        mm = stack.enter_context(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-                    yield t.name, _read_slice(f, mm, t, part)
+                    yield t.name, _read_slice(f, t, part)
                     continue
                 buf = torch.empty(t.end - t.begin, dtype=torch.uint8)
-                f.seek(t.begin)
-                if f.readinto(memoryview(buf.numpy())) != t.end - t.begin:
-                    raise CheckpointError(
-                        f"{path}: tensor {t.name}: short read (file changed while loading?)"
-                    )
+                _read_into(f, buf, t.begin, t.name)
                 yield t.name, buf.view(DTYPES[t.dtype]).reshape(t.shape)
                 del buf  # before the next allocation: one tensor's buffer alive at a time
 
