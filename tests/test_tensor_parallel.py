@@ -22,7 +22,7 @@ TOL = 1e-5  # relative to the largest |logit|: fp32 sums in another order (the a
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     base = tmp_path_factory.mktemp("tp")
-    return {f: write_tiny(f, base / f, seed=11) for f in ("llama", "beam")}
+    return {f: write_tiny(f, base / f, seed=11) for f in ("llama", "beam", "glm53")}
 
 
 # (family, ranks, expert parallel, seed); the engine: CHECK_ENGINE (chunks, prefix hits, a KV pool
@@ -33,6 +33,8 @@ CASES = [
     ("beam", 2, False, 2),
     ("beam", 2, True, 3),
     ("beam", 4, True, 4),
+    ("glm53", 2, False, 5),  # MLA by head (latents and the DSA indexer replicated), MoE split
+    ("glm53", 4, True, 6),
 ]
 
 
@@ -75,10 +77,10 @@ def test_what_does_not_shard_is_refused_by_name(checkpoints, tmp_path):
         )
     with pytest.raises(SpecError, match="510 rows do not split over tensor-parallel size 4"):
         llama.family.config(llama.hf | {"vocab_size": 510}, par=Parallel(4, 1))
-    glm = write_tiny("glm53", tmp_path / "glm", seed=1)
-    fam = FAMILIES.get("glm53")
-    hf = open_checkpoint(glm).hf
-    with pytest.raises(SpecError, match="block kind 'mla' has no tensor-parallel sharding yet"):
+    flash = write_tiny("glm53_flash", tmp_path / "flash", seed=1)
+    fam = FAMILIES.get("glm53_flash")
+    hf = open_checkpoint(flash).hf
+    with pytest.raises(SpecError, match="block kind 'kda' has no tensor-parallel sharding yet"):
         fam.config(hf, par=Parallel(2, 1))
 
 

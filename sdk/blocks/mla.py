@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -12,6 +13,7 @@ from dayzero.kernels.packed import dense
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl, StaticCache
 from dayzero.sdk.blocks.rope import rope_table, softmax_mscale
+from dayzero.sdk.config.model import ONE_RANK, Parallel, Slice
 from dayzero.sdk.config.options import BoolV, FloatV, IntV, Ref, Strict
 
 SELECTION = "sparse_selection"  # StepContext.shared key: the last indexer's selection [T, K]
@@ -78,6 +80,7 @@ class MlaCfg:
     bias: bool
     scale: float
     indexer: IndexerCfg | None
+    par: Parallel = ONE_RANK  # tensor parallel: `heads` above are this rank's
 
 
 class MlaAttention(nn.Module):
@@ -95,6 +98,11 @@ class MlaAttention(nn.Module):
     q_i = W_iq rmsnorm(x W_qa), k_i = layernorm(x W_ik) (both roped on the first Dr channels,
     paired as the MLA's RoPE unless the indexer says otherwise),
     w = x W_iw / sqrt(Hi). A `reuse` layer attends to the last indexer layer's S(t).
+
+    Tensor parallel over P ranks: each rank holds H / P heads (its rows of W_qb, or of W_q, and
+    of W_kvb, its columns of W_o); the latents, their cache and the indexer are replicated, so
+    every rank caches the same [c ; k_r] and selects the same keys; y = sum over ranks of
+    o_r W_o,r (all-reduce), + b_o once.
     """
 
     fp32_params = ("index_weights",)  # the indexer's head weights stay fp32 in every dtype
@@ -138,6 +146,28 @@ class MlaAttention(nn.Module):
         kv = cfg.kv_lora + cfg.rope_dim
         return {"a_proj": {"q": q_in, "kv": kv}, "a_bias": {"q": q_in, "kv": kv}}
 
+    @staticmethod
+    def shards(cfg: MlaCfg) -> dict[str, dict[str, Slice]]:
+        p, h = cfg.par, cfg.heads
+        if p.size == 1:
+            return {}
+        dq, dkv = cfg.nope_dim + cfg.rope_dim, cfg.nope_dim + cfg.v_dim
+        out = {
+            "kv_b": {"": Slice(-2, p.rank * h * dkv, h * dkv)},
+            "o_proj": {"": Slice(-1, p.rank * h * cfg.v_dim, h * cfg.v_dim)},
+        }
+        q = Slice(-2, p.rank * h * dq, h * dq)
+        if cfg.q_lora:
+            out["q_b"] = {"": q}
+        else:  # q = x W_q sits in a_proj's q part: split by head, the kv latent replicated
+            out["a_proj"] = {"q": q, "kv": Slice(-2, 0, cfg.kv_lora + cfg.rope_dim)}
+            if cfg.bias:
+                out["a_bias"] = {
+                    "q": Slice(-1, q.start, q.length),
+                    "kv": Slice(-1, 0, cfg.kv_lora + cfg.rope_dim),
+                }
+        return out
+
     def _rope(self, x: torch.Tensor, positions: torch.Tensor, interleaved: bool) -> torch.Tensor:
         """Rotate the first Dr channels of x [T, H, D] and scale them by the attention factor."""
         r = self.ops.rope(x, positions, self.inv_freq, not interleaved)
@@ -170,7 +200,10 @@ class MlaAttention(nn.Module):
         select = self._select(x, q_res, ctx)
         w = dense(self.kv_b, x.dtype).view(h, dn + c.v_dim, c.kv_lora)
         o = ops.mla_attention(q_n, q_r, cache, w[:, :dn], w[:, dn:], meta, c.scale, select)  # [T, H, Dv]
-        return ops.linear(o.reshape(t, -1), self.o_proj, self.o_bias)
+        if c.par.size == 1:
+            return ops.linear(o.reshape(t, -1), self.o_proj, self.o_bias)
+        y = ops.tp.all_reduce(ops.linear(o.reshape(t, -1), self.o_proj))  # [T, Dm] summed over ranks
+        return y if self.o_bias is None else y + self.o_bias
 
     def _select(self, x: torch.Tensor, q_res: torch.Tensor | None, ctx) -> torch.Tensor | None:
         """The indexer's selection [T, K] of key positions (None: dense attention)."""
@@ -254,6 +287,10 @@ def _resolve(o: MlaOpts, val) -> MlaCfg:
     )
 
 
+def _shard(c: MlaCfg, par: Parallel) -> MlaCfg:
+    return dataclasses.replace(c, heads=par.even(c.heads, "MLA heads"), par=par)
+
+
 def _needs(c: MlaCfg):
     ix = c.indexer
     out = [
@@ -302,5 +339,6 @@ BLOCKS.add(
         _cache,
         _static_cache,
         MlaAttention.__doc__,
+        _shard,
     ),
 )
