@@ -1,4 +1,4 @@
-"""Tensor and expert parallelism on CPU ranks (gloo): the same tiny checkpoint on 2 and 4 ranks
+"""Tensor and expert parallelism on CPU ranks (gloo): every family's tiny checkpoint on 2 and 4 ranks
 gives the logits of one rank (fp32, within 1e-5 of the largest |logit|) and the same greedy
 tokens through the whole engine: chunked prefill (16-token chunks), prefix-cache hits (prompts
 sharing a prefix) and retraction (a KV pool too small for every request at once). Ranks are
@@ -22,7 +22,7 @@ TOL = 1e-5  # relative to the largest |logit|: fp32 sums in another order (the a
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     base = tmp_path_factory.mktemp("tp")
-    return {f: write_tiny(f, base / f, seed=11) for f in ("llama", "beam", "glm53")}
+    return {f: write_tiny(f, base / f, seed=11) for f in ("llama", "beam", "glm53", "glm53_flash")}
 
 
 # (family, ranks, expert parallel, seed); the engine: CHECK_ENGINE (chunks, prefix hits, a KV pool
@@ -35,6 +35,8 @@ CASES = [
     ("beam", 4, True, 4),
     ("glm53", 2, False, 5),  # MLA by head (latents and the DSA indexer replicated), MoE split
     ("glm53", 4, True, 6),
+    ("glm53_flash", 2, False, 8),  # + KDA by head with its state, hyper-connections replicated
+    ("glm53_flash", 4, True, 9),
 ]
 
 
@@ -59,13 +61,12 @@ def test_ranks_give_the_logits_and_tokens_of_one(tmp_path, checkpoints, family, 
     assert many["cached"] == one["cached"] and many["stats"]["retracted"] == one["stats"]["retracted"]
 
 
-def test_what_does_not_shard_is_refused_by_name(checkpoints, tmp_path):
+def test_what_does_not_shard_is_refused_by_name(checkpoints):
     """Sizes that do not split and blocks without sharding are refused when the config is
     resolved, naming what; a fused checkpoint tensor for a parameter split by part is refused
     when it is loaded."""
     from dayzero.sdk.config.model import Parallel
     from dayzero.sdk.errors import SpecError
-    from dayzero.sdk.families import FAMILIES
     from dayzero.sdk.loader import open_checkpoint
 
     llama = open_checkpoint(checkpoints["llama"])
@@ -77,11 +78,12 @@ def test_what_does_not_shard_is_refused_by_name(checkpoints, tmp_path):
         )
     with pytest.raises(SpecError, match="510 rows do not split over tensor-parallel size 4"):
         llama.family.config(llama.hf | {"vocab_size": 510}, par=Parallel(4, 1))
-    flash = write_tiny("glm53_flash", tmp_path / "flash", seed=1)
-    fam = FAMILIES.get("glm53_flash")
-    hf = open_checkpoint(flash).hf
-    with pytest.raises(SpecError, match="block kind 'kda' has no tensor-parallel sharding yet"):
-        fam.config(hf, par=Parallel(2, 1))
+    flash = open_checkpoint(checkpoints["glm53_flash"])
+    with pytest.raises(SpecError, match=r"KDA heads \(4\) does not split over tensor-parallel size 8"):
+        flash.family.config(
+            flash.hf | {"text_config": flash.hf["text_config"] | {"num_attention_heads": 8}},
+            par=Parallel(8, 1),
+        )
 
 
 def test_a_rank_loads_its_slices_and_a_fused_tensor_is_refused(checkpoints):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -10,6 +11,7 @@ from torch import nn
 
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl, StaticCache
+from dayzero.sdk.config.model import ONE_RANK, Parallel, Slice
 from dayzero.sdk.config.options import FloatV, IntV, Strict
 
 
@@ -30,6 +32,7 @@ class KdaCfg:
     conv_kernel: int
     gate_lower_bound: float | None
     norm_eps: float
+    par: Parallel = ONE_RANK  # tensor parallel: `heads` above are this rank's
 
 
 class KdaAttention(nn.Module):
@@ -44,6 +47,9 @@ class KdaAttention(nn.Module):
     o <- rmsnorm_D(o) w_o * sigmoid((x W_ga) W_gb)   (fp32);   y = o W_o
     The state (conv inputs and S) lives in the request's state slot: chunked prefill, prefix
     hits (a snapshot at a block boundary) and retraction all continue the same recurrence.
+    Tensor parallel over P ranks: each rank holds H / P heads (their rows of W_q, W_k, W_v, the
+    conv, W_fb, W_gb, W_b, dt_bias, A_log; their columns of W_o) and their state; the low-rank
+    W_fa, W_ga and the output norm are replicated; y = sum over ranks of o_r W_o,r (all-reduce).
     """
 
     fp32_params = ("conv", "dt_bias", "A_log")
@@ -71,6 +77,24 @@ class KdaAttention(nn.Module):
     def parts(cfg: KdaCfg) -> dict[str, dict[str, int]]:
         c = cfg.heads * cfg.head_dim
         return {"in_proj": {"q": c, "k": c, "v": c}, "conv": {"q": c, "k": c, "v": c}}
+
+    @staticmethod
+    def shards(cfg: KdaCfg) -> dict[str, dict[str, Slice]]:
+        p, h, d = cfg.par, cfg.heads, cfg.head_dim
+        if p.size == 1:
+            return {}
+        rows = Slice(-2, p.rank * h * d, h * d)  # this rank's heads' channels
+        conv = Slice(-3, rows.start, rows.length)  # [C, 1, K] per part
+        return {
+            "in_proj": {"q": rows, "k": rows, "v": rows},
+            "conv": {"q": conv, "k": conv, "v": conv},
+            "f_b": {"": rows},
+            "g_b": {"": rows},
+            "dt_bias": {"": Slice(-1, rows.start, rows.length)},
+            "A_log": {"": Slice(-1, p.rank * h, h)},
+            "b_proj": {"": Slice(-2, p.rank * h, h)},
+            "o_proj": {"": Slice(-1, rows.start, rows.length)},
+        }
 
     def _state(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of this layer's conv inputs [slots, 3C, K - 1] and recurrent state [slots, H, D, D]."""
@@ -100,7 +124,8 @@ class KdaAttention(nn.Module):
         o = ops.kda_recurrence(q, k, v, g, beta, rec_state, ctx.state)  # [T, H, D]
         gate = ops.linear(ops.linear(x, self.g_a), self.g_b).view(t, h, d)
         o = ops.rms_norm(o.float(), self.o_norm.float(), c.norm_eps, True) * torch.sigmoid(gate.float())
-        return ops.linear(o.to(x.dtype).reshape(t, -1), self.o_proj)
+        y = ops.linear(o.to(x.dtype).reshape(t, -1), self.o_proj)
+        return ops.tp.all_reduce(y) if c.par.size > 1 else y
 
 
 def _resolve(o: KdaOpts, val) -> KdaCfg:
@@ -116,6 +141,10 @@ def _resolve(o: KdaOpts, val) -> KdaCfg:
     if cfg.conv_kernel < 2:
         raise ValueError(f"conv_kernel must be >= 2, got {cfg.conv_kernel}")
     return cfg
+
+
+def _shard(c: KdaCfg, par: Parallel) -> KdaCfg:
+    return dataclasses.replace(c, heads=par.even(c.heads, "KDA heads"), par=par)
 
 
 def _needs(c: KdaCfg):
@@ -152,5 +181,6 @@ BLOCKS.add(
         _cache,
         _static_cache,
         KdaAttention.__doc__,
+        _shard,
     ),
 )

@@ -50,8 +50,11 @@ def rank_outputs(
         print(f"rank {rank} of {size}: loaded its shard; peak host memory {peak:.0f} MiB", file=sys.stderr)
         kw = dict(engine_kw)
         if "kv_tokens" in kw:  # the same tokens on every rank: bytes of this rank's (sharded) rows
-            per_token = sum(g.bytes_per_token for g in scheduler_groups(cfg, 4))  # rows as padded
-            kw["kv_cache_bytes"] = kw.pop("kv_tokens") * per_token
+            groups = scheduler_groups(cfg, 4)
+            per_token = sum(g.bytes_per_token for g in groups)  # rows as padded
+            slots = 2 * kw.get("max_batch_size", 64)  # running requests + as many snapshots
+            states = slots * sum(g.state_bytes for g in groups)  # recurrent state (KDA)
+            kw["kv_cache_bytes"] = kw.pop("kv_tokens") * per_token + states
         with torch.inference_mode():
             whole = max(map(len, prompts)) * len(prompts)
             logits = Engine(model, cfg, ops, EngineConfig(max_tokens_per_step=whole)).prompt_logits(prompts)
