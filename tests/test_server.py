@@ -198,6 +198,13 @@ def test_min_p_one_keeps_only_the_most_likely_token(client) -> None:
     assert ask(temperature=1.5, seed=3, extra_body={"min_p": 1.0}) == ask(temperature=0)
 
 
+TOOL_SURROGATE = (
+    b'{"type": "function", "function": {"name": "f", "description": "a\\ud800", "parameters": {}}}'
+)
+CALL_SURROGATE = (
+    b'{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", '
+    b'"function": {"name": "f", "arguments": "{\\"a\\": \\"\\udc00\\"}"}}]}'
+)
 BAD = [
     ("/v1/completions", b"{not json", 400),
     ("/v1/completions", {"prompt": "x", "min_p": 1.5}, 400),
@@ -231,6 +238,22 @@ BAD = [
     ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', 400),  # a lone surrogate
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400),
     ("/v1/completions", b'{"prompt": "x", "stop": ["\\ud800"]}', 400),
+    # lone surrogates anywhere in the body: a tool's description, a call's name and arguments
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "tools": [' + TOOL_SURROGATE + b"]}",
+        400,
+    ),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}, ' + CALL_SURROGATE + b"]}",
+        400,
+    ),
+    (
+        "/tokenize",
+        b'{"messages": [{"role": "user", "content": "x"}], "tools": [' + TOOL_SURROGATE + b"]}",
+        400,
+    ),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400),
     ("/detokenize", {"tokens": [10**9]}, 400),
 ]
@@ -247,6 +270,17 @@ def test_bad_requests_get_openai_style_4xx(server, path: str, body, status: int)
     assert err["message"] and err["type"]
     ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200  # the server is unaffected
+
+
+def test_a_lone_surrogate_is_named_where_it_is(server) -> None:
+    body = b'{"messages": [{"role": "user", "content": "x"}], "tools": [' + TOOL_SURROGATE + b"]}"
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.function.description", r.text
 
 
 def test_logit_bias_and_min_tokens(client) -> None:

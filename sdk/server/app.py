@@ -184,6 +184,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize_route(req: TokenizeRequest) -> dict:
         """vLLM's: a prompt, or chat messages through the template -> token ids."""
+        check_all_unicode(req)
         if req.messages is not None:
             try:
                 messages = [m.for_template() for m in req.messages]
@@ -212,6 +213,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        check_all_unicode(req)
         check_model(state, req)
         check_unicode(req.stops(), "stop")
         prompts = normalise_prompt(req.prompt)
@@ -237,6 +239,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
+        check_all_unicode(req)
         check_model(state, req)
         check_unicode(req.stops(), "stop")
         try:
@@ -296,6 +299,35 @@ def check_unicode(value, param: str) -> None:
         except UnicodeEncodeError:
             why = f"{param}: not valid Unicode (a lone surrogate escape)"
             raise ApiError(400, why, param=param) from None
+
+
+def lone_surrogate(value, path: str = "") -> str | None:
+    """The path (`tools.0.function.description`) of the first string in value (dicts and lists
+    walked) holding a lone surrogate escape, which no UTF-8 text holds; None when there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list | tuple)
+        else ()
+    )
+    for key, v in items:
+        if (found := lone_surrogate(v, f"{path}.{key}" if path else str(key))) is not None:
+            return found
+    return None
+
+
+def check_all_unicode(req) -> None:
+    """Every string of a request (tool descriptions, tool-call arguments, names...) is valid
+    Unicode before any of it reaches a template or the tokenizer: a 400 naming the field."""
+    if (where := lone_surrogate(req.model_dump(exclude_unset=True))) is not None:
+        raise ApiError(400, f"{where}: not valid Unicode (a lone surrogate escape)", param=where)
 
 
 def check_text(state: ServerState, value: list, param: str) -> None:
