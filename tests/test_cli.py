@@ -248,6 +248,20 @@ def test_vllm_flag_names_and_units() -> None:
     ca, cb = engine_config(a, "cpu"), engine_config(b, "cpu")
     assert ca == cb
     assert ca.kv_cache_bytes == 64 << 20 and ca.chunk_size == 256 and ca.host_cache_bytes == 2 << 30
+    vllm = p.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])  # a vLLM tool line
+    assert vllm.tool_call_parser == "hermes"
+
+
+def test_vllm_api_key_variable(monkeypatch) -> None:
+    import argparse
+
+    from dayzero.sdk.server.serve import add_arguments, api_keys
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    monkeypatch.setenv("VLLM_API_KEY", "v-one")
+    monkeypatch.setenv("DAYZERO_API_KEY", "d-one, d-two")
+    assert set(api_keys(p.parse_args(["--api-key", "a-one"]))) == {"a-one", "d-one", "d-two", "v-one"}
 
 
 def test_agentic_roofline_counts_the_weights_and_the_kv_at_the_mean_context(tmp_path):

@@ -462,3 +462,41 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(server) -> None:
     text, reason, _, _ = asyncio.run(run())
     assert reason == "length" and text  # all 96 tokens arrived after SIGTERM was sent
     assert server.proc.wait(60) == 0
+
+
+def test_vllm_fields_that_change_the_answer_and_template_kwargs(tmp_path) -> None:
+    """vLLM's extra fields dayzero does not implement are refused unless they ask for what it
+    does (skip_special_tokens true); chat_template_kwargs reach the template (a variable it
+    reads), the rendering's own arguments are refused; an unknown field is warned about once."""
+    template = tmp_path / "t.jinja"
+    template.write_text(
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}{% if shout %}LOUD{% endif %}"
+    )
+    srv = Server("--chat-template", str(template))
+    try:
+        url = f"{srv.url}/v1/completions"
+        for field, value, status in [
+            ("guided_json", {"type": "object"}, 400),
+            ("guided_choice", ["a", "b"], 400),
+            ("include_stop_str_in_output", True, 400),
+            ("skip_special_tokens", False, 400),
+            ("skip_special_tokens", True, 200),
+        ]:
+            r = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2, field: value}, timeout=60)
+            assert r.status_code == status, (field, value, r.text)
+        msgs = [{"role": "user", "content": "Hi"}]
+        tok = f"{srv.url}/tokenize"
+        plain = httpx.post(tok, json={"messages": msgs}, timeout=30).json()["tokens"]
+        loud = httpx.post(tok, json={"messages": msgs, "chat_template_kwargs": {"shout": True}}, timeout=30)
+        assert loud.status_code == 200 and len(loud.json()["tokens"]) > len(plain)
+        chat = f"{srv.url}/v1/chat/completions"
+        body = {"messages": msgs, "max_tokens": 2, "chat_template_kwargs": {"shout": True}}
+        r = httpx.post(chat, json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(loud.json()["tokens"])
+        bad = httpx.post(chat, json=body | {"chat_template_kwargs": {"tokenize": True}}, timeout=60)
+        assert bad.status_code == 400 and "may not set tokenize" in bad.text
+        for _ in range(2):
+            httpx.post(url, json={"prompt": "Hi", "max_tokens": 1, "frobnicate_twice": 1}, timeout=60)
+        assert srv.output().count("ignoring the unknown request field 'frobnicate_twice'") == 1
+    finally:
+        srv.stop()

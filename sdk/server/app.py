@@ -192,7 +192,7 @@ def build_app(state: ServerState) -> FastAPI:
                 raise ApiError(400, str(e), param="messages") from None
             check_text(state, [m["content"] for m in messages], "messages")
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            ids = await apply_template(state, messages, tools)
+            ids = await apply_template(state, messages, tools, req.chat_template_kwargs)
         else:
             check_text(state, [req.prompt or ""], "prompt")
             ids = await state.pool.run(
@@ -250,7 +250,7 @@ def build_app(state: ServerState) -> FastAPI:
         forced = forced_tools(req)
         tools = offered_tools(state, req, forced is not None)
         grammar = await state.pool.run(tool_grammar, state, forced) if forced else None
-        ids = await apply_template(state, messages, tools)
+        ids = await apply_template(state, messages, tools, req.chat_template_kwargs)
         if req.max_completion_tokens is not None and req.max_tokens is None:
             req.max_tokens = req.max_completion_tokens
         return await respond(
@@ -408,8 +408,10 @@ def offered_tools(state: ServerState, req: ChatRequest, forced: bool = False) ->
 
 
 async def apply_template(
-    state: ServerState, messages: list[dict], tools: list[dict] | None = None
+    state: ServerState, messages: list[dict], tools: list[dict] | None = None, extra: dict | None = None
 ) -> list[int]:
+    """The chat template's rendering, tokenized; extra: the request's chat_template_kwargs."""
+
     def render() -> list[int]:
         try:
             text = state.tokenizer.apply_chat_template(
@@ -418,6 +420,7 @@ async def apply_template(
                 chat_template=state.chat_template,
                 add_generation_prompt=True,
                 tokenize=False,
+                **(extra or {}),
             )
         except Exception as e:  # template errors are about the request's messages
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None

@@ -24,7 +24,17 @@ UNSUPPORTED: dict[str, tuple] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
     "functions": (None, []),
+    # vLLM's extra fields that change the answer (guided decoding: response_format does it here)
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None, []),
+    "guided_grammar": (None,),
+    "structured_outputs": (None, {}),
+    "skip_special_tokens": (None, True),  # special tokens are always skipped in the text
+    "include_stop_str_in_output": (None, False),  # the text ends before the stop string
+    "spaces_between_special_tokens": (None, True),
 }
+WARN_NAMES = 256  # distinct unknown field names warned about, at most (a client may send any)
 
 
 class Strict(BaseModel):
@@ -96,8 +106,10 @@ class Sampling(Strict):
             if name in extra and extra[name] not in neutral:
                 raise ValueError(f"parameter {name!r} is not supported by this server")
         for name in extra.keys() - UNSUPPORTED.keys() - _WARNED:
+            if len(_WARNED) >= WARN_NAMES:
+                break
             _WARNED.add(name)
-            log.warning("ignoring the unknown request field %r (warned once)", name)
+            log.warning("ignoring the unknown request field %r (warned once)", name[:80])
         return self
 
     def bias(self) -> tuple[tuple[int, float], ...]:
@@ -183,14 +195,30 @@ class ToolDef(Strict):
     function: FunctionDef
 
 
+# what a request's chat_template_kwargs may not set: the rendering's own arguments
+TEMPLATE_RESERVED = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = None
+    # vLLM's: more variables for the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: dict[str, Any] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_completion_tokens: Count | None = None
+
+    @model_validator(mode="after")
+    def _template_kwargs(self) -> ChatRequest:
+        if bad := sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_RESERVED):
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(bad)}")
+        return self
 
 
 class TokenizeRequest(Strict):
@@ -198,12 +226,15 @@ class TokenizeRequest(Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[ToolDef] | None = None  # with messages: rendered by the chat template too
+    chat_template_kwargs: dict[str, Any] | None = None  # as ChatRequest's
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
     def _one(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
+        if bad := sorted(set(self.chat_template_kwargs or {}) & TEMPLATE_RESERVED):
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(bad)}")
         return self
 
 

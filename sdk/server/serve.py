@@ -131,8 +131,10 @@ def tool_parser(args: argparse.Namespace, llm):
 
 
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """--api-key (repeatable) and DAYZERO_API_KEY (comma-separated): any of them is accepted."""
-    keys = [*(args.api_key or []), *os.environ.get("DAYZERO_API_KEY", "").split(",")]
+    """--api-key (repeatable), DAYZERO_API_KEY and vLLM's VLLM_API_KEY (comma-separated): any of
+    them is accepted."""
+    env = [*os.environ.get("DAYZERO_API_KEY", "").split(","), *os.environ.get("VLLM_API_KEY", "").split(",")]
+    keys = [*(args.api_key or []), *env]
     return tuple(k.strip() for k in keys if k.strip())
 
 
@@ -218,6 +220,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         default=None,
         help="how the model writes tool calls: hermes, glm45, kimi_k2 (default: the family spec's)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM command lines: tool_choice auto is on whenever a tool-call parser is known",
     )
     p.add_argument(
         "--generation-config",
