@@ -303,3 +303,235 @@ def test_bad_rope_parameters_are_named(params: dict, message: str) -> None:
     hf["rope_parameters"] = {"rope_theta": 10000.0, **params}
     with pytest.raises(SpecError, match=message):
         FAMILIES.get("llama").config(hf)
+
+
+# ---- every HF config key accounted for (default-deny, sdk/spec/config_keys.py) -------------------
+
+
+UNMODELLED = (
+    "is not modelled by spec.yaml: read it in a symbol, list it under `implements` with the value(s) "
+    "the blocks implement, or under `ignores` with the reason it does not change the math"
+)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("foo_scale", 2.0),
+        ("partial_rotary_factor", 0.5),
+        ("embedding_multiplier", 12.0),
+        ("norm_type", "layer"),
+    ],
+)
+def test_a_config_key_no_symbol_reads_is_refused(field: str, value: Any) -> None:
+    """A key the spec neither reads, implements nor ignores is refused by name and value (before:
+    silently ignored, the model served with other math)."""
+    with pytest.raises(SpecError) as info:
+        FAMILIES.get("llama").config(llama_hf() | {field: value})
+    assert str(info.value) == f"config.json: {field}: {value!r} {UNMODELLED}"
+
+
+def test_an_activation_the_spec_does_not_list_is_refused_through_implements() -> None:
+    """Gemma's gelu through the llama spec: hidden_act is in llama's implements, so it is checked."""
+    with pytest.raises(SpecError, match=r"hidden_act: 'gelu_pytorch_tanh' is not implemented by spec.yaml"):
+        FAMILIES.get("llama").config(llama_hf(hidden_act="gelu_pytorch_tanh"))
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"attention_dropout": 0.1, "hidden_dropout": 0.2, "embd_pdrop_dropout": 0.3},
+        {"initializer_range": 0.5, "torch_dtype": "bfloat16", "use_cache": False, "pad_token_id": 0},
+        {"id2label": {"0": "a"}, "transformers_version": "4.40.0", "output_attentions": True},
+        {"is_encoder_decoder": False, "quantization_config": None, "foo_scale": None},
+    ],
+)
+def test_keys_on_the_no_effect_list_and_null_keys_are_accepted(extra: dict) -> None:
+    FAMILIES.get("llama").config(llama_hf() | extra)
+
+
+def test_a_pinned_structure_flag_is_refused_at_another_value() -> None:
+    with pytest.raises(SpecError, match=r"config.json: is_encoder_decoder: True is not served"):
+        FAMILIES.get("llama").config(llama_hf(is_encoder_decoder=True))
+
+
+@pytest.mark.parametrize("family", ["llama", "beam", "glm53", "glm53_flash"])
+def test_each_family_accounts_for_every_key_of_its_reference_config(family: str) -> None:
+    """The tiny config, each parity shape and the reference class's defaults resolve: each spec
+    accounts for every key `config.to_dict()` writes."""
+    from dayzero.sdk.spec.reference import merge
+
+    fam = FAMILIES.get(family)
+    spec = fam.spec.spec
+    for over in [dict(spec.tiny), {}, *(merge(dict(spec.tiny), s) for s in spec.shapes)]:
+        fam.config(reference_config(spec.reference, over))
+
+
+def test_a_nested_text_config_key_is_refused_by_its_path() -> None:
+    fam = FAMILIES.get("glm53_flash")
+    hf = reference_config(fam.spec.spec.reference, dict(fam.spec.spec.tiny))
+    hf["text_config"]["attn_logit_scale"] = 0.5
+    with pytest.raises(SpecError) as info:
+        fam.config(hf)
+    assert str(info.value) == f"config.json: text_config.attn_logit_scale: 0.5 {UNMODELLED}"
+
+
+def test_a_derived_field_is_checked_against_its_symbol() -> None:
+    """`implements: {num_key_value_heads: $heads}` (MLA): another value is refused."""
+    fam = FAMILIES.get("glm53")
+    hf = reference_config(fam.spec.spec.reference, dict(fam.spec.spec.tiny) | {"num_key_value_heads": 2})
+    with pytest.raises(SpecError) as info:
+        fam.config(hf)
+    assert (
+        str(info.value)
+        == "config.json: num_key_value_heads: 2 is not implemented by spec.yaml (it implements 4)"
+    )
+
+
+def test_a_family_key_needs_its_spec_ignores_entry(tmp_path: Path) -> None:
+    """`ignores` accepts a key with its reason; without the entry the same key is refused."""
+    hf = llama_hf(router_aux_loss_coef=0.01)
+    with pytest.raises(SpecError, match=r"router_aux_loss_coef: 0.01 is not modelled"):
+        FAMILIES.get("llama").config(hf)
+    raw = llama_raw()
+    raw["ignores"] = dict(raw.get("ignores") or {}) | {"router_aux_loss_coef": "training only"}
+    from dayzero.sdk.spec.assemble import resolve
+
+    llama = FAMILIES.get("llama")
+    resolve(load_spec(write_spec(tmp_path, raw)), hf, llama.module("cache").CACHE_GROUPS)
+
+
+def test_a_gguf_style_config_with_only_mapped_keys_resolves() -> None:
+    """A GGUF-derived config holds only the keys the spec's gguf mapping produced."""
+    hf = {
+        "model_type": "llama",
+        "architectures": [],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 512,
+        "eos_token_id": 2,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "linear", "factor": 2.0},
+    }
+    assert FAMILIES.get("llama").config(hf).head.tie
+
+
+@pytest.mark.parametrize(
+    ("params", "where", "message"),
+    [
+        ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0, "beta_fast": 32}},
+         "rope_parameters.beta_fast", "32 is not read for linear RoPE"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+         "rope_parameters.partial_rotary_factor", "0.5 is not read for default RoPE"),
+        ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0, "alpha": 1.0}},
+         "rope_scaling.alpha", "1.0 is not read for dynamic RoPE"),
+    ],
+)  # fmt: skip
+def test_an_unknown_key_inside_rope_parameters_is_named(params: dict, where: str, message: str) -> None:
+    with pytest.raises(SpecError) as info:
+        FAMILIES.get("llama").config(llama_hf() | params)
+    assert str(info.value).startswith(f"config.json: {where}: {message} (sdk/blocks/rope.py reads rope_type")
+
+
+def test_a_rope_key_inside_a_per_layer_type_mapping_is_refused() -> None:
+    """Beam reads rope_parameters.sliding_attention's theta and type only."""
+    hf = beam_hf()
+    hf["rope_parameters"]["sliding_attention"]["mscale"] = 1.0
+    with pytest.raises(SpecError) as info:
+        FAMILIES.get("beam").config(hf)
+    assert str(info.value) == f"config.json: rope_parameters.sliding_attention.mscale: 1.0 {UNMODELLED}"
+
+
+def test_rope_keys_cover_every_type_rope_py_computes() -> None:
+    from dayzero.sdk.blocks.rope import ROPE_TYPES
+    from dayzero.sdk.spec.config_keys import ROPE_KEYS
+
+    assert set(ROPE_KEYS) == set(ROPE_TYPES)
+
+
+def test_a_drafted_spec_implements_the_keys_it_does_not_map(tmp_path: Path) -> None:
+    """`dayzero new`: the config's unmapped keys go to `implements` with their values, so the draft
+    accepts its own config and refuses another value of any of them by name."""
+    from dayzero.sdk.spec.assemble import check_implemented
+    from dayzero.sdk.spec.config_keys import check_config_keys
+    from dayzero.sdk.spec.draft import write_draft
+    from dayzero.sdk.spec.resolver import Resolver
+
+    hf = beam_hf()
+    loaded = load_spec(write_draft("beamish", hf, tmp_path / "beamish"))
+    impl = loaded.spec.implements
+    assert impl["hidden_act"] == "silu" and impl["output_router_logits"] is False
+    assert impl["mlp_layer_types"] == [hf["mlp_layer_types"]]  # a list value: one allowed value
+    assert "hidden_size" not in impl and "attention_dropout" not in impl  # mapped / no effect
+
+    def check(cfg: dict) -> None:
+        r = Resolver(loaded, cfg, "config.json")
+        for name in loaded.spec.symbols:
+            r.symbol(name)
+        r.field("layer_types")
+        check_implemented(loaded.spec.implements, r, "spec.yaml")
+        check_config_keys(
+            cfg, r.read, loaded.spec.implements, loaded.spec.ignores, "config.json", "spec.yaml"
+        )
+
+    check(hf)
+    with pytest.raises(SpecError, match=r"config.json: hidden_act: 'gelu' is not implemented by spec.yaml"):
+        check(hf | {"hidden_act": "gelu"})
+    with pytest.raises(SpecError, match=r"config.json: foo_scale: 2.0 is not modelled"):
+        check(hf | {"foo_scale": 2.0})
+
+
+def test_real_llama_configs_resolve() -> None:
+    """config.json as Llama 3.1 and SmolLM2 ship it (transformers 4.x keys, rope_scaling, the
+    SmolLM2 extras its spec ignores or implements)."""
+    llama31 = {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "initializer_range": 0.02,
+        "intermediate_size": 160,
+        "max_position_embeddings": 131072,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.43.0.dev0",
+        "use_cache": True,
+        "vocab_size": 512,
+    }
+    llama = FAMILIES.get("llama")
+    assert llama.config(llama31).eos_token_ids == (128001, 128008, 128009)
+    smollm2 = llama31 | {
+        "rope_scaling": None,
+        "rope_theta": 100000,
+        "is_llama_config": True,
+        "rope_interleaved": False,
+        "pad_token_id": 2,
+        "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}},
+    }
+    llama.config(smollm2)
+    with pytest.raises(SpecError, match=r"rope_interleaved: True is not implemented by spec.yaml"):
+        llama.config(smollm2 | {"rope_interleaved": True})

@@ -1,2 +1,2 @@
-# generated from spec.yaml@a64358074033, do not edit
+# generated from spec.yaml@9997cae5b3cf, do not edit
 """Reflection Beam (generated; the source of truth is spec.yaml)."""

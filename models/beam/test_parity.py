@@ -1,4 +1,4 @@
-# generated from spec.yaml@a64358074033, do not edit
+# generated from spec.yaml@9997cae5b3cf, do not edit
 """Reflection Beam: parity against transformers.BeamForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded

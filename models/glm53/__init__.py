@@ -1,2 +1,2 @@
-# generated from spec.yaml@bbb681bc043d, do not edit
+# generated from spec.yaml@3b31749ada8b, do not edit
 """GLM-5.3 (generated; the source of truth is spec.yaml)."""

@@ -1,2 +1,2 @@
-# generated from spec.yaml@db5a87193ee0, do not edit
+# generated from spec.yaml@d8d57605e047, do not edit
 """Llama (generated; the source of truth is spec.yaml)."""

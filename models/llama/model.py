@@ -1,4 +1,4 @@
-# generated from spec.yaml@db5a87193ee0, do not edit
+# generated from spec.yaml@d8d57605e047, do not edit
 """Llama: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

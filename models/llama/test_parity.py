@@ -1,4 +1,4 @@
-# generated from spec.yaml@db5a87193ee0, do not edit
+# generated from spec.yaml@d8d57605e047, do not edit
 """Llama: parity against transformers.LlamaForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded

@@ -24,6 +24,7 @@ from dayzero.sdk.config.model import (
     ResidualCfg,
 )
 from dayzero.sdk.errors import SpecError
+from dayzero.sdk.spec.config_keys import check_config_keys
 from dayzero.sdk.spec.read import LoadedSpec
 from dayzero.sdk.spec.resolver import MISSING, Resolver, field
 from dayzero.sdk.spec.schema import RuleAll, RuleEvery, RuleField, RuleFirst, Spec
@@ -50,8 +51,8 @@ def layer_types(rule: Any, n: int, r: Resolver, role: str) -> list[str]:
     columns = []
     for f in fields:
         # `a|b`: the first of the alternatives present (a nested sub-config, or the flat field)
-        present = (v for a in f.split("|") if (v := field(r.hf, a)) is not MISSING and v is not None)
-        values = next(present, None)
+        found = [r.field(a) for a in f.split("|")]  # every alternative is named, so read
+        values = next((v for v in found if v is not MISSING and v is not None), None)
         if values is None:
             if rule.fallback is None:
                 raise SpecError(r.source, f, f"missing (layer types of {role}) and the spec has no fallback")
@@ -180,7 +181,8 @@ def resolve(
     max_pos = r.value(spec.max_position)
     for name in spec.symbols:  # every symbol resolves (or fails here, not later)
         r.symbol(name)
-    check_implemented(spec.implements, r.hf, r.source, loaded.path.name)
+    check_implemented(spec.implements, r, loaded.path.name)
+    check_config_keys(r.hf, r.read, spec.implements, spec.ignores, r.source, loaded.path.name)
     return ModelConfig(
         family=spec.family,
         spec_hash=loaded.hash,
@@ -199,13 +201,17 @@ def resolve(
     )
 
 
-def check_implemented(implements: dict, hf: dict, source: str, spec_name: str) -> None:
-    """Refuse a config value the blocks do not implement (Spec.implements), by field and value."""
+def check_implemented(implements: dict, r: Resolver, spec_name: str) -> None:
+    """Refuse a config value the blocks do not implement (Spec.implements), by field and value.
+    An allowed value may be a `$symbol` or `= expression` (a derived field: `num_key_value_heads:
+    $heads`); an absent or null field takes transformers' default and passes."""
     for name, allowed in implements.items():
-        got = field(hf, name)
-        if got is MISSING:
+        got = field(r.hf, name)
+        if got is MISSING or got is None:
             continue
-        ok = allowed if isinstance(allowed, list) else [allowed]
+        ok = [r.value(a) for a in (allowed if isinstance(allowed, list) else [allowed])]
         if got not in ok:
             want = " or ".join(repr(v) for v in ok)
-            raise SpecError(source, name, f"{got!r} is not implemented by {spec_name} (it implements {want})")
+            raise SpecError(
+                r.source, name, f"{got!r} is not implemented by {spec_name} (it implements {want})"
+            )

@@ -28,6 +28,7 @@ LITERAL_SECTIONS = (
     "shapes",
     "release",
     "bench",
+    "ignores",  # config field -> the reason it does not change the math (prose)
 )
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from dayzero.sdk.spec.config_keys import unmodelled
 from dayzero.sdk.spec.read import load_spec
 
 FIELDS = {
@@ -117,10 +118,29 @@ def draft(name: str, hf: dict) -> str:
     if hf.get("num_nextn_predict_layers"):
         sym["mtp_layers"] = "num_nextn_predict_layers"
         spec["mtp"] = {"kind": "nextn", "layers": "$mtp_layers"}
+    # every config key the draft does not map is pinned to the config's value: a checkpoint that
+    # sets another is refused by name, never served with math the spec does not model
+    read = {f for v in sym.values() for f in _fields(v)} | (
+        {"layer_types"} if "field" in attention else set()
+    )
+    # (a list value is one allowed value, so it is written as a list of one)
+    implements = {k: [v] if isinstance(v, list) else v for k, v in unmodelled(hf, read, set(), "config.json")}
+    if implements:
+        spec["implements"] = implements
+        checks.append(
+            "implements: the config's values of the fields the draft does not map; read those that "
+            "vary in a symbol, move those that do not change the math to `ignores` (with the reason)"
+        )
     text = yaml.safe_dump(spec, sort_keys=False, width=120)
     return (
         f"# draft spec for {arch}, from its HF config\n" + "".join(f"# check: {c}\n" for c in checks) + text
     )
+
+
+def _fields(sym: str | dict) -> list[str]:
+    """The HF fields one drafted symbol reads."""
+    f = sym if isinstance(sym, str) else sym.get("field")
+    return [] if f is None else [f] if isinstance(f, str) else list(f)
 
 
 def _rules(moe: bool) -> list[dict]:

@@ -29,6 +29,9 @@ class Resolver:
         self.loaded, self.hf, self.source = loaded, hf, source
         self.values: dict[str, Any] = {}
         self.origin: dict[str, str] = {}  # symbol -> the HF field it was read from
+        # every HF field the spec names for what it evaluated (each alternative of a symbol, each
+        # field of a layer rule), present or not: the keys it accounts for (config_keys)
+        self.read: set[str] = set()
         self._active: set[str] = set()
 
     def symbol(self, name: str) -> Any:
@@ -53,6 +56,7 @@ class Resolver:
         sym = Symbol(field=sym) if isinstance(sym, str) else sym
         fields = [sym.field] if isinstance(sym.field, str) else (sym.field or [])
         v = MISSING
+        self.read.update(fields)
         for f in fields:
             v = field(self.hf, f)
             if v is not MISSING and v is not None:
@@ -78,6 +82,11 @@ class Resolver:
         self._active.discard(name)
         self.values[name] = v
         return v
+
+    def field(self, dotted: str) -> Any:
+        """One HF field (MISSING when absent), recorded as read."""
+        self.read.add(dotted)
+        return field(self.hf, dotted)
 
     def number(self, v: Any, kind: type, where: str) -> Any:
         """value(v) as int or float; a non-number names the spec field and the config value."""

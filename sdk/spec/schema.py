@@ -4,6 +4,12 @@ A spec is data. Numbers and flags in block options are literals or `$symbol` ref
 symbol is read from the HF config (`symbols:`), so one spec serves every size of a family.
 Block kinds come from the block library (`dayzero.sdk.blocks`); the union of their option
 schemas is built from that registry, so a new block is usable by any spec once registered.
+
+Every key of the HF config is accounted for (default-deny, `sdk/spec/config_keys.py`): read by
+a symbol or layer rule, listed in `implements` (the value(s) the blocks implement, checked) or in
+`ignores` (with the reason it does not change the math), or on the global no-effect list (ids
+and names, dtype, token ids, outputs, dropout and init). Any other key is refused, naming the key
+and its value; so is a key inside a rope mapping read whole that `rope.py` does not read for its type.
 """
 
 from __future__ import annotations
@@ -177,9 +183,15 @@ class Spec(Strict):
     max_position: IntV | None = None
     eos_token_ids: Ref | None = None
     # HF-config fields that change the math but that the blocks implement one way only: the
-    # value(s) they implement. A checkpoint whose config sets another value is refused, naming
-    # the field and its value (absent fields take transformers' default and pass).
+    # value(s) they implement (a literal, a list of them, a `$symbol` or an `= expression` for a
+    # field derived from others). A checkpoint whose config sets another value is refused, naming
+    # the field and its value (absent or null fields take transformers' default and pass).
     implements: dict[str, Any] = {}
+    # HF-config fields of the reference config class that do not change the served math (training
+    # knobs, fields the config class derives and overwrites, a vision tower not served): field ->
+    # the reason. Every config key must be read by a symbol, listed in `implements` or here, or be
+    # on the global no-effect list (sdk/spec/config_keys.py); any other is refused by name and value.
+    ignores: dict[str, Annotated[str, StringConstraints(min_length=3)]] = {}
     # how the family's models write tool calls (sdk/server/tools.py: hermes, glm45, kimi_k2)
     tool_parser: str | None = None
 
