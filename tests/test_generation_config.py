@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from types import SimpleNamespace
 
@@ -87,3 +88,23 @@ def test_token_id_prompts_as_vllm(tiny_llm) -> None:
         tiny_llm.generate({"prompt_token_ids": [1, 10**9]}, greedy)
     with pytest.raises(TypeError, match="a prompt is a str"):
         tiny_llm.generate({"prompt_ids": [1]}, greedy)
+
+
+def test_a_hub_id_fetches_the_template_files_too(monkeypatch, tmp_path) -> None:
+    """A hub id is fetched with the chat template files (`chat_template.jinja`) beside the
+    weights, config and tokenizer (huggingface_hub replaced: nothing is downloaded)."""
+    import huggingface_hub
+
+    from dayzero.sdk.api import resolve_model
+
+    seen = {}
+
+    def fake(repo_id: str, allow_patterns: list[str]) -> str:
+        seen["repo"], seen["patterns"] = repo_id, allow_patterns
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    assert resolve_model("someone/some-model") == tmp_path
+    assert seen["repo"] == "someone/some-model"
+    for name in ("chat_template.jinja", "config.json", "model-00001-of-00002.safetensors", "tokenizer.json"):
+        assert any(fnmatch.fnmatch(name, p) for p in seen["patterns"]), name
