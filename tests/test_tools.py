@@ -2,7 +2,9 @@
 (sdk/server/tools.py), and the server's request side over HTTP with the openai client: tools
 and earlier calls / results rendered through the chat template, missing-parser refusals. (No
 model in CI emits calls of these formats reliably, so the formats are covered by the parser and
-stream tests; calls the model generates, held by a grammar, are tests/test_tool_choice.py.)"""
+stream tests, and end to end with the model's sampler scripted to write them
+(tests/scripted_kernels.py); calls the model generates, held by a grammar, are
+tests/test_tool_choice.py.)"""
 
 from __future__ import annotations
 
@@ -165,5 +167,63 @@ def test_tools_without_a_parser_or_a_template_for_them_are_refused() -> None:
         assert call["function"]["name"] == "get_weather" and isinstance(
             json.loads(call["function"]["arguments"]), dict
         )
+    finally:
+        s.stop()
+
+
+SCRIPT_SEED = 4242
+
+
+@pytest.mark.parametrize("fmt", sorted(ANSWERS))
+def test_calls_the_model_writes_come_back_as_tool_calls(tmp_path, fmt: str) -> None:
+    """tool_choice auto end to end: the model's answer (scripted: tests/scripted_kernels.py
+    replays ANSWERS[fmt] token by token for one seed) goes through the engine, the detokenizer
+    and the format's parser into OpenAI tool_calls with finish_reason tool_calls, whole and
+    streamed; the text before the calls is the content."""
+    from pathlib import Path
+
+    template = Path(__file__).parent / "data" / "tools_template.jinja"
+    script = tmp_path / "script.json"
+    env = {
+        "DAYZERO_KERNEL_MODULES": "scripted_kernels",
+        "DAYZERO_KERNEL_SAMPLE": "scripted",
+        "DAYZERO_SCRIPT_FILE": str(script),
+        "PYTHONPATH": str(Path(__file__).parent),
+    }
+    script.write_text("{}")
+    s = Server("--chat-template", str(template), "--tool-call-parser", fmt, env=env)
+    try:
+        ids = httpx.post(
+            f"{s.url}/tokenize", json={"prompt": ANSWERS[fmt], "add_special_tokens": False}, timeout=30
+        ).json()["tokens"]
+        eos = 2  # the embedded default's end of turn (<|im_end|>)
+        script.write_text(json.dumps({str(SCRIPT_SEED): [*ids, eos]}))
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused")
+        kw = dict(model="SmolLM2-135M-Instruct", messages=HISTORY[:1], tools=TOOLS, seed=SCRIPT_SEED)
+        r = client.chat.completions.create(**kw, max_tokens=len(ids) + 4, temperature=0)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert (choice.message.content or "").strip() == "Let me check."
+        calls = choice.message.tool_calls
+        assert [c.function.name for c in calls] == ["weather", "time"]
+        assert (
+            json.loads(calls[0].function.arguments) == WEATHER
+            and json.loads(calls[1].function.arguments) == {}
+        )
+        stream = client.chat.completions.create(**kw, max_tokens=len(ids) + 4, temperature=0, stream=True)
+        names, args, content, finish = {}, {}, "", None
+        for chunk in stream:
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            content += delta.content or ""
+            for tc in delta.tool_calls or []:
+                if tc.function and tc.function.name:
+                    names[tc.index] = tc.function.name
+                args[tc.index] = args.get(tc.index, "") + ((tc.function and tc.function.arguments) or "")
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls" and content.strip() == "Let me check."
+        assert [names[i] for i in sorted(names)] == ["weather", "time"]
+        assert json.loads(args[0]) == WEATHER and json.loads(args[1]) == {}
     finally:
         s.stop()
