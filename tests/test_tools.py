@@ -174,15 +174,28 @@ def test_tools_without_a_parser_or_a_template_for_them_are_refused() -> None:
 SCRIPT_SEED = 4242
 
 
-@pytest.mark.parametrize("fmt", sorted(ANSWERS))
-def test_calls_the_model_writes_come_back_as_tool_calls(tmp_path, fmt: str) -> None:
+@pytest.mark.parametrize(("fmt", "model"), [(f, "embedded") for f in sorted(ANSWERS)] + [("hermes", "tiny")])
+def test_calls_the_model_writes_come_back_as_tool_calls(tmp_path, fmt: str, model: str) -> None:
     """tool_choice auto end to end: the model's answer (scripted: tests/scripted_kernels.py
     replays ANSWERS[fmt] token by token for one seed) goes through the engine, the detokenizer
     and the format's parser into OpenAI tool_calls with finish_reason tool_calls, whole and
-    streamed; the text before the calls is the content."""
+    streamed; the text before the calls is the content. The embedded default with a tools
+    template given by flag, and a tiny checkpoint whose own chat_template.jinja takes tools."""
     from pathlib import Path
 
+    from dayzero.sdk.parity.tiny import write_tiny
+
     template = Path(__file__).parent / "data" / "tools_template.jinja"
+    flags = ["--chat-template", str(template)]
+    served, eos = "SmolLM2-135M-Instruct", 2  # the embedded default's end of turn (<|im_end|>)
+    if model == "tiny":
+        ckpt = write_tiny("llama", tmp_path / "tiny", seed=3)
+        (ckpt / "chat_template.jinja").write_text(template.read_text())
+        conf = json.loads((ckpt / "tokenizer_config.json").read_text())
+        conf.pop("chat_template", None)  # the template is the file's
+        (ckpt / "tokenizer_config.json").write_text(json.dumps(conf))
+        flags, served = [str(ckpt)], "tiny"
+        eos = json.loads((ckpt / "config.json").read_text())["eos_token_id"]
     script = tmp_path / "script.json"
     env = {
         "DAYZERO_KERNEL_MODULES": "scripted_kernels",
@@ -191,15 +204,15 @@ def test_calls_the_model_writes_come_back_as_tool_calls(tmp_path, fmt: str) -> N
         "PYTHONPATH": str(Path(__file__).parent),
     }
     script.write_text("{}")
-    s = Server("--chat-template", str(template), "--tool-call-parser", fmt, env=env)
+    s = Server(*flags, "--tool-call-parser", fmt, env=env)
     try:
         ids = httpx.post(
             f"{s.url}/tokenize", json={"prompt": ANSWERS[fmt], "add_special_tokens": False}, timeout=30
         ).json()["tokens"]
-        eos = 2  # the embedded default's end of turn (<|im_end|>)
         script.write_text(json.dumps({str(SCRIPT_SEED): [*ids, eos]}))
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused")
-        kw = dict(model="SmolLM2-135M-Instruct", messages=HISTORY[:1], tools=TOOLS, seed=SCRIPT_SEED)
+        served = client.models.list().data[0].id if model == "tiny" else served
+        kw = dict(model=served, messages=HISTORY[:1], tools=TOOLS, seed=SCRIPT_SEED)
         r = client.chat.completions.create(**kw, max_tokens=len(ids) + 4, temperature=0)
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls", choice
