@@ -108,3 +108,30 @@ def test_a_hub_id_fetches_the_template_files_too(monkeypatch, tmp_path) -> None:
     assert seen["repo"] == "someone/some-model"
     for name in ("chat_template.jinja", "config.json", "model-00001-of-00002.safetensors", "tokenizer.json"):
         assert any(fnmatch.fnmatch(name, p) for p in seen["patterns"]), name
+
+
+def test_the_server_takes_the_checkpoints_defaults(tmp_path) -> None:
+    """Through `dayzero serve`: a request that leaves the sampling fields unset gets the
+    checkpoint's generation_config.json values (top_k 1 here: the greedy answer at temperature
+    0.8), one that sets them gets its own."""
+    import httpx
+    from server_fixture import Server
+
+    from dayzero.sdk.parity.tiny import write_tiny
+
+    path = write_tiny("llama", tmp_path / "ckpt", seed=5)
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.8, "top_k": 1}))
+    s = Server(str(path))
+    try:
+        url = f"{s.url}/v1/completions"
+
+        def ids(**kw) -> list[int]:
+            body = {"prompt": "the quick brown fox", "max_tokens": 12, "return_token_ids": True, **kw}
+            return httpx.post(url, json=body, timeout=60).json()["choices"][0]["token_ids"]
+
+        greedy = ids(temperature=0)
+        assert all(ids() == greedy for _ in range(3))  # unset: top_k 1 from the checkpoint
+        own = [ids(top_k=0, seed=seed) for seed in (0, 1, 7)]  # top_k set: sampled at 0.8
+        assert any(o != greedy for o in own)
+    finally:
+        s.stop()
