@@ -164,3 +164,41 @@ def test_metrics_count_errors_as_errors(server) -> None:
     assert post(server, "/v1/completions", b"{oops").status_code == 400
     assert count("error_404") == e404 + 1 and count("error_413") == e413 + 1
     assert count("error_400") == e400 + 1 and count("ok") == ok
+
+
+@pytest.mark.parametrize(("size", "off_loop"), [(100, False), (2 << 20, True)])
+def test_a_large_json_body_is_parsed_off_the_event_loop(monkeypatch, size: int, off_loop: bool) -> None:
+    """The routes' request class parses a body of PARSE_OFF_LOOP_BYTES or more on a worker
+    thread (the event loop keeps serving streams meanwhile), a small one in place."""
+    import asyncio
+    import threading
+
+    from dayzero.sdk.server import limits
+
+    body = json.dumps({"prompt": "x" * size}).encode()
+    threads = []
+    real = json.loads
+
+    def loads(b):
+        threads.append(threading.current_thread())
+        return real(b)
+
+    monkeypatch.setattr(limits.json, "loads", loads)
+
+    async def main():
+        sent = False
+
+        async def receive():
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        req = limits.OffLoopJsonRequest({"type": "http", "method": "POST", "headers": []}, receive)
+        got = await req.json()
+        return got, threading.current_thread()
+
+    got, loop_thread = asyncio.run(main())
+    assert len(got["prompt"]) == size
+    assert (threads[0] is not loop_thread) == off_loop
