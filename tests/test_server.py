@@ -298,6 +298,24 @@ def test_logit_bias_and_min_tokens(client) -> None:
     assert len(ids) == 4 and ids[-1] == tok and tok not in ids[:3] and r.choices[0].finish_reason == "stop"
 
 
+def test_penalties_change_the_answer_as_asked(client) -> None:
+    """Through the server, greedy: each penalty changes an answer that repeats itself, and the
+    answer it gives repeats fewer tokens (the embedded default, measured: 14 repeated tokens in
+    24 without a penalty, none with presence_penalty 2)."""
+    kw = dict(model="SmolLM2-135M-Instruct", prompt="The weather today is", max_tokens=24, temperature=0)
+
+    def ids(**extra) -> list[int]:
+        r = client.completions.create(**kw, extra_body={"return_token_ids": True, **extra})
+        return r.choices[0].token_ids
+
+    base = ids()
+    repeats = len(base) - len(set(base))
+    assert repeats > 6, base  # the baseline loops
+    for extra in ({"repetition_penalty": 3.0}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        got = ids(**extra)
+        assert got != base and len(got) - len(set(got)) < repeats, (extra, got)
+
+
 def test_several_prompts_and_echo(client) -> None:
     """A list of prompts: their choices in turn (prompt index * n + i), each as if asked alone;
     usage sums the prompts; echo puts the prompt's text before each answer, streamed or not."""
@@ -500,21 +518,3 @@ def test_vllm_fields_that_change_the_answer_and_template_kwargs(tmp_path) -> Non
         assert srv.output().count("ignoring the unknown request field 'frobnicate_twice'") == 1
     finally:
         srv.stop()
-
-
-def test_penalties_change_the_answer_as_asked(client) -> None:
-    """Through the server, greedy: each penalty changes an answer that repeats itself, and the
-    answer it gives repeats fewer tokens (the embedded default, measured: 14 repeated tokens in
-    24 without a penalty, none with presence_penalty 2)."""
-    kw = dict(model="SmolLM2-135M-Instruct", prompt="The weather today is", max_tokens=24, temperature=0)
-
-    def ids(**extra) -> list[int]:
-        r = client.completions.create(**kw, extra_body={"return_token_ids": True, **extra})
-        return r.choices[0].token_ids
-
-    base = ids()
-    repeats = len(base) - len(set(base))
-    assert repeats > 6, base  # the baseline loops
-    for extra in ({"repetition_penalty": 3.0}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
-        got = ids(**extra)
-        assert got != base and len(got) - len(set(got)) < repeats, (extra, got)

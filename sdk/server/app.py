@@ -31,7 +31,6 @@ from dayzero.sdk.server.limits import (
     DEFAULT_MAX_REQUEST_BYTES,
     REFUSED,
     BodyLimit,
-    OffLoopJsonRoute,
     longest_token_bytes,
     text_too_long,
 )
@@ -110,7 +109,6 @@ class ServerState:
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="dayzero", version="0.1.0")
-    app.router.route_class = OffLoopJsonRoute  # before any route: large bodies parsed off the loop
     app.state.dz = state
     state.max_token_bytes = state.max_token_bytes or longest_token_bytes(state.tokenizer)
 

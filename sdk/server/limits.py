@@ -1,16 +1,12 @@
 """Limits a request meets before the server spends work on it: the body's size (413 in OpenAI's
 error shape: Content-Length checked before the body is read, a chunked body counted as it comes
-in), the text's length (a text that cannot fit the context is refused untokenized), and where a
-large body's JSON is parsed (off the event loop)."""
+in) and the text's length (a text that cannot fit the context is refused untokenized)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
 
-import anyio
-from fastapi import Request
-from fastapi.routing import APIRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dayzero.sdk.server.protocol import error_body
@@ -110,30 +106,3 @@ class BodyLimit:
         finally:
             if self.on_large is not None and self.large is not None and seen >= self.large:
                 self.on_large()
-
-
-PARSE_OFF_LOOP_BYTES = 1 << 20  # a JSON body at least this large is parsed on a worker thread
-
-
-class OffLoopJsonRequest(Request):
-    """A request whose JSON body, when large, is parsed on a worker thread: a 50 MB body takes
-    about half a second to parse, which on the event loop would stall every stream meanwhile."""
-
-    async def json(self):
-        if not hasattr(self, "_json"):
-            body = await self.body()
-            big = len(body) >= PARSE_OFF_LOOP_BYTES
-            self._json = await anyio.to_thread.run_sync(json.loads, body) if big else json.loads(body)
-        return self._json
-
-
-class OffLoopJsonRoute(APIRoute):
-    """The app's routes read their JSON bodies through OffLoopJsonRequest."""
-
-    def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
-
-        async def route(request: Request):
-            return await handler(OffLoopJsonRequest(request.scope, request.receive))
-
-        return route
