@@ -99,60 +99,39 @@ def packed_gemv(
 # decoded in three integer operations into two fp16 lanes of value * 2^-14 (the nibbles brought
 # to bits 12-15 / 28-31 by a shift: the sign stays, the magnitude goes to bits 9-11, as `_e2m1`),
 # then one fp16x2 FMA; each lane sums 8 products in fp16, the two lanes are added in fp32.
-_FP4X16_DOT = tl.constexpr(
-    """
-{
-.reg .b32 w0, w1, q, m, h, acc, x0, x1, x2, x3, x4, x5, x6, x7;
-.reg .b16 lo, hi;
-.reg .f32 flo, fhi;
-mov.b64 {w0, w1}, $1;
-ld.global.nc.v4.b32 {x0, x1, x2, x3}, [$2];
-ld.global.nc.v4.b32 {x4, x5, x6, x7}, [$2+16];
-and.b32 m, w0, 0x70007000;
-shr.b32 m, m, 3;
-lop3.b32 h, w0, 0x80008000, m, 0xEA;
-mul.rn.f16x2 acc, h, x3;
-shl.b32 q, w0, 4;
-and.b32 m, q, 0x70007000;
-shr.b32 m, m, 3;
-lop3.b32 h, q, 0x80008000, m, 0xEA;
-fma.rn.f16x2 acc, h, x2, acc;
-shl.b32 q, w0, 8;
-and.b32 m, q, 0x70007000;
-shr.b32 m, m, 3;
-lop3.b32 h, q, 0x80008000, m, 0xEA;
-fma.rn.f16x2 acc, h, x1, acc;
-shl.b32 q, w0, 12;
-and.b32 m, q, 0x70007000;
-shr.b32 m, m, 3;
-lop3.b32 h, q, 0x80008000, m, 0xEA;
-fma.rn.f16x2 acc, h, x0, acc;
-and.b32 m, w1, 0x70007000;
-shr.b32 m, m, 3;
-lop3.b32 h, w1, 0x80008000, m, 0xEA;
-fma.rn.f16x2 acc, h, x7, acc;
-shl.b32 q, w1, 4;
-and.b32 m, q, 0x70007000;
-shr.b32 m, m, 3;
-lop3.b32 h, q, 0x80008000, m, 0xEA;
-fma.rn.f16x2 acc, h, x6, acc;
-shl.b32 q, w1, 8;
-and.b32 m, q, 0x70007000;
-shr.b32 m, m, 3;
-lop3.b32 h, q, 0x80008000, m, 0xEA;
-fma.rn.f16x2 acc, h, x5, acc;
-shl.b32 q, w1, 12;
-and.b32 m, q, 0x70007000;
-shr.b32 m, m, 3;
-lop3.b32 h, q, 0x80008000, m, 0xEA;
-fma.rn.f16x2 acc, h, x4, acc;
-mov.b32 {lo, hi}, acc;
-cvt.f32.f16 flo, lo;
-cvt.f32.f16 fhi, hi;
-add.f32 $0, flo, fhi;
-}
-"""
-)
+def _fp4x16_ptx() -> str:
+    """The PTX of `_fp4x16_dot`: per word (w0 with x0..x3, w1 with x4..x7) its four code pairs,
+    the one already at bits 12-15 / 28-31 first, then those a left shift of 4, 8, 12 brings there."""
+    lines = [
+        "{",
+        ".reg .b32 w0, w1, q, m, h, acc, x0, x1, x2, x3, x4, x5, x6, x7;",
+        ".reg .b16 lo, hi;",
+        ".reg .f32 flo, fhi;",
+        "mov.b64 {w0, w1}, $1;",
+        "ld.global.nc.v4.b32 {x0, x1, x2, x3}, [$2];",
+        "ld.global.nc.v4.b32 {x4, x5, x6, x7}, [$2+16];",
+    ]
+    for word, xs in (("w0", (3, 2, 1, 0)), ("w1", (7, 6, 5, 4))):
+        for shift, x in zip((0, 4, 8, 12), xs, strict=True):
+            src = word if shift == 0 else "q"
+            if shift:
+                lines.append(f"shl.b32 q, {word}, {shift};")
+            lines += [
+                f"and.b32 m, {src}, 0x70007000;",  # the magnitudes, to bits 9-11 / 25-27
+                "shr.b32 m, m, 3;",
+                f"lop3.b32 h, {src}, 0x80008000, m, 0xEA;",  # (src & signs) | m
+                "mul.rn.f16x2 acc, h, x3;" if x == 3 else f"fma.rn.f16x2 acc, h, x{x}, acc;",
+            ]
+    lines += [
+        "mov.b32 {lo, hi}, acc;",
+        "cvt.f32.f16 flo, lo;",
+        "cvt.f32.f16 fhi, hi;",
+        "add.f32 $0, flo, fhi;",
+    ]
+    return "\n" + "\n".join([*lines, "}"]) + "\n"
+
+
+_FP4X16_DOT = tl.constexpr(_fp4x16_ptx())
 
 
 @triton.jit
