@@ -79,6 +79,16 @@ def server():
     s.stop()
 
 
+def post(http: httpx.Client, url: str, content: bytes, stream: bool) -> httpx.Response:
+    """POST a JSON body; a stream is read to its end (a server that breaks mid-stream fails)."""
+    headers = {"content-type": "application/json"}
+    if not stream:
+        return http.post(url, content=content, headers=headers)
+    with http.stream("POST", url, content=content, headers=headers) as r:
+        r.read()
+    return r
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
@@ -90,15 +100,7 @@ def test_no_body_makes_a_5xx(server, path: str, body: dict, raw: bytes | None) -
         body.setdefault("max_tokens", 4)  # keep generations short
     content = raw if raw is not None else json.dumps(body, allow_nan=True).encode()
     with httpx.Client(timeout=120) as http:
-        if body.get("stream") is True and raw is None:
-            with http.stream(
-                "POST", f"{server.url}{path}", content=content, headers={"content-type": "application/json"}
-            ) as r:
-                r.read()
-        else:
-            r = http.post(
-                f"{server.url}{path}", content=content, headers={"content-type": "application/json"}
-            )
+        r = post(http, f"{server.url}{path}", content, stream=body.get("stream") is True and raw is None)
     assert r.status_code < 500, (r.status_code, r.text[:500], body)
     if r.status_code >= 400:
         assert "error" in r.json()
@@ -249,18 +251,7 @@ def test_tools_formats_and_token_routes_never_5xx(tools_server, target: tuple[st
     path, body = target
     content = json.dumps(body).encode()  # a lone surrogate goes out as its \\u escape
     with httpx.Client(timeout=120) as http:
-        if body.get("stream") is True:
-            with http.stream(
-                "POST",
-                f"{tools_server.url}{path}",
-                content=content,
-                headers={"content-type": "application/json"},
-            ) as r:
-                r.read()
-        else:
-            r = http.post(
-                f"{tools_server.url}{path}", content=content, headers={"content-type": "application/json"}
-            )
+        r = post(http, f"{tools_server.url}{path}", content, stream=body.get("stream") is True)
         assert r.status_code < 500, (r.status_code, r.text[:500], body)
         if r.status_code >= 400:
             assert r.json()["error"]["message"], r.text
