@@ -115,13 +115,10 @@ class StrictWriter:
     def _narrow(self, tensor_name: str, t: Target, dst: torch.Tensor, cov: torch.Tensor):
         """The slice of dst (and its coverage) that t's selectors pick: [e] along the leading
         dim, then [part] along the rows. None: an expert another rank holds (expert parallel)."""
-        placed = self.shards.get(t.param, {}).get("[e]")
         for sel in t.selectors:
             if isinstance(sel, int):
-                if placed is not None:
-                    if not placed.start <= sel < placed.start + placed.length:
-                        return None
-                    sel -= placed.start
+                if (sel := self._local_expert(t, sel)) is None:
+                    return None
                 if sel >= dst.shape[0]:
                     raise WeightError(
                         f"checkpoint tensor {tensor_name}: index {sel} out of {dst.shape[0]} in {t.param}"
@@ -134,6 +131,14 @@ class StrictWriter:
                 off, n = offs[sel]
                 dst, cov = dst.narrow(0, off, n), cov.narrow(0, off, n)
         return dst, cov
+
+    def _local_expert(self, t: Target, e: int) -> int | None:
+        """Expert index e as this rank holds it (expert parallel: shifted by its first expert;
+        None: another rank's); e itself when the parameter's experts are not placed."""
+        placed = self.shards.get(t.param, {}).get("[e]")
+        if placed is None:
+            return e
+        return e - placed.start if placed.start <= e < placed.start + placed.length else None
 
     def _slice_of(self, tensor_name: str, t: Target) -> Slice | None:
         """The slice of a checkpoint tensor this rank keeps (tensor parallel); None: all of it."""
@@ -154,9 +159,8 @@ class StrictWriter:
     def wants(self, tensor_name: str, t: Target) -> Slice | bool | None:
         """What of a checkpoint tensor this rank reads: None nothing (another rank's expert),
         True all of it (also when a transform needs the whole tensor), or its Slice."""
-        placed = self.shards.get(t.param, {}).get("[e]")
         e = next((s for s in t.selectors if isinstance(s, int)), None)
-        if placed is not None and e is not None and not placed.start <= e < placed.start + placed.length:
+        if e is not None and self._local_expert(t, e) is None:
             return None
         sl = self._slice_of(tensor_name, t)
         return True if sl is None or t.transform is not None else sl
