@@ -116,6 +116,20 @@ def _all_blocks_back(eng, free: int) -> None:
     assert eng.scheduler.free_blocks(0) == free
 
 
+def _beside_innocent(llm: LLM, prompt: list[int], constrained: SamplingParams):
+    """(the constrained request's output, the innocent one's, the constrained text) of the two
+    run together to their ends, no step failing."""
+    eng = llm.engine
+    a = eng.add(prompt, constrained)
+    b = eng.add(PROMPT, INNOCENT)
+    while not (eng.requests[a].finished and eng.requests[b].finished):
+        eng.step()
+        assert eng.failures == 0
+    eng._drain()
+    got_a, got_b = eng.release(a), eng.release(b)
+    return got_a, got_b, llm.tokenizer.decode(got_a.token_ids, skip_special_tokens=True)
+
+
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_boolean_schema_with_min_tokens_beside_an_innocent_request(checkpoint, overlap: str) -> None:
     llm = _llm(checkpoint, overlap)
@@ -132,14 +146,7 @@ def test_boolean_schema_with_min_tokens_beside_an_innocent_request(checkpoint, o
             seed=seed,
             grammar=llm.grammars.json(BOOLEAN),
         )
-        a = eng.add(asked, constrained)
-        b = eng.add(PROMPT, INNOCENT)
-        while not (eng.requests[a].finished and eng.requests[b].finished):
-            eng.step()
-            assert eng.failures == 0
-        eng._drain()
-        got_a, got_b = eng.release(a), eng.release(b)
-        text = llm.tokenizer.decode(got_a.token_ids, skip_special_tokens=True)
+        got_a, got_b, text = _beside_innocent(llm, asked, constrained)
         assert json.loads(text) in (True, False), (temperature, seed, text)
         assert got_a.finish_reason == "stop" and got_a.error is None, got_a
         assert got_a.token_ids[-1] in eng.cfg.eos_token_ids  # ended by the grammar, before min_tokens
@@ -219,5 +226,128 @@ def test_the_server_answers_both_requests(checkpoint) -> None:
         assert used == srv.metric("dayzero_prefix_cache_blocks")  # no request holds a block
         health = httpx.get(f"{srv.url}/health", timeout=10)
         assert health.status_code == 200, health.text
+    finally:
+        srv.stop()
+
+
+ENUM = {"enum": ["red", "green", "blue"]}
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_complete_grammar_ends_its_request_under_ignore_eos(checkpoint, overlap: str) -> None:
+    """ignore_eos beside a grammar: once the grammar has accepted its end (EOS, the only token
+    it allows after a complete value) the request finishes "stop" there, as vLLM's does; before,
+    ignore_eos left EOS out of the request's stops and it ran on unconstrained to max_tokens.
+    Greedy and sampled with the recorded seeds, two schemas, beside an innocent request that
+    equals its solo run; every block comes back."""
+    llm = _llm(checkpoint, overlap)
+    eng = llm.engine
+    free = eng.scheduler.free_blocks(0)
+    (want,) = eng.generate([PROMPT], INNOCENT)
+    asked = llm.encode("Is the sky blue? Answer true or false.")
+    for schema, allowed in ((BOOLEAN, (True, False)), (ENUM, tuple(ENUM["enum"]))):
+        for temperature, seed in [(0.0, None), *((1.0, s) for s in SEEDS)]:
+            constrained = SamplingParams(
+                max_tokens=40, temperature=temperature, seed=seed, ignore_eos=True,
+                grammar=llm.grammars.json(schema),
+            )  # fmt: skip
+            got_a, got_b, text = _beside_innocent(llm, asked, constrained)
+            assert json.loads(text) in allowed, (schema, temperature, seed, text)
+            assert got_a.finish_reason == "stop" and got_a.error is None, got_a
+            assert got_a.token_ids[-1] in eng.cfg.eos_token_ids  # the grammar's end, then nothing
+            assert len(got_a.token_ids) < constrained.max_tokens
+            _same(got_b, want)
+    assert eng.stats["failed_steps"] == 0 and eng.stats["failed_requests"] == 0
+    _all_blocks_back(eng, free)
+
+
+@pytest.mark.parametrize("constrained", [False, True])
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_request_failed_after_its_step_is_reported_in_that_step(
+    checkpoint, overlap: str, constrained: bool
+) -> None:
+    """The step whose collect fails one request (an injected fault in its grammar check) returns
+    it finished ("abort", the error, the failing token last), not the step after; released
+    there, as the server does, it is never reported again (the scheduler's later report of it is
+    passed over) and the steps after it run clean. A constrained victim fails at its first token:
+    under overlap the next plan, made before that collect, still holds a row of it (sampled and
+    dropped). The request beside it equals its solo run; every block comes back."""
+    llm = _llm(checkpoint, overlap)
+    eng = llm.engine
+    free = eng.scheduler.free_blocks(0)
+    (want_b,) = eng.generate([PROMPT], INNOCENT)
+    fail_at = 1 if constrained else 4
+    grammar = llm.grammars.json({"type": "array", "items": {"type": "integer"}}) if constrained else None
+    for seed in SEEDS:
+        victim = eng.add(
+            [11, 12, 13, seed % 50 + 20],
+            SamplingParams(max_tokens=20, temperature=1.0, seed=seed, ignore_eos=True, grammar=grammar),
+        )
+        b = eng.add(PROMPT, INNOCENT)
+        accept, seen, fired = eng.matchers.accept, [], []
+
+        def faulty(rid: int, token: int, victim=victim, accept=accept, seen=seen, fired=fired) -> None:
+            if rid == victim:
+                seen.append(token)
+                if len(seen) == fail_at:
+                    fired.append(True)
+                    raise RuntimeError("injected fault in accept")
+            accept(rid, token)
+
+        eng.matchers.accept = faulty
+        reported = 0
+        while not eng.requests[b].finished:
+            outs = {o.id: o for o in eng.step()}
+            assert eng.failures == 0
+            if victim in outs:
+                out = outs[victim]
+                if fired and reported == 0:
+                    assert out.finished, "the failed request is not reported finished in its step"
+                    assert out.finish_reason == "abort" and "injected fault" in out.error, out
+                    assert out.token_ids == seen  # the failing token is recorded, nothing after it
+                    eng.release(victim)
+                    reported += 1
+                else:
+                    assert not out.finished and not fired  # never reported twice
+        del eng.matchers.accept  # the instance attribute: the class's own method again
+        assert reported == 1 and victim not in eng.requests
+        eng._drain()
+        _same(eng.release(b), want_b)
+        assert not eng._reported  # the scheduler's report of the victim came and was passed over
+    assert eng.stats["failed_steps"] == 0 and eng.stats["failed_requests"] == len(SEEDS)
+    _all_blocks_back(eng, free)
+
+
+def test_the_server_ends_a_complete_grammar_under_ignore_eos(checkpoint) -> None:
+    """Through `dayzero serve` and the openai client: response_format with ignore_eos (vLLM's
+    extra field) answers the schema's value and finishes "stop" before max_tokens, greedy and
+    sampled, streamed and not; no block is held afterwards."""
+    srv = Server(str(checkpoint), "--max-num-seqs", "4")
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": BOOLEAN}}
+    msgs = [{"role": "user", "content": "Is the sky blue? Answer true or false."}]
+    try:
+        for seed in (None, *SEEDS):
+            kw = dict(
+                model=model, messages=msgs, max_tokens=48, temperature=0 if seed is None else 1.0,
+                seed=seed, response_format=fmt, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            got = client.chat.completions.create(**kw)
+            c = got.choices[0]
+            assert json.loads(c.message.content) in (True, False) and c.finish_reason == "stop", c
+            assert got.usage.completion_tokens < 48, got.usage
+            parts, finish = [], None
+            for chunk in client.chat.completions.create(**kw, stream=True):
+                for ch in chunk.choices:
+                    parts.append(ch.delta.content or "")
+                    finish = ch.finish_reason or finish
+            assert "".join(parts) == c.message.content and finish == "stop"  # same seed, same answer
+        assert srv.metric("dayzero_requests_running") == 0
+        text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        used = sum(
+            float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("dayzero_kv_blocks_used{")
+        )
+        assert used == srv.metric("dayzero_prefix_cache_blocks")
     finally:
         srv.stop()

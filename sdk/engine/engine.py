@@ -92,6 +92,9 @@ class _Launched:
     pending: Pending
 
 
+_ENDED = SamplingParams(max_tokens=1, temperature=0)  # a row whose request ended after its plan
+
+
 def _sampled(plan) -> list[int]:
     """The request of each row of the plan that samples a token."""
     return np.asarray(plan.req_ids)[np.asarray(plan.sample, dtype=bool)].tolist()
@@ -131,6 +134,9 @@ class Engine:
         self.sampler = Sampler(ops, self.device, cfg.embedding.vocab)  # + the penalties' device state
         self.matchers = Matchers(cfg.embedding.vocab)  # structured output, per constrained request
         self._inflight: _Launched | None = None  # overlap: the step launched last, not yet fed
+        # requests the engine reported finished itself (`_fail_request`) whose end the scheduler
+        # reports in a later plan: that report is theirs, not a new request's of the same id
+        self._reported: set[int] = set()
         self.stats = {"steps": 0, "retracted": 0, "prefill_tokens": 0, "decode_tokens": 0, "graph_steps": 0}
         self.stats["device_inputs"] = 0  # input tokens filled in on the device (overlap)
         self.stats["failed_steps"] = 0
@@ -267,10 +273,8 @@ class Engine:
                 out = self.requests[rid]
                 out.finish_reason, out.error = "abort", why
                 touched[rid] = out
-            self.generators.pop(rid, None)
-            self.params.pop(rid, None)
-            self.matchers.drop(rid)
-            self.sampler.state.drop(rid)
+                self._reported.add(rid)  # the scheduler's next plan lists it too
+            self._forget(rid)
 
     def _launch(self, plan, prev: _Launched | None) -> _Launched:
         """Queue the plan's forward pass and sampling on the device (prev: the step before, still
@@ -287,7 +291,9 @@ class Engine:
         sample = np.asarray(plan.sample, dtype=np.int32).copy()
         req_ids = np.asarray(plan.req_ids).copy()
         sample_ids = req_ids[sample.astype(bool)].tolist()
-        params = [self.params[i] for i in sample_ids]
+        # a row of a request that ended after this plan was made (its grammar check failed in the
+        # collect just before): sampled greedily, its token dropped (see `_collect`)
+        params = [self.params.get(i, _ENDED) for i in sample_ids]
         gens = [self.generators.get(i) for i in sample_ids]
         allowed = self.matchers.bitmask(sample_ids) if self.matchers.constrains(sample_ids) else None
         if any(p.rewrites for p in params):
@@ -299,7 +305,9 @@ class Engine:
             if new:
                 self.sampler.start(new, [self.requests[i].prompt_ids for i in new])
             flying = set(self._inflight.sample_ids) if self._inflight is not None else set()
-            produced = [len(self.requests[i].token_ids) + (i in flying) for i in sample_ids]
+            produced = [
+                len(self.requests[i].token_ids) + (i in flying) if i in self.params else 0 for i in sample_ids
+            ]
             eos = list(self.cfg.eos_token_ids)
             stops = [tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos)) for p in params]
             pending = self.sampler.launch(logits, params, gens, sample_ids, produced, stops, allowed)
@@ -350,14 +358,26 @@ class Engine:
                 if row in tops:
                     out.top_logprobs.append(tops[row])
                 self.matchers.accept(rid, tok)
+                if self.matchers.terminated(rid):
+                    self._grammar_done(rid)
             except Exception as e:  # this request's failure, not the step's
                 self._fail_request(rid, e)
         return touched
 
+    def _grammar_done(self, rid: int) -> None:
+        """A request whose grammar accepted its end (a stop token it allows only once complete)
+        finishes "stop", also under ignore_eos (vLLM's rule: a terminated grammar ends the
+        request; past it nothing would constrain the tokens). When the token was a stop of the
+        request's own, the scheduler has finished it already (stop, or length on its last
+        token)."""
+        with contextlib.suppress(SchedulerError):  # finished by this very token: reported anyway
+            self.scheduler.finish(rid)
+
     def _fail_request(self, rid: int, err: Exception) -> None:
-        """Abort one request whose bookkeeping after its token was fed failed, with the error.
-        The scheduler frees its blocks now; the next plan reports it finished, and `_finished`
-        drops its state then (a plan made already may still hold a row of it), "abort"."""
+        """Abort one request whose bookkeeping after its token was fed failed, with the error,
+        reported finished ("abort") by this very step. The scheduler frees its blocks now and
+        reports it in its next plan, which `_finished` then passes over (`_reported`); a plan
+        made already may still hold a row of it (`_launch` samples it, `_collect` drops it)."""
         log.exception("request %s failed after its step, aborting it alone: %s", rid, err)
         self.stats["failed_requests"] += 1
         out = self.requests[rid]
@@ -365,21 +385,29 @@ class Engine:
             out.error = f"internal error in the engine: {type(err).__name__}: {err}"
         with contextlib.suppress(SchedulerError):  # finished by this very token: reported anyway
             self.scheduler.abort(rid)
+        out.finish_reason = "abort"
+        self._reported.add(rid)
+        self._forget(rid)
+
+    def _forget(self, rid: int) -> None:
+        """Drop a finished request's live state (its output stays until `release`)."""
+        self.generators.pop(rid, None)
+        self.params.pop(rid, None)
+        self.matchers.drop(rid)
+        self.sampler.state.drop(rid)  # its penalties' device counts
 
     def _finished(self, plan) -> dict[int, RequestOutput]:
         """Mark the requests this plan reports finished; they are no longer live."""
         touched: dict[int, RequestOutput] = {}
         for rid, reason in zip(plan.finished_ids.tolist(), plan.finished_reasons.tolist(), strict=True):
+            if rid in self._reported:  # reported already, by the step that failed it
+                self._reported.discard(rid)
+                continue
             if rid in self.requests:
                 out = self.requests[rid]
-                # a request failed on its own (`_fail_request`) ends "abort" even when its last
-                # token also finished it
-                out.finish_reason = "abort" if out.error else _REASONS.get(reason, "stop")
+                out.finish_reason = _REASONS.get(reason, "stop")
                 touched[rid] = out
-                self.generators.pop(rid, None)
-                self.params.pop(rid, None)
-                self.matchers.drop(rid)
-                self.sampler.state.drop(rid)  # its penalties' device counts
+                self._forget(rid)
         return touched
 
     @torch.inference_mode()

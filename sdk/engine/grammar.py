@@ -7,7 +7,8 @@ turns a JSON schema, or "any JSON object", into a compiled grammar that travels 
 fills the rows' bitmasks of allowed tokens ([S, ceil(V / 32)] int32, bit v of word v // 32),
 which the sampler applies as -inf; after the step each matcher accepts the token drawn. Once
 the grammar is complete only the stop tokens remain allowed, and min_tokens does not ban them
-then (sampling.py `only_among`): a complete grammar ends its request.
+then (sampling.py `only_among`): a complete grammar ends its request, ignore_eos or not (the
+engine finishes a request whose matcher terminated).
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ class Matchers:
             if (m := self._by_id.get(rid)) is not None and not m.is_terminated():
                 m.fill_next_token_bitmask(mask, s)
         return mask
+
+    def terminated(self, rid: int) -> bool:
+        """The request's grammar has accepted its end (a stop token once the value is complete)."""
+        m = self._by_id.get(rid)
+        return m is not None and m.is_terminated()
 
     def accept(self, rid: int, token: int) -> None:
         m = self._by_id.get(rid)
