@@ -1,4 +1,4 @@
-# generated from spec.yaml@3b31749ada8b, do not edit
+# generated from spec.yaml@5877b091b8b3, do not edit
 """GLM-5.3: parity against transformers.GlmMoeDsaForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded

@@ -24,9 +24,9 @@ from dayzero.sdk.config.model import (
     ResidualCfg,
 )
 from dayzero.sdk.errors import SpecError
-from dayzero.sdk.spec.config_keys import check_config_keys
+from dayzero.sdk.spec.config_keys import check_config_keys, show_value
 from dayzero.sdk.spec.read import LoadedSpec
-from dayzero.sdk.spec.resolver import MISSING, Resolver, field
+from dayzero.sdk.spec.resolver import MISSING, Resolver, agree, field
 from dayzero.sdk.spec.schema import RuleAll, RuleEvery, RuleField, RuleFirst, Spec
 
 STATE_ALIGN = 256  # bytes; a state part starts aligned in the request's slot
@@ -48,29 +48,81 @@ def layer_types(rule: Any, n: int, r: Resolver, role: str) -> list[str]:
         return [rule.block if i < k else rule.other for i in range(n)]
     assert isinstance(rule, RuleField)
     fields = [rule.field] if isinstance(rule.field, str) else rule.field
-    columns = []
+    columns, read_as = [], []  # read_as: (the alternative read, its value shown) of each column
     for f in fields:
-        # `a|b`: the first of the alternatives present (a nested sub-config, or the flat field)
-        found = [r.field(a) for a in f.split("|")]  # every alternative is named, so read
-        values = next((v for v in found if v is not MISSING and v is not None), None)
-        if values is None:
+        got = _column(rule, f, n, r)
+        if got is None:
+            if f in rule.defaults:
+                columns.append(layer_types(rule.defaults[f], n, r, f"{role}.defaults.{f}"))
+                read_as.append((f, "absent (the spec's default)"))
+                continue
             if rule.fallback is None:
                 raise SpecError(r.source, f, f"missing (layer types of {role}) and the spec has no fallback")
             return layer_types(rule.fallback, n, r, role)
-        if not isinstance(values, list) or len(values) < n:
-            raise SpecError(r.source, f, f"expected a list of at least {n} layer kinds, got {values!r}")
+        name, raw, values = got
         columns.append(values[:n])
+        read_as.append((name, f"= {show_value(raw)}"))
     out = []
     for i, vs in enumerate(zip(*columns, strict=True)):
         v = "+".join(map(str, vs))
         if v not in rule.map:
             raise SpecError(
                 r.source,
-                " + ".join(f"{f}.{i}" for f in fields),
+                " + ".join(f"{f}.{i}" for f, _ in read_as),
                 f"unknown layer kind {v!r}; known: {', '.join(rule.map)}",
             )
         out.append(rule.map[v])
+    for i, block in enumerate(out):
+        if block in rule.follows and (i == 0 or out[i - 1] not in rule.follows[block]):
+            after = "it is the first layer" if i == 0 else f"layer {i - 1} is {out[i - 1]!r}"
+            raise SpecError(
+                r.source,
+                " + ".join(f"{f}.{i}" for f, _ in read_as),
+                f"layer {i} is {block!r}, which needs the layer before it to be "
+                f"{' or '.join(map(repr, rule.follows[block]))}; {after} (read from "
+                + ", ".join(f"{a} {shown}" for a, shown in read_as)
+                + ")",
+            )
     return out
+
+
+def _column(rule: RuleField, f: str, n: int, r: Resolver) -> tuple[str, Any, list] | None:
+    """(alternative, raw value, values) of one column `a|b|...`: the first alternative present
+    (a string read through the rule's `letters`), checked against every other one present; None
+    when none is."""
+    present = []
+    for a in f.split("|"):  # every alternative is named, so read
+        raw = r.field(a)
+        if raw is MISSING or raw is None:
+            continue
+        values = raw
+        if a in rule.letters and isinstance(raw, str):
+            known = rule.letters[a]
+            if bad := next(((i, c) for i, c in enumerate(raw) if c not in known), None):
+                raise SpecError(
+                    r.source,
+                    a,
+                    f"{show_value(raw)}: letter {bad[1]!r} (layer {bad[0]}) is not one of "
+                    + ", ".join(f"{k} ({v})" for k, v in known.items()),
+                )
+            values = [known[c] for c in raw]
+        if not isinstance(values, list) or len(values) < n:
+            raise SpecError(
+                r.source, a, f"expected a list of at least {n} layer kinds, got {show_value(raw)}"
+            )
+        present.append((a, raw, values))
+    if not present:
+        return None
+    (a0, raw0, first), *others = present
+    for a, raw, values in others:
+        if not agree(values, first):
+            raise SpecError(
+                r.source,
+                f"{a0} / {a}",
+                f"two fields for the same per-layer kinds disagree: {a0}={show_value(raw0)} "
+                f"but {a}={show_value(raw)}",
+            )
+    return a0, raw0, first
 
 
 def _hyper(spec: Spec, r: Resolver) -> HyperCfg | None:

@@ -109,7 +109,8 @@ assert set(ROPE_KEYS) == set(ROPE_TYPES), "ROPE_KEYS must list every type rope.p
 ROPE_FIELDS = ("rope_parameters", "rope_scaling")
 
 
-def _show(v: Any) -> str:
+def show_value(v: Any) -> str:
+    """A config value for a message, cut to 80 characters."""
     s = repr(v)
     return s if len(s) <= 80 else s[:77] + "..."
 
@@ -142,7 +143,7 @@ def check_rope(params: dict, path: str, source: str) -> None:
             raise SpecError(
                 source,
                 f"{path}.{k}",
-                f"{_show(v)} is not read for {kind} RoPE (sdk/blocks/rope.py reads {', '.join(known)})",
+                f"{show_value(v)} is not read for {kind} RoPE (sdk/blocks/rope.py reads {', '.join(known)})",
             )
 
 
@@ -184,12 +185,12 @@ def check_config_keys(
         key = path.rsplit(".", 1)[-1]
         if key in PINNED:
             raise SpecError(
-                source, path, f"{_show(v)} is not served (a decoder-only model has {PINNED[key]!r})"
+                source, path, f"{show_value(v)} is not served (a decoder-only model has {PINNED[key]!r})"
             )
         raise SpecError(
             source,
             path,
-            f"{_show(v)} is not modelled by {spec_name}: read it in a symbol, list it under "
+            f"{show_value(v)} is not modelled by {spec_name}: read it in a symbol, list it under "
             "`implements` with the value(s) the blocks implement, or under `ignores` with the "
             "reason it does not change the math",
         )

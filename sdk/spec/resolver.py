@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from dayzero.sdk.errors import SpecError
+from dayzero.sdk.spec.config_keys import show_value
 from dayzero.sdk.spec.expr import evaluate
 from dayzero.sdk.spec.read import LoadedSpec
 from dayzero.sdk.spec.schema import BUILTINS, Symbol
@@ -20,6 +21,21 @@ def field(cfg: dict, dotted: str) -> Any:
             return MISSING
         cur = cur[part]
     return cur
+
+
+def agree(a: Any, b: Any) -> bool:
+    """Two config values for one thing say the same: equal numbers (10000 and 10000.0, but not
+    true and 1), equal strings and lists, and mappings whose common keys agree (a
+    `rope_scaling` of the old form next to the `rope_parameters` that also holds rope_theta)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return all(agree(a[k], b[k]) for k in a.keys() & b.keys())
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(agree(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
 
 
 class Resolver:
@@ -62,6 +78,8 @@ class Resolver:
             if v is not MISSING and v is not None:
                 self.origin[name] = f
                 break
+        if name in self.origin:
+            self._agree(name, fields, v)
         if v is MISSING or v is None:
             if sym.default is not None:
                 try:
@@ -82,6 +100,22 @@ class Resolver:
         self._active.discard(name)
         self.values[name] = v
         return v
+
+    def _agree(self, name: str, fields: list[str], v: Any) -> None:
+        """The symbol's other alternatives present (not null) hold the value it was read as:
+        two config keys for one thing that disagree are refused, naming both (which one a
+        reference class reads is its business; the checkpoint is ambiguous)."""
+        first = self.origin[name]
+        for f in fields[fields.index(first) + 1 :]:
+            other = field(self.hf, f)
+            if other is MISSING or other is None or agree(v, other):
+                continue
+            raise SpecError(
+                self.source,
+                f"{first} / {f}",
+                f"{first}={show_value(v)} but {f}={show_value(other)}: both are read as ${name} "
+                f"of {self.loaded.path.name} and must agree",
+            )
 
     def field(self, dotted: str) -> Any:
         """One HF field (MISSING when absent), recorded as read."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, StringConstraints, field_validator
+from pydantic import ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from dayzero.sdk.config.options import BoolV, FloatV, IntV, Ref, Strict
 
@@ -48,12 +48,39 @@ class RuleAll(Strict):
 class RuleField(Strict):
     """Per-layer kinds from a list field of the HF config, each value mapped to a block. With
     several fields, layer i's key joins their i-th values with `+` (`indexed_attention+shared`).
-    A field `a|b` reads the first of the alternatives present (`text_config.layer_types|layer_types`)."""
+    A field `a|b` reads the first of the alternatives present (`text_config.layer_types|layer_types`);
+    alternatives present together must agree (else the config is refused, naming both).
+
+    letters: an alternative written as a string of one letter per layer, each letter the list
+    value it stands for (`index_topk_pattern: {F: full, S: shared}` reads "FSS" as [full, shared,
+    shared]); any other letter is refused. defaults: the values of a field (by the name it is
+    written under in `field`) when none of its alternatives is present, from a rule whose
+    `block` / `other` name the field's values; a field missing without a default takes `fallback`
+    for the whole rule. follows: a block -> the blocks the layer right before it may map to (a
+    layer reusing the previous layer's work); a layer breaking it, or the first, is refused."""
 
     rule: Literal["field"]
     field: str | list[str]
     map: dict[str, str]
+    letters: dict[str, dict[Annotated[str, StringConstraints(min_length=1, max_length=1)], str]] = {}
+    defaults: dict[str, Annotated[RuleEvery | RuleFirst | RuleAll, Field(discriminator="rule")]] = {}
+    follows: dict[str, list[str]] = {}
     fallback: RuleEvery | RuleFirst | RuleAll | None = Field(default=None, discriminator="rule")
+
+    @model_validator(mode="after")
+    def _names_known(self) -> RuleField:
+        fields = [self.field] if isinstance(self.field, str) else self.field
+        alts = {a for f in fields for a in f.split("|")}
+        if bad := sorted(set(self.letters) - alts):
+            raise ValueError(f"letters names {', '.join(bad)}, not an alternative of {fields}")
+        if bad := sorted(set(self.defaults) - set(fields)):
+            raise ValueError(f"defaults names {', '.join(bad)}, not one of {fields}")
+        blocks = set(self.map.values())
+        if bad := sorted((set(self.follows) | {b for v in self.follows.values() for b in v}) - blocks):
+            raise ValueError(
+                f"follows names {', '.join(bad)}, not a block of the map ({', '.join(sorted(blocks))})"
+            )
+        return self
 
 
 class RuleEvery(Strict):

@@ -1,4 +1,4 @@
-# generated from spec.yaml@3cb13b041900, do not edit
+# generated from spec.yaml@1d8b429d4774, do not edit
 """GLM-5.3-Flash: parity against transformers.Glm5NextForConditionalGeneration on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
