@@ -63,6 +63,7 @@ def _paged_attention(
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
+    MIN_TILES: tl.constexpr,
 ):
     pid, kh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r, qt = pid // q_tiles, pid % q_tiles
@@ -80,16 +81,22 @@ def _paged_attention(
     d = tl.arange(0, BD)
     dm = d < D
     qmask = valid[:, None] & dm[None, :]
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    row = (tok * H + h) * S + split  # [BM] index into [T, H, S]
     first = kv_len - n_q + qt * BQ  # the tile's first query position
     hi = tl.minimum(kv_len, first + BQ)  # keys past the tile's last query are never allowed
     lo = 0
     if WINDOW:
         lo = tl.maximum(first - window + 1, 0)
-    # this split's key range, whole BN tiles
-    per = tl.cdiv(tl.cdiv(hi - lo, S), BN) * BN
+    # this split's key range, whole BN tiles, at least MIN_TILES of them (a short row leaves the
+    # later splits empty: they write only lse -inf, and the merge reads no output of theirs)
+    per = tl.maximum(tl.cdiv(tl.cdiv(hi - lo, S), BN), MIN_TILES) * BN
     start = lo + split * per
     stop = tl.minimum(start + per, hi)
+    if S > 1:  # noqa: SIM102  (a compile-time branch in Triton)
+        if start >= stop:
+            tl.store(lse_ptr + row, tl.full((BM,), float("-inf"), tl.float32), mask=valid)
+            return
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
     acc = tl.zeros((BM, BD), tl.float32)
@@ -124,17 +131,26 @@ def _paged_attention(
         m_i = m_new
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    row = (tok * H + h) * S + split  # [BM] index into [T, H, S]
     tl.store(o_ptr + row[:, None] * D + d[None, :], out, mask=qmask)
     lse = m_i + tl.log(tl.where(seen, l_i, 1.0))
     tl.store(lse_ptr + row, tl.where(seen, lse, float("-inf")), mask=valid)
 
 
+# decode splits: up to MAX_SPLITS a row, so that a step has PROGRAMS_PER_SM programs an SM; each
+# split takes at least MIN_SPLIT_TILES key tiles. A key tile's loop step is latency-bound (block
+# table, then K, then V), so more splits of fewer tiles win: on the H200 at 60k keys, batch 1,
+# 16 splits read 1.2 TB/s, 128 splits 2.3 TB/s; at 512 keys one tile a split beats four
+# (12.4 against 21.3 us) (scripts/tune_decode_attention.py)
+MAX_SPLITS, PROGRAMS_PER_SM, MIN_SPLIT_TILES = 128, 8, 1
+
+
 def _splits(rows: int, kv_heads: int, q_max: int, device: torch.device) -> int:
-    """Key splits per row: enough programs to fill the GPU when the step has few decode rows."""
+    """Key splits per row: enough programs to fill the GPU when the step has few decode rows
+    (a long context then reads its keys from every SM, a short one from as many as it needs)."""
     if q_max > 1 or device.type != "cuda":
         return 1
-    return max(1, min(16, triton.cdiv(2 * _sms(device.index or 0), rows * kv_heads)))
+    want = PROGRAMS_PER_SM * _sms(device.index or 0)
+    return max(1, min(MAX_SPLITS, triton.cdiv(want, rows * kv_heads)))
 
 
 @triton.jit
@@ -148,8 +164,9 @@ def _merge_splits(
     top = tl.max(lse, 0)
     w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - tl.where(top == float("-inf"), 0.0, top)))
     d = tl.arange(0, BD)
+    live = (s < S) & (lse > float("-inf"))  # an empty split's output is never read
     o = tl.load(
-        o_ptr + (r * S + s[:, None]) * D + d[None, :], mask=(s[:, None] < S) & (d[None, :] < D), other=0.0
+        o_ptr + (r * S + s[:, None]) * D + d[None, :], mask=live[:, None] & (d[None, :] < D), other=0.0
     )
     total = tl.sum(w, 0)
     y = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
@@ -178,9 +195,11 @@ def gqa_attention(
     window: int | None = None,
     softcap: float | None = None,
     splits: int | None = None,
+    min_split_tiles: int = MIN_SPLIT_TILES,
 ) -> torch.Tensor:
     """q [T, H, D], caches [N, Hk, D] (views of the paged pool; rows may be strided) -> [T, H, D].
-    `splits`: key splits per row (default: by the GPU's size for decode steps, else 1)."""
+    `splits`: key splits per row (default: by the GPU's size for decode steps, else 1), each of
+    at least `min_split_tiles` key tiles."""
     t, h, dh = q.shape
     hk = k_cache.shape[1]
     g = h // hk
@@ -206,6 +225,6 @@ def gqa_attention(
         table.stride(0), scale, softcap or 1.0, window or 0, q_tiles, meta.block_size,
         H=h, S=splits, G=g, D=dh, BD=bd, BQ=bq, BM=bm, BN=bn,
         SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        MIN_TILES=min_split_tiles if splits > 1 else 1, num_warps=4, num_stages=2,
     )  # fmt: skip
     return _merge(o, lse, q.dtype)

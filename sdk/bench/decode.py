@@ -224,7 +224,7 @@ def profile_decode(
         cfg,
         ops,
         EngineConfig(
-            kv_cache_bytes=2 << 30,
+            kv_cache_bytes=8 << 30,  # room for a long --prompt-len (60k tokens of Beam: 1.9 GB)
             host_cache_bytes=0,
             block_size=64,
             max_batch_size=1,
