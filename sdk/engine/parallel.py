@@ -10,6 +10,7 @@ import datetime
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -87,4 +88,69 @@ def run_ranks(fn: Callable, size: int, args: tuple = (), timeout_s: float = 600)
             if p.is_alive():
                 p.terminate()
         for p in ctx.processes:
+            p.join(5)
+
+
+def control_group(timeout_s: float = 7 * 24 * 3600):
+    """The gloo group rank 0's plans travel on (ranks.py): host arrays whatever the model's
+    backend; its timeout is long, as the other ranks wait on it while the server idles."""
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def watch_parent() -> None:
+    """A spawned rank ends itself when the process that started it is gone (killed, crashed):
+    no rank outlives its server waiting for plans that never come."""
+    parent = os.getppid()
+
+    def check() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=check, name="dayzero-parent-watch", daemon=True).start()
+
+
+class Followers:
+    """Ranks 1 .. size-1 on this host, spawned by rank 0 (the server or the LLM):
+    entry(index, size, port, *args) runs rank index + 1. A watcher thread notices a rank that
+    exits before `join` and calls on_failure with a message naming it and its exit code."""
+
+    def __init__(self, entry: Callable, size: int, port: int, args: tuple = ()) -> None:
+        self.size, self.failed = size, None
+        self._joining = False
+        self.ctx = mp.start_processes(
+            entry, args=(size, port, *args), nprocs=size - 1, join=False, start_method="spawn"
+        )
+
+    def watch(self, on_failure: Callable[[str], None], every_s: float = 0.5) -> None:
+        def run() -> None:
+            while not self._joining:
+                for i, p in enumerate(self.ctx.processes):
+                    if p.exitcode is not None and not self._joining:
+                        self.failed = f"tensor-parallel rank {i + 1} exited with code {p.exitcode}"
+                        log.error("%s; the server stops", self.failed)
+                        on_failure(self.failed)
+                        return
+                time.sleep(every_s)
+
+        threading.Thread(target=run, name="dayzero-rank-watch", daemon=True).start()
+
+    def join(self, timeout_s: float = 30) -> None:
+        """Wait for the ranks to end (after rank 0 sent STOP); a rank still running at the
+        deadline is terminated, named in the log."""
+        self._joining = True
+        deadline = time.monotonic() + timeout_s
+        for i, p in enumerate(self.ctx.processes):
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                log.error("tensor-parallel rank %d running %.0f s after stop; terminated", i + 1, timeout_s)
+                p.terminate()
+                p.join(5)
+
+    def terminate(self) -> None:
+        self._joining = True
+        for p in self.ctx.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in self.ctx.processes:
             p.join(5)

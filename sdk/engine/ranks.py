@@ -1,0 +1,116 @@
+"""Rank 0 drives the others: it holds the C++ scheduler and the sampler, and sends each step's
+plan (its arrays, already flat) to the other ranks over a gloo group of torch.distributed; every
+rank then applies the plan's KV copies and runs its shard of the model on the same inputs, so the
+model's collectives line up. Only rank 0 samples; the others' logits are dropped.
+
+The wire: one int64 tensor a message, sent as its length then its words:
+  [kind, number of block tables, (ndim, dims...) per array, the arrays' values...]
+the arrays in FIELDS' order, then the plan's copies in COPIES' order, then the block tables.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dayzero.sdk.engine.context import build_context
+
+log = logging.getLogger("dayzero.ranks")
+
+STEP, STOP = 1, 2
+FIELDS = ("num_tokens", "query_start", "positions", "kv_lens", "input_ids", "sample", "state_slots")
+COPIES = (
+    "to_host_group", "to_host_src", "to_host_dst", "to_device_group", "to_device_src", "to_device_dst",
+    "state_to_host_slot", "state_to_host_pages", "state_to_device_slot", "state_to_device_pages",
+    "restore_src", "restore_dst", "snapshot_src", "snapshot_dst",
+)  # fmt: skip
+
+
+def encode(kind: int, plan=None) -> torch.Tensor:
+    """The message of a plan (or of `kind` alone) as one int64 tensor."""
+    if plan is None:
+        return torch.tensor([kind, 0], dtype=torch.int64)
+    arrays = [np.asarray(getattr(plan, f)) for f in FIELDS]
+    arrays += [np.asarray(getattr(plan.copies, f)) for f in COPIES]
+    tables = [np.asarray(t) for t in plan.block_tables]
+    arrays = [a.astype(np.int64, copy=False) for a in arrays + tables]
+    head = [kind, len(tables)]
+    for a in arrays:
+        head += [a.ndim, *a.shape]
+    return torch.from_numpy(np.concatenate([np.asarray(head, dtype=np.int64), *(a.ravel() for a in arrays)]))
+
+
+def decode(words: torch.Tensor) -> tuple[int, SimpleNamespace | None]:
+    """(kind, a plan with the arrays build_context and the KV pool read) of a message."""
+    w = words.numpy()
+    kind, n_tables = int(w[0]), int(w[1])
+    if kind != STEP:
+        return kind, None
+    at, shapes = 2, []
+    for _ in range(len(FIELDS) + len(COPIES) + n_tables):
+        ndim = int(w[at])
+        shapes.append(tuple(int(d) for d in w[at + 1 : at + 1 + ndim]))
+        at += 1 + ndim
+    arrays = []
+    for shape in shapes:
+        n = int(np.prod(shape, dtype=np.int64))
+        arrays.append(w[at : at + n].reshape(shape))
+        at += n
+    k = len(FIELDS)
+    plan = SimpleNamespace(**dict(zip(FIELDS, arrays[:k], strict=True)))
+    plan.copies = SimpleNamespace(**dict(zip(COPIES, arrays[k : k + len(COPIES)], strict=True)))
+    plan.block_tables = arrays[k + len(COPIES) :]
+    plan.rows = len(plan.num_tokens)
+    return kind, plan
+
+
+class Leader:
+    """Rank 0's end: `send(plan)` before rank 0 runs it, `stop()` once (the others return)."""
+
+    def __init__(self, group, size: int) -> None:
+        self.group, self.size = group, size
+        self.stopped = False
+
+    def _broadcast(self, msg: torch.Tensor) -> None:
+        dist.broadcast(torch.tensor([msg.numel()], dtype=torch.int64), 0, group=self.group)
+        dist.broadcast(msg, 0, group=self.group)
+
+    def send(self, plan) -> None:
+        self._broadcast(encode(STEP, plan))
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self._broadcast(encode(STOP))
+
+
+def receive(group) -> tuple[int, SimpleNamespace | None]:
+    n = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(n, 0, group=group)
+    words = torch.empty(int(n.item()), dtype=torch.int64)
+    dist.broadcast(words, 0, group=group)
+    return decode(words)
+
+
+@torch.inference_mode()
+def follow(engine, group) -> int:
+    """A rank other than 0: run every plan rank 0 sends on this rank's shard (its KV copies, the
+    forward pass) until it sends STOP; returns the steps run. `engine` is this rank's Engine
+    (its KV pool and model; its own scheduler is never stepped)."""
+    steps = 0
+    while True:
+        kind, plan = receive(group)
+        if kind == STOP:
+            return steps
+        engine.pool.apply(plan.copies)
+        if plan.rows:
+            ctx = build_context(
+                plan, engine.pool.views, engine.config.block_size, engine.device, engine.pool.slots
+            )
+            engine.model(ctx)  # the collectives of rank 0's forward; the logits are rank 0's to use
+        engine.pool.apply_after(plan.copies)
+        steps += 1
