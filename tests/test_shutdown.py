@@ -1,11 +1,13 @@
 """SIGTERM with requests running past --shutdown-timeout: each one stopped ends well-formed (a
 stream's final chunk with finish_reason "abort", then [DONE]; a whole answer with "abort"), the
-log gets one line per aborted request and no traceback, and the process exits 0."""
+log gets one line per aborted request (per choice of an n > 1 request), naming the OpenAI id its
+client received, and no traceback, and the process exits 0."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 
@@ -14,6 +16,7 @@ from server_fixture import Server
 
 TIMEOUT_S = 1.0
 LONG = {"max_tokens": 3000, "ignore_eos": True, "temperature": 0}  # minutes of decoding on a CPU
+ABORTED = re.compile(r"request (\S+?)(?: choice (\d+))? aborted \(still running 1 s after the shutdown")
 
 
 async def _stream(http: httpx.AsyncClient, path: str, body: dict, started: asyncio.Event) -> list[str]:
@@ -73,4 +76,13 @@ def test_sigterm_past_the_shutdown_timeout_ends_every_stream_well_formed() -> No
     assert TIMEOUT_S <= took < TIMEOUT_S + 10, took
     aborted = [ln for ln in log.splitlines() if "aborted (still running 1 s after the shutdown signal" in ln]
     assert len(aborted) == 5, log[-3000:]  # 1 + 2 (n=2) + 1 streamed, 1 whole: one per request
+    logged = sorted((m[1], m[2] or "") for ln in aborted if (m := ABORTED.search(ln)))
+    assert len(logged) == len(aborted), aborted
+    ids = [{json.loads(x)["id"] for x in lines[:-1]} for lines in streams]
+    assert all(len(one) == 1 for one in ids), ids  # every chunk of a stream carries its one id
+    (chat, chat_n2, completion), whole_id = (one.pop() for one in ids), whole.json()["id"]
+    assert chat.startswith("chatcmpl-") and chat_n2.startswith("chatcmpl-"), (chat, chat_n2)
+    assert completion.startswith("cmpl-") and whole_id.startswith("cmpl-"), (completion, whole_id)
+    want = sorted([(chat, ""), (chat_n2, "0"), (chat_n2, "1"), (completion, ""), (whole_id, "")])
+    assert logged == want, (logged, want)  # the ids the clients got, each request (choice) once
     assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]

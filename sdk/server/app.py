@@ -32,6 +32,7 @@ from dayzero.sdk.server.limits import (
     REFUSED,
     BodyLimit,
     longest_token_bytes,
+    off_loop_json_route,
     text_too_long,
 )
 from dayzero.sdk.server.metrics import Metrics
@@ -46,7 +47,7 @@ from dayzero.sdk.server.protocol import (
 )
 from dayzero.sdk.server.tool_choice import CallReader, ForcedChoice, ToolsError, forced_choice
 from dayzero.sdk.server.tools import ToolParser, ToolStream
-from dayzero.sdk.server.workers import TRIM_AFTER_BYTES, Busy, Trimmer, WorkPool
+from dayzero.sdk.server.workers import Busy, OneThread, Trimmer, WorkPool
 
 log = logging.getLogger("dayzero.server")
 
@@ -103,12 +104,14 @@ class ServerState:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a longer body gets 413 unread
     max_token_bytes: int = 0  # the tokenizer's longest token in bytes (0: measured by build_app)
     pool: WorkPool = field(default_factory=WorkPool)  # tokenizing off the event loop, bounded
-    trimmer: Trimmer = field(default_factory=Trimmer)  # memory back to the system after a big body
+    trimmer: Trimmer = field(default_factory=Trimmer)  # free C heap back to the system, now and then
+    parser: OneThread = field(default_factory=OneThread)  # a big body's JSON, parsed off the loop
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="dayzero", version="0.1.0")
+    app.router.route_class = off_loop_json_route(state.parser.run)  # before any route is added
     app.state.dz = state
     state.max_token_bytes = state.max_token_bytes or longest_token_bytes(state.tokenizer)
 
@@ -271,8 +274,7 @@ def build_app(state: ServerState) -> FastAPI:
         BodyLimit,
         max_bytes=state.max_request_bytes,
         on_refuse=count_413,
-        large=TRIM_AFTER_BYTES,
-        on_large=state.trimmer.request,
+        on_answered=state.trimmer.answered,
     )
     return app
 
@@ -294,6 +296,8 @@ def check_unicode(value, param: str) -> None:
     """A JSON string may hold a lone surrogate escape ("\\ud800"), which no UTF-8 text holds."""
     texts = [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)]
     for t in texts:
+        if t.isascii():  # O(1) (CPython keeps the flag): no surrogate, and no 30 ms for 50 MB
+            continue
         try:
             t.encode("utf-8")
         except UnicodeEncodeError:
@@ -305,6 +309,8 @@ def lone_surrogate(value, path: str = "") -> str | None:
     """The path (`tools.0.function.description`) of the first string in value (dicts and lists
     walked) holding a lone surrogate escape, which no UTF-8 text holds; None when there is none."""
     if isinstance(value, str):
+        if value.isascii():
+            return None
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:

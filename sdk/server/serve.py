@@ -161,6 +161,7 @@ def serve(args: argparse.Namespace) -> int:
         state.engine.accepting = False
         state.engine.stop()
         state.pool.shutdown()
+        state.parser.shutdown()
 
     app.router.lifespan_context = lifespan
     config = uvicorn.Config(
