@@ -1,5 +1,5 @@
-"""Config keys read in more than one way (issue 14): GLM's `index_topk_pattern`, and two keys
-for one spec symbol.
+"""Config keys read in more than one way (issue 14): GLM's `index_topk_pattern` and its
+`index_topk_freq` / `index_skip_topk_offset` schedule, and two keys for one spec symbol.
 
 `index_topk_pattern` ("FSS...": layer i runs its own DSA / KPool indexer on F, reuses the
 previous layer's top-k on S) is what a hand-written GLM config carries; GlmMoeDsaConfig and
@@ -10,6 +10,13 @@ an indexed full one: Glm5NextText hands a selection on one layer only). The test
 (and glm5_next layer types) from the recorded seeds and compares with transformers itself: its
 config class and a forward pass of the tiny reference model decide what is valid and which
 layers own an indexer.
+
+Without indexer_types and index_topk_pattern, both config classes derive the indexers from
+`index_topk_freq` / `index_skip_topk_offset` (layer i full when max(i - offset + 1, 0) %
+max(freq, 1) == 0; freq 1, offset 2 by default: all full). The specs read it as their indexer
+column's default (a `rule: every` with an offset); present beside indexer_types or a pattern
+(transformers' own config.json keeps all of them) it must agree, else it is refused naming the
+keys and values. Drawn (freq, offset) schedules are compared with transformers as above.
 
 Two HF keys a spec names for one symbol (`[text_config.vocab_size, vocab_size]`,
 `[rope_parameters.rope_theta, rope_theta]`) or for one per-layer column
@@ -65,13 +72,18 @@ def _draw(rng: random.Random, n: int, flash: bool) -> tuple[str, list[str] | Non
 
 
 def _transformers(family: str, tiny: dict, pattern: str, layers: list[str] | None):
-    """What transformers makes of the pattern: per layer (attention kind, runs its own indexer;
-    None for KDA) from the model it builds and runs, or the exception it raises."""
-    cls = reference_class(FAMILIES.get(family).spec.spec.reference)
+    """What transformers makes of the pattern (`_reference_run`)."""
     over = copy.deepcopy(tiny)
     _text(over)["index_topk_pattern"] = pattern
     if layers is not None:
         _text(over)["layer_types"] = layers
+    return _reference_run(family, over)
+
+
+def _reference_run(family: str, over: dict):
+    """What transformers makes of a config: per layer (attention kind, runs its own indexer;
+    None for KDA) from the model it builds and runs, or the exception it raises."""
+    cls = reference_class(FAMILIES.get(family).spec.spec.reference)
     try:
         cfg = cls.config_class(**over)
         torch.manual_seed(0)
@@ -271,3 +283,195 @@ def test_two_keys_for_one_symbol_must_agree(family: str, seed: int) -> None:
             checked += 1
     if _alternatives(family):
         assert checked > 0
+
+
+# ---- the freq / offset schedule ----------------------------------------------------------------
+
+SCHEDULE_KEYS = ("index_topk_freq", "index_skip_topk_offset")
+SCHEDULES_PER_SEED = 6
+
+
+def _draw_schedule(rng: random.Random, flash: bool) -> tuple[int, dict, list[str] | None]:
+    """Layers, the schedule keys present (at least one; a period of 0 or below reads as 1 in
+    transformers, an offset may be negative or past the last layer) and, for glm5_next, layer
+    types (None: the config class's default)."""
+    n = rng.choice([4, 5, 6, 8])
+    keys: dict[str, int] = {}
+    if rng.random() < 0.85:
+        keys["index_topk_freq"] = rng.choice([-1, 0, 1, 2, 2, 3, 3, 4, 5])
+    if rng.random() < 0.7 or not keys:
+        keys["index_skip_topk_offset"] = rng.choice([-2, -1, 0, 1, 2, 2, 3, n])
+    layers = None
+    if flash and rng.random() < 0.6:
+        layers = [rng.choice(["linear_attention", "full_attention", "full_attention"]) for _ in range(n)]
+    return n, keys, layers
+
+
+def _schedule_over(tiny: dict, n: int, keys: dict, layers: list[str] | None) -> dict:
+    over = copy.deepcopy(tiny)
+    _text(over)["num_hidden_layers"] = n
+    _text(over).update(keys)
+    if layers is not None:
+        _text(over)["layer_types"] = layers
+    return over
+
+
+def _without_indexer_types(family: str, over: dict, keys: dict, layers: list[str] | None) -> dict:
+    """The reference config as a lab would write it: the schedule keys, no indexer_types (and no
+    layer_types unless drawn)."""
+    hf = reference_config(FAMILIES.get(family).spec.spec.reference, {**over})
+    text = _text(hf)
+    text.pop("indexer_types")
+    text.pop("layer_types")
+    for k in SCHEDULE_KEYS:
+        text.pop(k, None)
+    text.update(keys)
+    if layers is not None:
+        text["layer_types"] = layers
+    return hf
+
+
+def _named_keys(msg: str, keys: dict) -> bool:
+    return all(f"{k}={v!r}" in msg for k, v in keys.items())
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("family", GLM)
+def test_index_topk_freq_and_offset_read_as_transformers_reads_them(family: str, seed: int) -> None:
+    """Drawn (freq, offset) schedules against transformers' config class and a forward pass of
+    its tiny model: the same layers own an indexer, and what transformers cannot run is refused
+    naming the schedule's keys and values, written without indexer_types (a hand-written config)
+    or with the indexer_types the config class derived beside them (its config.json)."""
+    fam = FAMILIES.get(family)
+    tiny = _tiny(family)
+    rng = random.Random(seed)
+    valid = refused = 0
+    for _ in range(SCHEDULES_PER_SEED):
+        n, keys, layers = _draw_schedule(rng, family == "glm53_flash")
+        over = _schedule_over(tiny, n, keys, layers)
+        want = _reference_run(family, over)
+        hand = _without_indexer_types(family, over, keys, layers)
+        saved = reference_config(fam.spec.spec.reference, over)
+        assert all(_text(saved)[k] == v for k, v in keys.items()) and _text(saved)["indexer_types"]
+        if isinstance(want, Exception):
+            with pytest.raises(SpecError) as e:
+                fam.config(hand)
+            assert _named_keys(str(e.value), keys), (keys, layers, e.value)
+            with pytest.raises(SpecError) as e:
+                fam.config(saved)
+            assert "indexer_types" in str(e.value) and _named_keys(str(e.value), keys), (keys, e.value)
+            refused += 1
+            continue
+        got = fam.config(hand)
+        assert _kinds(got) == want, (n, keys, layers)
+        assert fam.config(saved) == got, (n, keys, layers)
+        valid += 1
+    assert valid + refused == SCHEDULES_PER_SEED
+
+
+@pytest.mark.parametrize("family", GLM)
+def test_named_schedules(family: str) -> None:
+    """Fixed cases each side of the rules, against transformers as above: all full by default and
+    for a period of 1 or below, a shared first layer (offset 0), shared runs (valid in GLM-5.3
+    only), an offset past the last layer."""
+    fam = FAMILIES.get(family)
+    tiny = _tiny(family)
+    flash = family == "glm53_flash"
+    layers = ["full_attention"] * 6 if flash else None
+    cases = [
+        ({"index_topk_freq": 1}, True),
+        ({"index_topk_freq": 0, "index_skip_topk_offset": 0}, True),
+        ({"index_topk_freq": -3}, True),
+        ({"index_skip_topk_offset": 5}, True),
+        ({"index_topk_freq": 2}, True),  # F F S F S F
+        ({"index_topk_freq": 2, "index_skip_topk_offset": 0}, False),  # S F S F ...
+        ({"index_topk_freq": 3, "index_skip_topk_offset": 1}, not flash),  # F S S F S S
+        ({"index_topk_freq": 4, "index_skip_topk_offset": 6}, True),  # all six before the offset
+    ]
+    for keys, ok in cases:
+        over = _schedule_over(tiny, 6, keys, layers)
+        want = _reference_run(family, over)
+        assert isinstance(want, list) == ok, (keys, want)
+        hf = _without_indexer_types(family, over, keys, layers)
+        if ok:
+            assert _kinds(fam.config(hf)) == want, keys
+        else:
+            with pytest.raises(SpecError) as e:
+                fam.config(hf)
+            assert _named_keys(str(e.value), keys), (keys, e.value)
+
+
+def _prefixed(family: str, keys: dict) -> dict:
+    """Schedule keys as the spec names them in messages (flash's under text_config)."""
+    pre = "text_config." if family == "glm53_flash" else ""
+    return {pre + k: v for k, v in keys.items()}
+
+
+@pytest.mark.parametrize("family", GLM)
+def test_a_schedule_beside_indexer_types_or_a_pattern_must_agree(family: str) -> None:
+    """indexer_types > index_topk_pattern > freq / offset: present together, they must say the
+    same (the model is then the one each alone gives); else the config is refused naming the
+    keys and values of both sides."""
+    fam = FAMILIES.get(family)
+    tiny = _tiny(family)
+    layers = ["full_attention"] * 6 if family == "glm53_flash" else None
+    keys = {"index_topk_freq": 2, "index_skip_topk_offset": 1}  # F S F S F S
+    over = _schedule_over(tiny, 6, keys, layers)
+    alone = fam.config(_without_indexer_types(family, over, keys, layers))
+    saved = reference_config(fam.spec.spec.reference, over)
+    assert _text(saved)["indexer_types"] == ["full", "shared"] * 3
+    assert fam.config(saved) == alone
+    pattern = copy.deepcopy(saved)
+    _text(pattern)["index_topk_pattern"] = "FSFSFS"
+    assert fam.config(pattern) == alone  # all three agree
+    _text(pattern).pop("indexer_types")
+    assert fam.config(pattern) == alone
+    shown = _prefixed(family, keys)
+    # the pattern says otherwise
+    _text(pattern)["index_topk_pattern"] = "FSFSFF"
+    with pytest.raises(SpecError) as e:
+        fam.config(pattern)
+    msg = str(e.value)
+    assert "index_topk_pattern='FSFSFF'" in msg and _named_keys(msg, shown), msg
+    # indexer_types says otherwise (a hand-edited config.json)
+    for k, v in [("indexer_types", ["full"] * 6), ("index_topk_freq", 3), ("index_skip_topk_offset", 2)]:
+        edited = copy.deepcopy(saved)
+        _text(edited)[k] = v
+        with pytest.raises(SpecError) as e:
+            fam.config(edited)
+        msg = str(e.value)
+        now = _prefixed(family, {**keys, **({k: v} if k in keys else {})})
+        assert "indexer_types=" in msg and repr(_text(edited)["indexer_types"])[:60] in msg, msg
+        assert _named_keys(msg, now), (k, msg)
+
+
+@pytest.mark.parametrize("family", GLM)
+def test_a_schedule_is_whole_numbers(family: str) -> None:
+    """2 and 2.0 read the same; 2.5, "2" and true are refused naming the key."""
+    fam = FAMILIES.get(family)
+    tiny = _tiny(family)
+    layers = ["full_attention"] * 4 if family == "glm53_flash" else None
+    want = fam.config(
+        _without_indexer_types(family, _schedule_over(tiny, 4, {}, layers), {"index_topk_freq": 2}, layers)
+    )
+    hf = _without_indexer_types(family, _schedule_over(tiny, 4, {}, layers), {"index_topk_freq": 2.0}, layers)
+    assert _kinds(fam.config(hf)) == _kinds(want)
+    for bad in (2.5, "2", True):
+        hf = _without_indexer_types(
+            family, _schedule_over(tiny, 4, {}, layers), {"index_topk_freq": bad}, layers
+        )
+        with pytest.raises(SpecError, match="index_topk_freq"):
+            fam.config(hf)
+
+
+def test_expressions_take_max_and_min_only() -> None:
+    """`= max(freq, 1)` (the clamp of transformers' schedule): max / min of positional
+    arguments, no other call."""
+    from dayzero.sdk.spec.expr import evaluate, names
+
+    values = {"freq": -3, "b": 5}
+    assert names("max(freq, 1) + min(b, 2)") == {"freq", "b"}
+    assert evaluate("max(freq, 1) + min(b, 2)", values.__getitem__) == 3
+    for bad in ("print(freq)", "max(*freq)", "max(freq, key=b)", "max()", "freq.real", "max(freq)(1)"):
+        with pytest.raises(ValueError, match="only numbers"):
+            names(bad)

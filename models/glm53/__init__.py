@@ -1,2 +1,2 @@
-# generated from spec.yaml@5877b091b8b3, do not edit
+# generated from spec.yaml@cb6fd7dd0c69, do not edit
 """GLM-5.3 (generated; the source of truth is spec.yaml)."""

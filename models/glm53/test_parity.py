@@ -1,4 +1,4 @@
-# generated from spec.yaml@5877b091b8b3, do not edit
+# generated from spec.yaml@cb6fd7dd0c69, do not edit
 """GLM-5.3: parity against transformers.GlmMoeDsaForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
@@ -57,6 +57,13 @@ SHAPES = [
         "index_topk": 96,
         "index_topk_pattern": "FSFSS",
         "attention_bias": True,
+    },
+    {
+        "num_hidden_layers": 6,
+        "index_topk_pattern": None,
+        "index_topk_freq": 3,
+        "index_skip_topk_offset": 1,
+        "first_k_dense_replace": 2,
     },
 ]
 SEEDS = [0, 1, 7, 2026]

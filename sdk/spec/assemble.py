@@ -36,10 +36,13 @@ def layer_types(rule: Any, n: int, r: Resolver, role: str) -> list[str]:
     if isinstance(rule, RuleAll):
         return [rule.block] * n
     if isinstance(rule, RuleEvery):
-        every = r.number(rule.n, int, f"layers.{role}.n")
+        every = _whole(rule.n, r, f"layers.{role}.n")
+        offset = _whole(rule.offset, r, f"layers.{role}.offset")
         if every <= 0:
-            raise SpecError(r.source, f"layers.{role}.n", f"must be > 0, got {every}")
-        out = [rule.block if (i + 1) % every == 0 else rule.other for i in range(n)]
+            raise SpecError(
+                r.source, " / ".join(r.keys_behind(rule.n)) or f"layers.{role}.n", f"must be > 0, got {every}"
+            )
+        out = [rule.block if max(i + 1 - offset, 0) % every == 0 else rule.other for i in range(n)]
         if rule.last and n:
             out[-1] = rule.block
         return out
@@ -48,27 +51,47 @@ def layer_types(rule: Any, n: int, r: Resolver, role: str) -> list[str]:
         return [rule.block if i < k else rule.other for i in range(n)]
     assert isinstance(rule, RuleField)
     fields = [rule.field] if isinstance(rule.field, str) else rule.field
-    columns, read_as = [], []  # read_as: (the alternative read, its value shown) of each column
+    # read_as: per column (what it was read as, its value shown, the config key(s) at fault for
+    # layer {i}), for messages
+    columns, read_as = [], []
     for f in fields:
         got = _column(rule, f, n, r)
+        default = rule.defaults.get(f)
+        keyed = _keyed(default, r) if default is not None else []
+        where = f"{role}.defaults.{f}"
         if got is None:
-            if f in rule.defaults:
-                columns.append(layer_types(rule.defaults[f], n, r, f"{role}.defaults.{f}"))
-                read_as.append((f, "absent (the spec's default)"))
+            if default is not None:
+                columns.append(layer_types(default, n, r, where))
+                if keyed:
+                    shown = f"absent: the spec's default {_describe(default, r)} from {_show_keys(keyed)}"
+                    read_as.append((f, shown, " / ".join(k for k, _ in keyed)))
+                else:
+                    read_as.append((f, "absent (the spec's default)", f + ".{i}"))
                 continue
             if rule.fallback is None:
                 raise SpecError(r.source, f, f"missing (layer types of {role}) and the spec has no fallback")
             return layer_types(rule.fallback, n, r, role)
         name, raw, values = got
+        if keyed:  # the config also carries the keys the default derives this column from
+            derived = layer_types(default, n, r, where)
+            if not agree(values[:n], derived):
+                raise SpecError(
+                    r.source,
+                    f"{name} / {' / '.join(k for k, _ in keyed)}",
+                    f"two sources of the same per-layer kinds disagree: {name}={show_value(raw)} but "
+                    f"from {_show_keys(keyed)} the spec's default for {f} {_describe(default, r)} "
+                    f"is {show_value(derived)}",
+                )
         columns.append(values[:n])
-        read_as.append((name, f"= {show_value(raw)}"))
+        also = f" (as from {_show_keys(keyed)})" if keyed else ""
+        read_as.append((name, f"= {show_value(raw)}{also}", name + ".{i}"))
     out = []
     for i, vs in enumerate(zip(*columns, strict=True)):
         v = "+".join(map(str, vs))
         if v not in rule.map:
             raise SpecError(
                 r.source,
-                " + ".join(f"{f}.{i}" for f, _ in read_as),
+                _at(read_as, i),
                 f"unknown layer kind {v!r}; known: {', '.join(rule.map)}",
             )
         out.append(rule.map[v])
@@ -77,13 +100,49 @@ def layer_types(rule: Any, n: int, r: Resolver, role: str) -> list[str]:
             after = "it is the first layer" if i == 0 else f"layer {i - 1} is {out[i - 1]!r}"
             raise SpecError(
                 r.source,
-                " + ".join(f"{f}.{i}" for f, _ in read_as),
+                _at(read_as, i),
                 f"layer {i} is {block!r}, which needs the layer before it to be "
                 f"{' or '.join(map(repr, rule.follows[block]))}; {after} (read from "
-                + ", ".join(f"{a} {shown}" for a, shown in read_as)
+                + ", ".join(f"{a} {shown}" for a, shown, _ in read_as)
                 + ")",
             )
     return out
+
+
+def _at(read_as: list[tuple[str, str, str]], i: int) -> str:
+    return " + ".join(at.replace("{i}", str(i)) for _, _, at in read_as)
+
+
+def _whole(v: Any, r: Resolver, where: str) -> int:
+    """A layer rule's whole number (a literal or a `$symbol`): 2 and 2.0, not 2.5 or true."""
+    got = r.number(v, float, where)
+    if isinstance(r.value(v), str) or not got.is_integer():
+        raise SpecError(
+            r.source,
+            " / ".join(r.keys_behind(v)) or where,
+            f"expected a whole number (for {where}), got {r.value(v)!r}",
+        )
+    return int(got)
+
+
+def _keyed(rule: Any, r: Resolver) -> list[tuple[str, Any]]:
+    """(key, value) of the config keys present that a rule's numbers are read from."""
+    params = {RuleEvery: ("n", "offset"), RuleFirst: ("k",)}.get(type(rule), ())
+    keys = [k for p in params for k in r.keys_behind(getattr(rule, p))]
+    return [(k, field(r.hf, k)) for k in dict.fromkeys(keys)]
+
+
+def _show_keys(keyed: list[tuple[str, Any]]) -> str:
+    return ", ".join(f"{k}={show_value(v)}" for k, v in keyed)
+
+
+def _describe(rule: Any, r: Resolver) -> str:
+    """A default rule with its numbers resolved: {rule: every, n: 3, offset: 2, ...}."""
+    got = rule.model_dump(exclude_defaults=True)
+    for p in ("n", "offset", "k"):
+        if p in got:
+            got[p] = r.value(got[p])
+    return "{" + ", ".join(f"{k}: {v}" for k, v in got.items()) + "}"
 
 
 def _column(rule: RuleField, f: str, n: int, r: Resolver) -> tuple[str, Any, list] | None:

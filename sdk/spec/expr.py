@@ -1,7 +1,7 @@
 """The arithmetic of `= expressions` in a spec (`default: = hidden // heads`).
 
-Names are spec symbols; numbers, + - * / // ** and parentheses are allowed; nothing else parses,
-so a spec cannot run code.
+Names are spec symbols; numbers, + - * / // **, parentheses and the calls `max(a, b, ...)` /
+`min(a, b, ...)` are allowed; nothing else parses, so a spec cannot run code.
 """
 
 from __future__ import annotations
@@ -19,6 +19,20 @@ _BINOPS = {
     ast.FloorDiv: operator.floordiv,
     ast.Pow: operator.pow,
 }
+_CALLS = {"max": max, "min": min}
+ALLOWED = "numbers, symbols, + - * / // ** and max(...) / min(...)"
+
+
+def _call(n: ast.AST) -> bool:
+    """`max(a, b, ...)` / `min(...)`: positional arguments only."""
+    return (
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Name)
+        and n.func.id in _CALLS
+        and bool(n.args)
+        and not n.keywords
+        and not any(isinstance(a, ast.Starred) for a in n.args)
+    )
 
 
 def names(expr: str) -> set[str]:
@@ -27,21 +41,22 @@ def names(expr: str) -> set[str]:
         tree = ast.parse(expr.strip(), mode="eval")
     except SyntaxError as e:
         raise ValueError(f"expression {expr.strip()!r} does not parse ({e.msg})") from None
-    out = set()
+    out, calls = set(), set()
     for n in ast.walk(tree):
-        if isinstance(n, ast.Name):
-            out.add(n.id)
+        if _call(n):
+            calls.add(id(n.func))
+        elif isinstance(n, ast.Name):
+            if id(n) not in calls:
+                out.add(n.id)
         elif not isinstance(
             n, (ast.Expression, ast.Constant, ast.BinOp, ast.UnaryOp, ast.USub, ast.Load, *_BINOPS)
         ):
-            raise ValueError(
-                f"expression {expr.strip()!r}: only numbers, symbols and + - * / // ** are allowed"
-            )
+            raise ValueError(f"expression {expr.strip()!r}: only {ALLOWED} are allowed")
     return out
 
 
 def evaluate(expr: str, lookup: Callable[[str], Any]) -> Any:
-    """Arithmetic over symbols: names, numbers, + - * / // ** and parentheses; nothing else."""
+    """Arithmetic over symbols: names, numbers, + - * / // **, parentheses, max / min; nothing else."""
 
     def ev(n: ast.AST) -> Any:
         if isinstance(n, ast.Expression):
@@ -54,6 +69,8 @@ def evaluate(expr: str, lookup: Callable[[str], Any]) -> Any:
             return _BINOPS[type(n.op)](ev(n.left), ev(n.right))
         if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
             return -ev(n.operand)
-        raise ValueError(f"expression {expr!r}: only numbers, symbols and + - * / // ** are allowed")
+        if _call(n):
+            return _CALLS[n.func.id](*(ev(a) for a in n.args))
+        raise ValueError(f"expression {expr!r}: only {ALLOWED} are allowed")
 
     return ev(ast.parse(expr.strip(), mode="eval"))

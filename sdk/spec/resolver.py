@@ -7,7 +7,7 @@ from typing import Any
 
 from dayzero.sdk.errors import SpecError
 from dayzero.sdk.spec.config_keys import show_value
-from dayzero.sdk.spec.expr import evaluate
+from dayzero.sdk.spec.expr import evaluate, names
 from dayzero.sdk.spec.read import LoadedSpec
 from dayzero.sdk.spec.schema import BUILTINS, Symbol
 
@@ -87,6 +87,13 @@ class Resolver:
                 except (ArithmeticError, TypeError, ValueError) as e:
                     if isinstance(e, SpecError):
                         raise
+                    if keys := self.keys_behind(sym.default):  # the config's values at fault
+                        got = ", ".join(f"{k}={show_value(field(self.hf, k))}" for k in keys)
+                        raise SpecError(
+                            self.source,
+                            " / ".join(keys),
+                            f"{got}: {e} (in {sym.default!r}, ${name} of {self.loaded.path.name})",
+                        ) from None
                     raise SpecError(str(self.loaded.path), f"symbols.{name}.default", f"{e}") from None
             elif sym.required:
                 what = "missing" if v is MISSING else "null"
@@ -117,6 +124,28 @@ class Resolver:
                 f"of {self.loaded.path.name} and must agree",
             )
 
+    def keys_behind(self, v: Any) -> list[str]:
+        """The HF keys present in the config that value v was read from: a symbol's
+        field, or the fields behind the `$symbol` / `= expression` its default is; none for a
+        literal or a default of literals."""
+        if isinstance(v, str) and v.startswith("$"):
+            syms = [v[1:]]
+        elif isinstance(v, str) and v.startswith("="):
+            syms = sorted(names(v[1:]))
+        else:
+            return []
+        out: list[str] = []
+        for name in syms:
+            self.symbol(name)
+            if name in self.origin:
+                keys = [self.origin[name]]
+            else:
+                sym = self.loaded.spec.symbols.get(name)
+                default = sym.default if isinstance(sym, Symbol) else None
+                keys = self.keys_behind(default) if isinstance(default, str) else []
+            out += [k for k in keys if k not in out]
+        return out
+
     def field(self, dotted: str) -> Any:
         """One HF field (MISSING when absent), recorded as read."""
         self.read.add(dotted)
@@ -131,7 +160,7 @@ class Resolver:
             return kind(got)
         except (TypeError, ValueError):
             sym = v[1:] if isinstance(v, str) and v.startswith("$") else None
-            field = self.origin.get(sym, "") if sym else ""
+            field = " / ".join(self.keys_behind(v)) if sym else ""
             via = f" (symbol ${sym} of {self.loaded.path.name}, for {where})" if sym else ""
             raise SpecError(self.source, field or where, f"expected a number{via}, got {got!r}") from None
 

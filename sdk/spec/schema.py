@@ -32,7 +32,8 @@ MTP_KINDS = ("nextn", "qwen_mtp")
 
 class Symbol(Strict):
     """A spec symbol read from the HF config: the first present field wins, else `default`
-    (a literal, a `$symbol`, or `= expression`: arithmetic over symbols, e.g. `= hidden // heads`).
+    (a literal, a `$symbol`, or `= expression`: arithmetic over symbols with max / min, e.g.
+    `= hidden // heads`, `= max(freq, 1)`).
     A required symbol whose field is absent or null and that has no default is an error."""
 
     field: str | list[str] | None = None
@@ -56,8 +57,12 @@ class RuleField(Strict):
     shared]); any other letter is refused. defaults: the values of a field (by the name it is
     written under in `field`) when none of its alternatives is present, from a rule whose
     `block` / `other` name the field's values; a field missing without a default takes `fallback`
-    for the whole rule. follows: a block -> the blocks the layer right before it may map to (a
-    layer reusing the previous layer's work); a layer breaking it, or the first, is refused."""
+    for the whole rule. A default whose numbers are `$symbols` read from keys present in the
+    config (a schedule the config class derives the field from: `index_topk_freq`) is a source
+    of its own: the field, when present, wins (as in transformers) and must agree with it (else
+    the config is refused, naming the keys and values). follows: a block -> the blocks the layer
+    right before it may map to (a layer reusing the previous layer's work); a layer breaking it,
+    or the first, is refused."""
 
     rule: Literal["field"]
     field: str | list[str]
@@ -84,10 +89,16 @@ class RuleField(Strict):
 
 
 class RuleEvery(Strict):
-    """Layer i gets `block` when (i + 1) % n == 0 (and the last layer when `last`), else `other`."""
+    """Layer i gets `block` when max(i + 1 - offset, 0) % n == 0 (and the last layer when
+    `last`), else `other`. With offset 0 (the default): every n-th layer (layers n-1, 2n-1, ...);
+    with offset k: the first k layers, then every n-th after layer k-1 (transformers' periodic
+    schedules: GLM's `index_topk_freq` / `index_skip_topk_offset` is n / offset). n and offset
+    are whole numbers (`$symbols` read from the config; n must be > 0: a schedule that clamps
+    it says so in an `= max(..., 1)` symbol)."""
 
     rule: Literal["every"]
     n: IntV
+    offset: IntV = 0
     block: str
     other: str
     last: bool = False

@@ -1,4 +1,4 @@
-# generated from spec.yaml@1d8b429d4774, do not edit
+# generated from spec.yaml@6afab455fcd4, do not edit
 """GLM-5.3-Flash: parity against transformers.Glm5NextForConditionalGeneration on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
@@ -55,6 +55,21 @@ SHAPES = [
             "routed_scaling_factor": 1.0,
             "swiglu_limit": 0.5,
             "hc_mult": 2,
+        }
+    },
+    {
+        "text_config": {
+            "num_hidden_layers": 6,
+            "layer_types": [
+                "full_attention",
+                "full_attention",
+                "linear_attention",
+                "full_attention",
+                "full_attention",
+                "linear_attention",
+            ],
+            "index_topk_freq": 3,
+            "index_skip_topk_offset": 1,
         }
     },
 ]
