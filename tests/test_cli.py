@@ -217,7 +217,12 @@ def test_bad_checkpoint_is_a_clear_error_not_a_traceback(tmp_path):
 
 def test_serve_refuses_flags_it_cannot_honour_before_loading():
     for flags, why in (
-        (["--tensor-parallel-size", "2"], "tensor-parallel-size"),
+        (
+            ["--tensor-parallel-size", "3", "--nnodes", "2"],
+            "--tensor-parallel-size 3 is not a multiple of --nnodes 2",
+        ),
+        (["--tensor-parallel-size", "2", "--nnodes", "2"], "several hosts need --master-port"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size 0, --nnodes 1: at least 1 each"),
         (["--quantization", "nvfp4"], "--quantization nvfp4: the checkpoint is not quantized"),
         (["--kv-cache-dtype", "fp8"], "kv-cache-dtype fp8"),
     ):

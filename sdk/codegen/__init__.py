@@ -65,6 +65,9 @@ def _decls(groups: list[dict]) -> tuple[GroupDecl, ...]:
     return tuple(GroupDecl(g["name"], g["kind"], tuple(g["members"])) for g in groups)
 
 
+GPUS_PER_HOST = 8  # an H200 host
+
+
 def _release(fam: Family, groups: list[dict], model_source: str) -> dict | None:
     """The model card's launch line for the real checkpoint, with what it needs."""
     rel = fam.spec.spec.release
@@ -82,14 +85,19 @@ def _release(fam: Family, groups: list[dict], model_source: str) -> dict | None:
     flags = ([f"--quantization {rel.format}"] if rel.format != "bf16" else []) + (
         [f"--tensor-parallel-size {n.gpus}"] if n.gpus > 1 else []
     )
-    missing = ["tensor parallelism"] if n.gpus > 1 else []
-    return {
-        "command": " ".join(["dayzero serve", rel.checkpoint, *flags]),
-        "needs": n.line(rel.format),
-        "status": f"not served yet: needs {' and '.join(missing)} (refused at start until then)"
-        if missing
-        else "",
-    }
+    command = " ".join(["dayzero serve", rel.checkpoint, *flags])
+    hosts = max(1, n.gpus // GPUS_PER_HOST)
+    if hosts > 1:  # the same command on every host, host 0 serving
+        rdzv = f"--nnodes {hosts} --node-rank {{i}} --master-addr HOST0 --master-port 29500"
+        command = "\n".join(f"{command} {rdzv.format(i=i)}  # on host {i}" for i in range(hosts))
+    status = ""
+    if n.gpus > 1:
+        layout = f"{hosts} hosts of {GPUS_PER_HOST}" if hosts > 1 else "one host"
+        status = (
+            f"served tensor-parallel on {n.gpus} ranks ({layout}, one process a GPU, rank 0 serving); "
+            "checked on CPU ranks (gloo), not yet run on GPUs"
+        )
+    return {"command": command, "needs": n.line(rel.format), "status": status}
 
 
 def _describe(opts) -> str:

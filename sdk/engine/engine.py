@@ -275,7 +275,10 @@ class Engine:
             touched |= self._collect(done)
 
     def _fail(self, err: Exception, touched: dict[int, RequestOutput]) -> None:
-        log.exception("engine step failed; aborting the requests of the plans in flight")
+        if self.leader is not None and self.leader.broken is not None:  # said once, by the leader
+            log.error("engine step failed (%s); aborting the requests of the plans in flight", err)
+        else:
+            log.exception("engine step failed; aborting the requests of the plans in flight")
         why = f"internal error in the engine step: {type(err).__name__}: {err}"
         self._inflight = None
         self.failures += 1

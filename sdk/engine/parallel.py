@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -91,6 +92,64 @@ def run_ranks(fn: Callable, size: int, args: tuple = (), timeout_s: float = 600)
             p.join(5)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """Where this process sits among `size` tensor-parallel ranks on `nnodes` hosts (size / nnodes
+    a host, vLLM's / SGLang's --nnodes, --node-rank, --master-addr, --master-port): the first
+    rank of its host, which starts the host's other ranks, unless `rank` is set (a rank started
+    by another process, or by torchrun: `from_env`). Rank 0 (host 0) serves."""
+
+    size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    addr: str = "127.0.0.1"
+    port: int | None = None  # None: a free port of this host (one host only)
+    rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or self.nnodes < 1:
+            raise ValueError(f"--tensor-parallel-size {self.size}, --nnodes {self.nnodes}: at least 1 each")
+        if self.size % self.nnodes:
+            raise ValueError(
+                f"--tensor-parallel-size {self.size} is not a multiple of --nnodes {self.nnodes}"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} out of --nnodes {self.nnodes}")
+        if self.nnodes > 1 and self.port is None:
+            raise ValueError("several hosts need --master-port (and --master-addr: host 0's address)")
+
+    @classmethod
+    def from_env(cls, size: int, **kw) -> Launch:
+        """Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment) each
+        process is the rank torchrun gave it; otherwise the flags' launch."""
+        env = os.environ
+        if "RANK" in env and "WORLD_SIZE" in env and "MASTER_PORT" in env:
+            world = int(env["WORLD_SIZE"])
+            if world != size:
+                raise ValueError(f"torchrun started {world} processes for --tensor-parallel-size {size}")
+            return cls(
+                size,
+                addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                port=int(env["MASTER_PORT"]),
+                rank=int(env["RANK"]),
+            )
+        return cls(size, **kw)
+
+    @property
+    def this_rank(self) -> int:
+        return self.node_rank * (self.size // self.nnodes) if self.rank is None else self.rank
+
+    def local_ranks(self) -> list[int]:
+        """The ranks this process starts: the rest of its host's (none when `rank` is set)."""
+        if self.rank is not None:
+            return []
+        first = self.this_rank
+        return list(range(first + 1, first + self.size // self.nnodes))
+
+    def of(self, rank: int, port: int) -> Launch:
+        return replace(self, port=port, rank=rank)
+
+
 def control_group(timeout_s: float = 7 * 24 * 3600):
     """The gloo group rank 0's plans travel on (ranks.py): host arrays whatever the model's
     backend; its timeout is long, as the other ranks wait on it while the server idles."""
@@ -111,26 +170,32 @@ def watch_parent() -> None:
 
 
 class Followers:
-    """Ranks 1 .. size-1 on this host, spawned by rank 0 (the server or the LLM):
-    entry(index, size, port, *args) runs rank index + 1. A watcher thread notices a rank that
+    """The other ranks of this host, spawned by its first rank (on host 0: the server or the
+    LLM): entry(index, ranks, *args) runs rank ranks[index]. A watcher thread notices a rank that
     exits before `join` and calls on_failure with a message naming it and its exit code."""
 
-    def __init__(self, entry: Callable, size: int, port: int, args: tuple = ()) -> None:
-        self.size, self.failed = size, None
+    def __init__(self, entry: Callable, ranks: list[int], args: tuple = ()) -> None:
+        self.ranks, self.failed = ranks, None
         self._joining = False
         self.ctx = mp.start_processes(
-            entry, args=(size, port, *args), nprocs=size - 1, join=False, start_method="spawn"
+            entry, args=(ranks, *args), nprocs=len(ranks), join=False, start_method="spawn"
         )
+
+    def exited(self) -> str | None:
+        """A message naming the first of the ranks that has exited (None: all run)."""
+        for i, p in enumerate(self.ctx.processes):
+            if p.exitcode is not None:
+                return f"tensor-parallel rank {self.ranks[i]} exited with code {p.exitcode}"
+        return None
 
     def watch(self, on_failure: Callable[[str], None], every_s: float = 0.5) -> None:
         def run() -> None:
             while not self._joining:
-                for i, p in enumerate(self.ctx.processes):
-                    if p.exitcode is not None and not self._joining:
-                        self.failed = f"tensor-parallel rank {i + 1} exited with code {p.exitcode}"
-                        log.error("%s; the server stops", self.failed)
-                        on_failure(self.failed)
-                        return
+                if (why := self.exited()) is not None and not self._joining:
+                    self.failed = why
+                    log.error("%s; the server stops", why)
+                    on_failure(why)
+                    return
                 time.sleep(every_s)
 
         threading.Thread(target=run, name="dayzero-rank-watch", daemon=True).start()
@@ -143,7 +208,9 @@ class Followers:
         for i, p in enumerate(self.ctx.processes):
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
-                log.error("tensor-parallel rank %d running %.0f s after stop; terminated", i + 1, timeout_s)
+                log.error(
+                    "tensor-parallel rank %d running %.0f s after stop; terminated", self.ranks[i], timeout_s
+                )
                 p.terminate()
                 p.join(5)
 

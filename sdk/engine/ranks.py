@@ -11,6 +11,7 @@ the arrays in FIELDS' order, then the plan's copies in COPIES' order, then the b
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
@@ -69,17 +70,28 @@ def decode(words: torch.Tensor) -> tuple[int, SimpleNamespace | None]:
 
 
 class Leader:
-    """Rank 0's end: `send(plan)` before rank 0 runs it, `stop()` once (the others return)."""
+    """Rank 0's end: `send(plan)` before rank 0 runs it, `stop()` once (the others return). A
+    send that fails (a rank is gone) is reported to on_failure, then raised."""
 
-    def __init__(self, group, size: int) -> None:
-        self.group, self.size = group, size
+    def __init__(self, group, size: int, on_failure: Callable[[str], None] | None = None) -> None:
+        self.group, self.size, self.on_failure = group, size, on_failure
         self.stopped = False
+        self.broken: str | None = None  # why a send failed: every later step fails the same way
 
     def _broadcast(self, msg: torch.Tensor) -> None:
-        dist.broadcast(torch.tensor([msg.numel()], dtype=torch.int64), 0, group=self.group)
-        dist.broadcast(msg, 0, group=self.group)
+        try:
+            dist.broadcast(torch.tensor([msg.numel()], dtype=torch.int64), 0, group=self.group)
+            dist.broadcast(msg, 0, group=self.group)
+        except Exception as e:  # gloo: a peer closed the connection, or the wait timed out
+            first = self.broken is None
+            self.broken = f"a tensor-parallel rank stopped answering rank 0: {e}".splitlines()[0]
+            if first and self.on_failure is not None:
+                self.on_failure(self.broken)
+            raise RuntimeError(self.broken) from None
 
     def send(self, plan) -> None:
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
         self._broadcast(encode(STEP, plan))
 
     def stop(self) -> None:

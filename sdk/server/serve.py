@@ -35,8 +35,8 @@ ABORT_GRACE_S = 10.0  # after the aborts, for the streams' final chunks before u
 
 def refuse_unsupported_flags(args: argparse.Namespace) -> None:
     """Flags this build cannot honour fail at start with the reason, never silently."""
-    if args.tensor_parallel_size != 1:
-        raise ValueError("--tensor-parallel-size > 1 is not supported yet (one device per server)")
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: at least 1")
     if args.kv_cache_dtype not in ("auto",):
         raise ValueError(
             f"--kv-cache-dtype {args.kv_cache_dtype}: only 'auto' (the model dtype) is supported yet"
@@ -71,9 +71,19 @@ def engine_config(args: argparse.Namespace, device: str):
     )
 
 
-def load(args: argparse.Namespace, template: str | None = None):
+def launch_of(args: argparse.Namespace):
+    """Where this process sits among the tensor-parallel ranks (torchrun's environment, else the
+    --nnodes / --node-rank / --master-addr / --master-port flags)."""
+    from dayzero.sdk.engine.parallel import Launch
+
+    kw = dict(nnodes=args.nnodes, node_rank=args.node_rank, addr=args.master_addr, port=args.master_port)
+    return Launch.from_env(args.tensor_parallel_size, **kw)
+
+
+def load(args: argparse.Namespace, template: str | None = None, launch=None):
     """(the loaded LLM, the server state) for the command line's model and flags; `template`:
-    the --chat-template file's text."""
+    the --chat-template file's text; `launch`: this process's place among tensor-parallel ranks
+    (a rank other than 0 gets no server state)."""
     refuse_unsupported_flags(args)
     from dayzero.sdk.api import LLM, default_device
     from dayzero.sdk.server.app import ServerState
@@ -101,7 +111,12 @@ def load(args: argparse.Namespace, template: str | None = None):
         quantize_activations=args.quantize_activations,
         before_weights=before_weights,
         load_format=args.load_format,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        launch=launch,
     )
+    if llm.rank != 0:
+        return llm, None
     max_len = llm.engine.max_model_len
     name = args.served_model_name or (str(args.model) if args.model else "SmolLM2-135M-Instruct")
     metrics = Metrics()
@@ -138,9 +153,28 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(k.strip() for k in keys if k.strip())
 
 
+def follow(args: argparse.Namespace, launch) -> int:
+    """A tensor-parallel rank other than 0 (another host's first rank, or under torchrun): load
+    this rank's shard (and start this host's other ranks), run rank 0's plans until it stops."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 drains on them, then sends the stop
+        signal.signal(sig, signal.SIG_IGN)
+    llm, _ = load(args, None, launch)
+    log.info("tensor-parallel rank %d of %d: following rank 0", llm.rank, launch.size)
+    try:
+        steps = llm.follow()
+    except RuntimeError as e:  # gloo: rank 0's connection closed (its host died) or timed out
+        log.error("tensor-parallel rank %d: lost rank 0: %s", llm.rank, str(e).splitlines()[0])
+        return 1
+    log.info("tensor-parallel rank %d: stopped by rank 0 after %d steps", llm.rank, steps)
+    return 0
+
+
 def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     template = startup.check_flags(args)  # before torch is imported: a bad flag answers at once
+    launch = launch_of(args)
+    if launch.this_rank != 0:
+        return follow(args, launch)
     sock = startup.bind(args.host, args.port)
     where = startup.url(args.host, sock.getsockname()[1])
     log.info("%s is reserved; loading the model (connections are refused until it serves)", where)
@@ -150,12 +184,14 @@ def serve(args: argparse.Namespace) -> int:
     from dayzero.sdk.server.app import build_app
 
     startup.check_names(args)
-    llm, state = load(args, template)
+    llm, state = load(args, template, launch)
     startup.listen(sock, args.host)
     app = build_app(state)
+    loop: list[asyncio.AbstractEventLoop] = []
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
+        loop.append(asyncio.get_running_loop())
         state.engine.start()
         yield
         state.engine.accepting = False
@@ -168,7 +204,21 @@ def serve(args: argparse.Namespace) -> int:
         app, log_level="warning", timeout_graceful_shutdown=args.shutdown_timeout + ABORT_GRACE_S
     )
     served = f"serving {state.model_name} on {where} (load {llm.load_seconds:.1f} s)"
-    _draining_server_class()(config, state, args.shutdown_timeout, served).run(sockets=[sock])
+    server = _draining_server_class()(config, state, args.shutdown_timeout, served)
+
+    def rank_failed(why: str) -> None:  # a rank is gone: every request ends, the server stops
+        if loop and not loop[0].is_closed():
+            loop[0].call_soon_threadsafe(state.engine.abort_all, why)
+        server.should_exit = True
+
+    llm.on_rank_failure = rank_failed
+    try:
+        server.run(sockets=[sock])
+    finally:
+        llm.close()  # the other ranks stop (rank 0 sends the stop; this host's ranks are joined)
+    if llm.rank_failure is not None:
+        log.error("stopped: %s", llm.rank_failure)
+        return 1
     return 0
 
 
@@ -319,5 +369,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="plan each step after the previous step's tokens are back (no CPU/GPU overlap)",
     )
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks the model is sharded over (one a device); rank 0 serves and drives the others",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with --tensor-parallel-size: whole experts a rank",
+    )
+    p.add_argument(
+        "--nnodes", type=int, default=1, help="hosts the ranks span (tensor-parallel-size / nnodes a host)"
+    )
+    p.add_argument("--node-rank", type=int, default=0, help="this host's index (0 serves)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="host 0's address (several hosts)")
+    p.add_argument("--master-port", type=int, default=None, help="the ranks' rendezvous port on host 0")
     p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
