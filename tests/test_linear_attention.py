@@ -127,8 +127,9 @@ def test_a_flat_text_only_config_resolves_like_the_nested_one() -> None:
     from dayzero.sdk.spec.reference import reference_config
 
     fam = FAMILIES.get("glm53_flash")
-    text = {"layer_types": ["full_attention", "linear_attention", "full_attention"], "num_hidden_layers": 3}
-    text |= {"indexer_types": ["full", "full", "shared"], "mlp_layer_types": ["dense", "sparse", "sparse"]}
+    # (a shared indexer right after an indexed layer: transformers' glm5_next runs no other)
+    text = {"layer_types": ["full_attention", "full_attention", "linear_attention"], "num_hidden_layers": 3}
+    text |= {"indexer_types": ["full", "shared", "full"], "mlp_layer_types": ["dense", "sparse", "sparse"]}
     nested = reference_config(
         fam.spec.spec.reference, {"text_config": dict(fam.spec.spec.tiny["text_config"]) | text}
     )
@@ -137,4 +138,4 @@ def test_a_flat_text_only_config_resolves_like_the_nested_one() -> None:
     assert [(x.attn_kind, x.mlp_kind, x.attn) for x in a.layers] == [
         (x.attn_kind, x.mlp_kind, x.attn) for x in b.layers
     ]
-    assert a.layers[2].attn.indexer.reuse and a.streams == b.streams == 4
+    assert a.layers[1].attn.indexer.reuse and a.streams == b.streams == 4
