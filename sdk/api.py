@@ -244,7 +244,7 @@ class LLM:
             engine = sent[0]
         self.engine = Engine(self.model, self.config, self.ops, engine)
         if size > 1 and rank == 0:
-            self.engine.lead(Leader(self.ctrl, size, self._rank_failed))
+            self.engine.lead(Leader(self.ctrl, self._rank_failed))
         if self.followers is not None:
             atexit.register(self.close)
         self.load_seconds = time.perf_counter() - t0

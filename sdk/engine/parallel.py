@@ -85,11 +85,16 @@ def run_ranks(fn: Callable, size: int, args: tuple = (), timeout_s: float = 600)
         last = next((ln for ln in reversed(str(e).splitlines()) if ln.strip()), "exited")
         raise RankError(f"tensor-parallel rank {e.error_index} failed: {last}") from None
     finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-        for p in ctx.processes:
-            p.join(5)
+        _end(ctx.processes)
+
+
+def _end(processes) -> None:
+    """Terminate the processes still running and reap them all."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join(5)
 
 
 @dataclass(frozen=True)
@@ -216,8 +221,4 @@ class Followers:
 
     def terminate(self) -> None:
         self._joining = True
-        for p in self.ctx.processes:
-            if p.is_alive():
-                p.terminate()
-        for p in self.ctx.processes:
-            p.join(5)
+        _end(self.ctx.processes)

@@ -10,7 +10,6 @@ the arrays in FIELDS' order, then the plan's copies in COPIES' order, then the b
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -19,8 +18,6 @@ import torch
 import torch.distributed as dist
 
 from dayzero.sdk.engine.context import build_context
-
-log = logging.getLogger("dayzero.ranks")
 
 STEP, STOP = 1, 2
 FIELDS = ("num_tokens", "query_start", "positions", "kv_lens", "input_ids", "sample", "state_slots")
@@ -73,8 +70,8 @@ class Leader:
     """Rank 0's end: `send(plan)` before rank 0 runs it, `stop()` once (the others return). A
     send that fails (a rank is gone) is reported to on_failure, then raised."""
 
-    def __init__(self, group, size: int, on_failure: Callable[[str], None] | None = None) -> None:
-        self.group, self.size, self.on_failure = group, size, on_failure
+    def __init__(self, group, on_failure: Callable[[str], None] | None = None) -> None:
+        self.group, self.on_failure = group, on_failure
         self.stopped = False
         self.broken: str | None = None  # why a send failed: every later step fails the same way
 

@@ -35,8 +35,6 @@ ABORT_GRACE_S = 10.0  # after the aborts, for the streams' final chunks before u
 
 def refuse_unsupported_flags(args: argparse.Namespace) -> None:
     """Flags this build cannot honour fail at start with the reason, never silently."""
-    if args.tensor_parallel_size < 1:
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}: at least 1")
     if args.kv_cache_dtype not in ("auto",):
         raise ValueError(
             f"--kv-cache-dtype {args.kv_cache_dtype}: only 'auto' (the model dtype) is supported yet"
