@@ -35,3 +35,47 @@ def test_decode_bytes_count_weights_experts_and_cache(tmp_path) -> None:
     assert two - one == pytest.approx(paged * 2 * 100)  # 100 more cached positions, bf16
     many = bytes_per_step(ours.cfg, ours.model, prompt_len=100, batch=64)[0]
     assert many > one  # more experts touched, 64 requests' caches
+
+
+def _flat(d: dict, pre: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{pre}{k}.") if isinstance(v, dict) else {f"{pre}{k}": v})
+    return out
+
+
+@pytest.mark.parametrize("family", ["beam", "glm53", "glm53_flash"])
+def test_bench_config_resolves_to_eight_layers_first_dense_64_experts(family: str) -> None:
+    """`dayzero bench decode --family F` with no flags: the spec's bench overrides on the reference
+    config class's defaults resolve; every per-layer list is cut to 8 layers; every other field
+    stays the default config's."""
+    from dayzero.sdk.families import FAMILIES
+    from dayzero.sdk.spec.reference import reference_config
+
+    fam = FAMILIES.get(family)
+    spec = fam.spec.spec
+    assert spec.bench, f"{family}: spec has no bench config"
+    hf = reference_config(spec.reference, dict(spec.bench))
+    cfg = fam.config(hf)
+    assert [layer.mlp_kind for layer in cfg.layers] == ["swiglu"] + ["moe"] * 7
+    assert {layer.mlp.experts for layer in cfg.layers[1:]} == {64}
+    got, default, over = _flat(hf), _flat(reference_config(spec.reference, {})), _flat(dict(spec.bench))
+    lists = {k for k, v in got.items() if isinstance(v, list) and k != "architectures"}
+    assert lists and {k: len(got[k]) for k in lists} == dict.fromkeys(lists, 8)
+    kept = {k for k in got if k not in over and k not in lists}
+    assert {k: got[k] for k in kept} == {k: default.get(k) for k in kept}
+
+
+def test_glm53_bench_config_keeps_the_default_indexer_schedule() -> None:
+    """GlmMoeDsaConfig()'s schedule (index_topk_freq 1: every layer runs its own indexer) cut to 8
+    layers: eight DSA layers, none reusing another's top-k, top-k 2048."""
+    from dayzero.sdk.families import FAMILIES
+    from dayzero.sdk.spec.reference import reference_config
+
+    fam = FAMILIES.get("glm53")
+    hf = reference_config(fam.spec.spec.reference, dict(fam.spec.spec.bench))
+    assert hf["indexer_types"] == ["full"] * 8
+    cfg = fam.config(hf)
+    assert [(layer.attn_kind, layer.attn.indexer.reuse, layer.attn.indexer.topk) for layer in cfg.layers] == [
+        ("mla", False, 2048)
+    ] * 8

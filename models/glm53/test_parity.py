@@ -1,4 +1,4 @@
-# generated from spec.yaml@cb6fd7dd0c69, do not edit
+# generated from spec.yaml@b5990ce6693f, do not edit
 """GLM-5.3: parity against transformers.GlmMoeDsaForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
