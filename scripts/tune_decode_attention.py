@@ -6,6 +6,8 @@ decode steps run); GB/s of K and V read. The last lines: the default (`_splits`,
 MIN_SPLIT_TILES) against the best of the sweep at each shape.
 
     python3 scripts/tune_decode_attention.py [contexts, default 512,8192,60000] [batches, default 1,8]
+    python3 scripts/tune_decode_attention.py geometry [contexts] [batches]: at the default splits,
+        keys a tile x warps x software-pipeline stages
 """
 
 from __future__ import annotations
@@ -75,11 +77,42 @@ def sweep(ctx: int, b: int, g: torch.Generator) -> str:
     )
 
 
+def geometry(ctx: int, b: int, g: torch.Generator) -> str:
+    q, kc, vc, meta, nbytes = case(ctx, b, g)
+    want = attention.gqa_attention(q, kc, vc, meta, D**-0.5, splits=1).float()
+    rates = {}
+    for tile in (32, 64, 128):
+        for warps in (2, 4, 8):
+            for stages in (1, 2, 3, 4):
+                kw = dict(key_tile=tile, warps=warps, stages=stages)
+                try:
+                    got = attention.gqa_attention(q, kc, vc, meta, D**-0.5, **kw).float()
+                except Exception as e:  # out of shared memory / registers at this geometry
+                    print(f"ctx {ctx:>6} batch {b:>2} {kw}: {type(e).__name__}", flush=True)
+                    continue
+                if (got - want).abs().max().item() > 2e-2 * want.abs().max().item():
+                    raise RuntimeError(f"ctx {ctx} batch {b} {kw}: wrong")
+                us = graph_us(lambda kw=kw: attention.gqa_attention(q, kc, vc, meta, D**-0.5, **kw))
+                rates[tile, warps, stages] = us
+                rate = nbytes / us / 1e3
+                print(f"ctx {ctx:>6} batch {b:>2} {kw}: {us:8.1f} us {rate:7.0f} GB/s", flush=True)
+    default = rates[64, 4, 2]
+    best = min(rates, key=rates.get)
+    return (
+        f"ctx {ctx} batch {b}: default (64, 4, 2) {default:.1f} us ({nbytes / default / 1e3:.0f} GB/s), "
+        f"best (tile, warps, stages) {best} {rates[best]:.1f} us ({nbytes / rates[best] / 1e3:.0f} GB/s)"
+    )
+
+
 def main() -> None:
-    ctxs = [int(c) for c in (sys.argv[1] if len(sys.argv) > 1 else "512,8192,60000").split(",")]
-    batches = [int(b) for b in (sys.argv[2] if len(sys.argv) > 2 else "1,8").split(",")]
+    args = sys.argv[1:]
+    run = sweep
+    if args and args[0] == "geometry":
+        run, args = geometry, args[1:]
+    ctxs = [int(c) for c in (args[0] if args else "512,8192,60000").split(",")]
+    batches = [int(b) for b in (args[1] if len(args) > 1 else "1,8").split(",")]
     g = torch.Generator(device="cuda").manual_seed(0)
-    summary = [sweep(ctx, b, g) for ctx in ctxs for b in batches]
+    summary = [run(ctx, b, g) for ctx in ctxs for b in batches]
     print("\n".join(summary))
 
 

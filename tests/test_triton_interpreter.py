@@ -7,7 +7,8 @@ windows, softcaps, a freed block before the window, keys split over 1 and 3 prog
 stacked experts (kernels/triton/moe.py: the decode GEMVs and the sorted-pair tensor-core
 tiles), RMSNorm, RoPE and the splits' merge (kernels/triton/norm.py, attention.py), the fused
 small ops (the q/k norm + RoPE + K/V write among them), MoE routing and the greedy sampler
-(kernels/triton/fused.py, routing.py, sampling.py; see check_fused). fp32 activations (the
+(kernels/triton/fused.py, routing.py, sampling.py; see check_fused), the dense decode GEMV
+(kernels/triton/linear.py). fp32 activations (the
 interpreter emulates bf16 wrongly in general). Tolerance 1e-5 of the output scale: the same fp32
 numbers, summed in another order. The one exception, rows named `bf16`: the packed decode GEMV's
 fp16 path (bf16 x, fp16 sums of 16 products, bf16 out) against the reference's bf16 weights,
@@ -128,6 +129,24 @@ def check_norm(g: torch.Generator) -> list[str]:
     out.append(
         f"merge {((attention._merge(o, lse, torch.float32) - want).abs().max() / want.abs().max()):.2e}"
     )
+    return out
+
+
+def check_linear(g: torch.Generator) -> list[str]:
+    """The dense decode GEMV (kernels/triton/linear.py): 1-2 rows, with and without a bias, at
+    the default geometry and at one row / a 16-wide reduction tile a program (K = 100: ragged
+    tiles); 3 rows take F.linear."""
+    from dayzero.kernels.triton import linear
+
+    out = []
+    w, b = torch.randn(37, 100, generator=g) / 10, torch.randn(37, generator=g)
+    for m in (1, 2, 3):
+        x = torch.randn(m, 100, generator=g)
+        for bias in (None, b):
+            want = torch.nn.functional.linear(x, w, bias)
+            for tiles in (None, (1, 16)):
+                err = _rel(linear.linear(x, w, bias, tiles=tiles), want)
+                out.append(f"linear m={m} bias={bias is not None} tiles={tiles} {err:.2e}")
     return out
 
 
@@ -284,7 +303,7 @@ def check(seed: int) -> list[str]:
             want = ref.linear_packed(x, w).float()
             err = (tp.linear_packed(x, w).float() - want).abs().max() / want.abs().max()
             out.append(f"{fmt} linear bf16 m={m} {err.item():.2e}")
-    return out + check_attention(g) + check_moe(g) + check_norm(g) + check_fused(g)
+    return out + check_attention(g) + check_moe(g) + check_norm(g) + check_fused(g) + check_linear(g)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -296,7 +315,8 @@ def test_triton_kernels_in_the_interpreter(seed: int) -> None:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
-    assert len(lines) == 3 * 9 + 2 * 4 * 2 + 6 + 3 * 2 + 4 + 6 + 1 + 4 + 6 + 2 + 2 + 4 + 1 + 2 + 2, r.stdout
+    fixed = 3 * 9 + 2 * 4 * 2 + 6 + 3 * 2 + 4 + 6 + 1 + 4 + 6 + 2 + 2 + 4 + 1 + 2 + 2
+    assert len(lines) == fixed + 3 * 2 * 2, r.stdout  # + check_linear
     for ln in lines:  # bf16 rows: a few bf16 ulps of the output's scale
         assert float(ln.split()[-1]) <= (2e-2 if " bf16 " in ln else 1e-5), ln
 

@@ -196,10 +196,14 @@ def gqa_attention(
     softcap: float | None = None,
     splits: int | None = None,
     min_split_tiles: int = MIN_SPLIT_TILES,
+    key_tile: int | None = None,
+    warps: int = 4,
+    stages: int = 2,
 ) -> torch.Tensor:
     """q [T, H, D], caches [N, Hk, D] (views of the paged pool; rows may be strided) -> [T, H, D].
     `splits`: key splits per row (default: by the GPU's size for decode steps, else 1), each of
-    at least `min_split_tiles` key tiles."""
+    at least `min_split_tiles` key tiles; `key_tile` (keys a tile), `warps`, `stages`: the
+    geometry (the tuning script's knobs)."""
     t, h, dh = q.shape
     hk = k_cache.shape[1]
     g = h // hk
@@ -210,7 +214,7 @@ def gqa_attention(
     bm = max(16, triton.next_power_of_2(g)) if q_max <= 1 else (32 if bd > 128 else 64)
     bm = max(bm, triton.next_power_of_2(g))
     bq = max(1, bm // g)
-    bn = 32 if bd > 128 else 64
+    bn = key_tile or (32 if bd > 128 else 64)
     splits = splits or _splits(rows, hk, q_max, q.device)
     q_tiles = max(1, triton.cdiv(q_max, bq))
     if t == 0 or rows == 0:
@@ -225,6 +229,6 @@ def gqa_attention(
         table.stride(0), scale, softcap or 1.0, window or 0, q_tiles, meta.block_size,
         H=h, S=splits, G=g, D=dh, BD=bd, BQ=bq, BM=bm, BN=bn,
         SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=q.dtype == torch.float32,
-        MIN_TILES=min_split_tiles if splits > 1 else 1, num_warps=4, num_stages=2,
+        MIN_TILES=min_split_tiles if splits > 1 else 1, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return _merge(o, lse, q.dtype)
