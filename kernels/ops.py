@@ -150,6 +150,11 @@ declare_op(
     "Kimi delta attention over each row, continuing its fp32 state -> [T, H, Dv]",
     features={"chunked"},
 )
+declare_op(
+    "gated_delta_rule",
+    "Gated DeltaNet (a log decay per head and token) over each row, continuing its fp32 state -> [T, HV, Dv]",
+    features={"chunked"},
+)
 declare_op("swiglu", "act(gate) * up, optionally in fp32", features={"fp32", "limit"})
 declare_op(
     "moe_route",

@@ -1,6 +1,7 @@
-"""Reference linear-attention ops: the short causal convolution and Kimi delta attention (KDA).
+"""Reference linear-attention ops: the short causal convolution, Kimi delta attention (KDA) and
+the gated delta rule (Gated DeltaNet, Qwen3-Next's `qwen3_next`).
 
-Both continue each row's fixed-size state from its slot (zeros when the row starts at position
+Each continues each row's fixed-size state from its slot (zeros when the row starts at position
 0) and leave the state after the row's last token in the slot.
 """
 
@@ -113,6 +114,93 @@ def kda_recurrence(
         args = [x.transpose(0, 1) for x in (qr, kr, v[a:b].float(), g[a:b].float(), beta[a:b].float())]
         s0 = state[slot] if has_init else torch.zeros_like(state[slot])
         o, s = (kda_chunks if chunked and b - a > 1 else kda_steps)(*args, s0)
+        out[a:b] = o.transpose(0, 1).to(v.dtype)
+        state[slot] = s
+    return out
+
+
+def gdr_steps(q, k, v, g, beta, s):
+    """Token by token. q, k [H, n, Dk] (q scaled), v [H, n, Dv], g [H, n] (log decays), beta [H, n],
+    s [H, Dk, Dv] (all fp32) -> (o [H, n, Dv], final s)."""
+    out = torch.empty_like(v)
+    for i in range(q.shape[1]):
+        s = s * g[:, i, None, None].exp()
+        delta = (v[:, i] - torch.einsum("hk,hkv->hv", k[:, i], s)) * beta[:, i, None]  # [H, Dv]
+        s = s + k[:, i, :, None] * delta[:, None, :]
+        out[:, i] = torch.einsum("hk,hkv->hv", q[:, i], s)
+    return out, s
+
+
+def gdr_chunks(q, k, v, g, beta, s, chunk: int = 64):
+    """The same recurrence, `chunk` tokens at a time (WY form). Within a chunk, with cumulative
+    log decays G_i = sum_{l <= i} g_l (one per head) and D_ij = exp(G_i - G_j):
+        T = (I - A)^-1, A_ij = -beta_i D_ij <k_i, k_j> for j < i
+        u = T (beta v),  w = T (beta exp(G) k)
+        v'_i = u_i - w_i s,   o_i = exp(G_i) q_i s + sum_{j <= i} D_ij <q_i, k_j> v'_j
+        s <- exp(G_last) s + sum_j exp(G_last - G_j) k_j^T v'_j
+    Same arguments and result as `gdr_steps`."""
+    h, n, _ = k.shape
+    pad = (-n) % chunk
+    if pad:  # zero k, beta and g: padded tokens neither decay nor update the state
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    nc = (n + pad) // chunk
+    q, k, v = (x.reshape(h, nc, chunk, x.shape[-1]) for x in (q, k, v))
+    gc = g.reshape(h, nc, chunk).cumsum(2)  # [H, N, C]
+    beta = beta.reshape(h, nc, chunk, 1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # [H, N, C, C]
+    a = -(beta * (k @ k.transpose(-1, -2)) * decay).tril(-1)
+    eye = torch.eye(chunk, device=q.device)
+    t = torch.linalg.solve_triangular(eye - a, eye.expand_as(a), upper=False)  # [H, N, C, C]
+    u = t @ (beta * v)  # [H, N, C, Dv]
+    w = t @ (beta * k * gc[..., None].exp())  # [H, N, C, Dk]
+    qk = (q @ k.transpose(-1, -2)) * decay  # [H, N, C, C], zero above the diagonal
+    out = torch.empty_like(v)
+    for c in range(nc):
+        vp = u[:, c] - w[:, c] @ s  # [H, C, Dv]
+        out[:, c] = (q[:, c] * gc[:, c, :, None].exp()) @ s + qk[:, c] @ vp
+        last = gc[:, c, -1]  # [H]
+        kd = k[:, c] * (last[:, None] - gc[:, c]).exp()[..., None]  # [H, C, Dk]
+        s = s * last.exp()[:, None, None] + kd.transpose(1, 2) @ vp
+    return out.reshape(h, nc * chunk, -1)[:, :n], s
+
+
+@register("gated_delta_rule", "reference")
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    meta,
+    chunked: bool = True,
+) -> torch.Tensor:
+    """Gated DeltaNet (the delta rule with one scalar forget gate per head and token), in fp32.
+
+    q_t, k_t <- l2norm(q_t), l2norm(k_t); q_t <- q_t / sqrt(Dk)
+    S'_t = exp(g_t) S_{t-1};  S_t = S'_t + k_t (beta_t (v_t - S'_t^T k_t))^T;  o_t = S_t^T q_t
+    (S [Dk, Dv] per value head; per token and value head g_t, beta_t scalars.)
+    q, k [T, H, Dk]; v [T, HV, Dv]; g [T, HV] (log decays, <= 0); beta [T, HV]; state
+    [slots, HV, Dk, Dv] fp32. HV a multiple of H: value head j reads query / key head j // (HV / H)
+    (transformers' repeat_interleave, fla's GVA). Rows with more than one token use the chunked
+    form when `chunked`. -> [T, HV, Dv] in v's dtype.
+    """
+    hv = v.shape[1]
+    if hv % q.shape[1] or k.shape[1] != q.shape[1]:
+        raise ValueError(
+            f"gated_delta_rule: value heads ({hv}) must be a multiple of query / key heads "
+            f"({q.shape[1]} / {k.shape[1]}, which must agree)"
+        )
+    out = torch.empty_like(v)
+    scale, rep = q.shape[-1] ** -0.5, hv // q.shape[1]
+    for slot, has_init, a, b in _rows(meta):
+        qr, kr = (_l2norm(x[a:b].float()).repeat_interleave(rep, dim=1) for x in (q, k))
+        rest = (v[a:b].float(), g[a:b].float(), beta[a:b].float())
+        args = [x.transpose(0, 1) for x in (qr * scale, kr, *rest)]
+        s0 = state[slot] if has_init else torch.zeros_like(state[slot])
+        o, s = (gdr_chunks if chunked and b - a > 1 else gdr_steps)(*args, s0)
         out[a:b] = o.transpose(0, 1).to(v.dtype)
         state[slot] = s
     return out
