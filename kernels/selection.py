@@ -5,7 +5,7 @@ highest priority that supports the device and dtype; `DAYZERO_KERNEL_<OP>=<backe
 the choice. A model is built only after every need it has is selected (`OpTable.resolve`), so a
 spec this device cannot run fails before serving, naming the op and what is missing.
 
-Importing this module registers the built-in backends (reference, batched, triton); third-party
+Importing this module registers the built-in backends (reference, batched, triton, fla); third-party
 backends register through the entry-point group `dayzero.kernels`, or as modules named in
 `DAYZERO_KERNEL_MODULES` (comma-separated, importable), loaded on the first choice.
 """
@@ -20,7 +20,7 @@ from importlib.metadata import entry_points
 
 import torch
 
-from dayzero.kernels import batched, reference, triton  # noqa: F401  (register on import)
+from dayzero.kernels import batched, fla, reference, triton  # noqa: F401  (register on import)
 from dayzero.kernels.collective import TpGroup
 from dayzero.kernels.packed import PackedWeight
 from dayzero.kernels.registry import KERNELS, OPS, Kernel, UnknownKeyError
