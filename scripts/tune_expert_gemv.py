@@ -4,14 +4,11 @@ reference backend and timed (TB/s of the picked experts' weights read, do_bench 
 8 tokens (top 8 of 64 experts: 8 and 64 pairs). Prints one line per geometry, best last.
 
     python3 scripts/tune_expert_gemv.py
-    python3 scripts/tune_expert_gemv.py combine: the default geometry with the down projection
-        and the weighted sum in one launch or two (moe.FUSED_DOWN), replayed from a CUDA graph
 """
 
 from __future__ import annotations
 
 import itertools
-import sys
 
 import torch
 from transformers import BeamConfig
@@ -19,15 +16,6 @@ from triton.testing import do_bench
 
 from dayzero.kernels.reference.moe import moe_experts as reference
 from dayzero.kernels.triton import moe
-
-
-def graph_ms(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=5, rep=60)
 
 
 def main() -> None:
@@ -45,16 +33,6 @@ def main() -> None:
         cases.append(
             (t, x, ids, w, used * 3 * i * dm * 2, reference(x, up, down, w, ids, True, None).float())
         )
-    if sys.argv[1:] == ["combine"]:
-        for t, x, ids, w, nbytes, want in cases:
-            for fused in (False, True, False, True):
-                moe.FUSED_DOWN = fused
-                got = moe.moe_experts(x, up, down, w, ids, True, None).float()
-                assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2, (fused, t)
-                ms = graph_ms(lambda x=x, ids=ids, w=w: moe.moe_experts(x, up, down, w, ids, True, None))
-                rate = nbytes / ms / 1e9
-                print(f"t={t} fused_down={fused}: {ms * 1e3:.1f} us, {rate:.2f} TB/s", flush=True)
-        return
     rows = []
     for bn_max, bn_min, bk, warps, per_sm in itertools.product(
         (64, 32, 16), (16, 8), (64, 128, 256), (2, 4, 8), (2, 4, 8)

@@ -5,8 +5,7 @@ Decode shapes (few (token, slot) pairs a step): one pair a program and one tile 
 on the CUDA cores, the expert found by id (no sorting, no copy of any expert's weights):
     h[p] = swiglu(W_gate[e_p] x[t_p], W_up[e_p] x[t_p])     (`_gate_up_swiglu`, fused)
     y[p] = W_down[e_p] h[p]                                  (`_down`)
-    out[t] = sum_k weights[t, k] y[t * k + slot]             (fp32; with `_down` in one launch:
-                                                              `_down_combine`)
+    out[t] = sum_k weights[t, k] y[t * k + slot]             (fp32)
 Each projection's output is rounded to x's dtype before the activation, as the reference's
 linear outputs are. Many pairs (prefill, large decode batches): the pairs sorted by expert on the
 device, then tensor-core tiles of one expert's block of pairs (`_grouped`, gate/up + SwiGLU
@@ -104,47 +103,6 @@ def _down(
 
 
 @triton.jit
-def _down_combine(
-    h_ptr,
-    out_ptr,
-    w_ptr,  # [E, N, K]
-    ids_ptr,
-    wts_ptr,  # [T, SLOTS] fp32
-    N,
-    K: tl.constexpr,
-    stride_hm,
-    stride_om,
-    stride_we,
-    stride_wn,
-    SLOTS: tl.constexpr,
-    BN: tl.constexpr,
-    BK: tl.constexpr,
-):
-    """`_down` and the weighted sum of a token's SLOTS pairs in one launch:
-    out[t] = sum_j wts[t, j] round(W_down[e_tj] h[t SLOTS + j]), in fp32 in slot order, rounded
-    once (the same numbers as `_down` then `combine`)."""
-    t, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    n_ok = offs_n < N
-    out = tl.zeros((BN,), tl.float32)
-    for j in range(SLOTS):
-        p = t * SLOTS + j
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        hrow = h_ptr + p * stride_hm
-        wbase = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-        acc = tl.zeros((BN, BK), tl.float32)
-        for k0 in range(0, K, BK):
-            offs_k = k0 + tl.arange(0, BK)
-            km = offs_k < K
-            h = tl.load(hrow + offs_k, mask=km, other=0.0).to(tl.float32)
-            w = tl.load(wbase + offs_k[None, :], mask=n_ok[:, None] & km[None, :], other=0.0)
-            acc += w.to(tl.float32) * h[None, :]
-        y = tl.sum(acc, 1).to(h_ptr.dtype.element_ty).to(tl.float32)  # rounded as a linear's output
-        out += tl.load(wts_ptr + p) * y
-    tl.store(out_ptr + t * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
 def _grouped(
     x_ptr,
     y_ptr,
@@ -228,10 +186,6 @@ def _tile(pairs: int, n: int, device: torch.device) -> int:
     return bn
 
 
-# decode: the down projection and the weighted sum in one launch (`_down_combine`), a program a
-# (token, row tile) over the token's pairs; False: `_down` a program a (pair, row tile), then
-# `combine` (scripts/tune_expert_gemv.py combine)
-FUSED_DOWN = True
 GEMV_PAIRS = 2  # up to this many pairs an expert (on average): one pair a program
 # from this many pairs an expert (on average: prefill), bf16 runs torch's grouped GEMM (CUTLASS
 # tiles sized for large M; kernels/batched/moe.py) instead of the sorted-pair Triton tiles
@@ -267,14 +221,6 @@ def moe_experts(
         x, h, gate_up, flat, i, dm, x.stride(0), h.stride(0), gate_up.stride(0), gate_up.stride(1), k,
         limit or 0.0, LIMIT=limit is not None, BN=bn, BK=GEMV["bk"], num_warps=GEMV["warps"],
     )  # fmt: skip
-    if FUSED_DOWN:
-        out = torch.empty(t, dm, dtype=x.dtype, device=x.device)
-        bn = _tile(t, dm, x.device)
-        _down_combine[(t, triton.cdiv(dm, bn))](
-            h, out, down, flat, weights.float().contiguous(), dm, i, h.stride(0), out.stride(0),
-            down.stride(0), down.stride(1), SLOTS=k, BN=bn, BK=GEMV["bk"], num_warps=GEMV["warps"],
-        )  # fmt: skip
-        return out
     y = torch.empty(p, dm, dtype=torch.float32, device=x.device)
     bn = _tile(p, dm, x.device)
     _down[(p, triton.cdiv(dm, bn))](
