@@ -33,8 +33,14 @@ import torch
 
 from dayzero.kernels.registry import Capabilities, register
 
-# fla imports triton and needs a GPU for its kernels: without either, this backend registers nothing
-HAVE_FLA = importlib.util.find_spec("fla") is not None and torch.cuda.is_available()
+# fla imports triton and needs a GPU for its kernels: without either, this backend registers
+# nothing. The kernels' module is looked for, not a top-level `fla` (any folder of that name on
+# the path is a namespace package)
+HAVE_FLA = (
+    importlib.util.find_spec("fla") is not None
+    and importlib.util.find_spec("fla.ops") is not None
+    and torch.cuda.is_available()
+)
 if HAVE_FLA:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     from fla.ops.kda import chunk_kda, fused_recurrent_kda
