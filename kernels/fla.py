@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+import dayzero.kernels.ops  # noqa: F401  (declares the ops this backend registers)
 from dayzero.kernels.registry import Capabilities, register
 
 # fla imports triton and needs a GPU for its kernels: without either, this backend registers
