@@ -1,5 +1,6 @@
-"""Batched backend: plain torch, but vectorised over rows (padded attention through SDPA), over
-experts (grouped GEMM) and over the sampled rows, so a step costs a handful of launches instead
-of one per row or expert. Each kernel is tested against the reference backend (tests/test_kernels.py)."""
+"""Batched backend: plain torch, but vectorised over rows (padded attention through SDPA; MLA in
+the absorbed form for decode and sparse selections), over experts (grouped GEMM) and over the
+sampled rows, so a step costs a handful of launches instead of one per row or expert. Each
+kernel is tested against the reference backend (tests/test_kernels.py, tests/test_mla_kernels.py)."""
 
-from dayzero.kernels.batched import attention, moe, sampling  # noqa: F401  (register on import)
+from dayzero.kernels.batched import attention, mla, moe, sampling  # noqa: F401  (register on import)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from dayzero.kernels.packed import dense
+from dayzero.kernels.packed import PackedWeight, dense
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl, StaticCache
 from dayzero.sdk.blocks.rope import rope_table, softmax_mscale
@@ -139,6 +139,7 @@ class MlaAttention(nn.Module):
         if cfg.rope_dim:
             inv, self.rope_factor = rope_table(cfg.rope_theta, cfg.rope_dim, dict(cfg.rope_params))
         self.register_buffer("inv_freq", inv, persistent=False)
+        self._kv_b_dense: torch.Tensor | None = None  # a packed kv_b, dequantized on first use
 
     @staticmethod
     def parts(cfg: MlaCfg) -> dict[str, dict[str, int]]:
@@ -198,12 +199,24 @@ class MlaAttention(nn.Module):
         meta = ctx.paged[g]
         ops.cache_write(torch.cat((lat, k_r), dim=-1), cache, meta.slots)
         select = self._select(x, q_res, ctx)
-        w = dense(self.kv_b, x.dtype).view(h, dn + c.v_dim, c.kv_lora)
-        o = ops.mla_attention(q_n, q_r, cache, w[:, :dn], w[:, dn:], meta, c.scale, select)  # [T, H, Dv]
+        w_k, w_v = self._kv_b_heads(x.dtype)
+        o = ops.mla_attention(q_n, q_r, cache, w_k, w_v, meta, c.scale, select)  # [T, H, Dv]
         if c.par.size == 1:
             return ops.linear(o.reshape(t, -1), self.o_proj, self.o_bias)
         y = ops.tp.all_reduce(ops.linear(o.reshape(t, -1), self.o_proj))  # [T, Dm] summed over ranks
         return y if self.o_bias is None else y + self.o_bias
+
+    def _kv_b_heads(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b split per head: W_k [H, Dn, L], W_v [H, Dv, L] (the absorbed form folds them into
+        q and the output). A packed kv_b is dequantized once (the loader writes it before the
+        first step), not every step."""
+        c, w = self.cfg, self.kv_b
+        if isinstance(w, PackedWeight):
+            if self._kv_b_dense is None or self._kv_b_dense.dtype != dtype:
+                self._kv_b_dense = dense(w, dtype)
+            w = self._kv_b_dense
+        w = w.view(c.heads, c.nope_dim + c.v_dim, c.kv_lora)
+        return w[:, : c.nope_dim], w[:, c.nope_dim :]
 
     def _select(self, x: torch.Tensor, q_res: torch.Tensor | None, ctx) -> torch.Tensor | None:
         """The indexer's selection [T, K] of key positions (None: dense attention)."""

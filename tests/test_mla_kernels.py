@@ -1,0 +1,128 @@
+"""The MLA attention kernels against the reference op (kernels/reference/mla.py `mla_attention`)
+on random inputs from the recorded seeds: the batched backend (kernels/batched/mla.py: absorbed
+decode, sparse selections, expanded prefill).
+
+Each step mixes decode rows, prefill chunks with a cached prefix and fresh prompts, on shuffled
+blocks of a strided cache view (as the pool's rows are); with RoPE keys and fully NoPE (Dr = 0);
+dense and with a top-k selection below the context (random positions, some unused (-1), some
+after the query (causal), a repeated one, queries that select nothing: 0). fp32 tolerance: 1e-5
+of the output's scale (the same numbers summed in another order; measured up to 6e-7). bf16 is
+judged against the fp32 reference, next to the reference's own bf16 error.
+
+Memory: a 2,048-token chunk against 8,192 cached keys with top-k 256 (the reference's mask alone
+would be [2048, 256, 8192] booleans, 4.3 GB) peaks within MEMORY_BUDGET on the CPU allocator
+(torch's profiler, every allocation and free in order).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import SEEDS
+from paged_meta import paged_meta
+
+from dayzero.kernels.batched import mla as batched
+from dayzero.kernels.ops import PagedMeta
+from dayzero.kernels.reference.mla import mla_attention as reference
+
+TOL = 1e-5
+MEMORY_BUDGET = 128 << 20
+# decode, a chunk after a prefix, a fresh prompt, a row with no token this step, decode, a chunk
+MIXED = [(1, 13), (7, 9), (5, 5), (0, 8), (1, 40), (16, 36)]
+STEPS = {"mixed": MIXED, "fresh": [(12, 12)], "decode": [(1, 5), (1, 30), (0, 9), (1, 17)]}
+
+
+def inputs(g: torch.Generator, rows, h: int = 3, dn: int = 8, dr: int = 4, dv: int = 12, lat: int = 16):
+    """(q_nope, q_rope, cache, w_k, w_v, meta): block size 4, the cache a strided [N, L + Dr] view."""
+    meta, blocks = paged_meta(rows, 4, g)
+    t = sum(n for n, _ in rows)
+    qn, qr = torch.randn(t, h, dn, generator=g), torch.randn(t, h, dr, generator=g)
+    cache = torch.randn(blocks * 4, lat + dr + 5, generator=g)[:, : lat + dr]
+    w = torch.randn(h, dn + dv, lat, generator=g) / lat**0.5
+    return qn, qr, cache, w[:, :dn], w[:, dn:], meta
+
+
+def selection(g: torch.Generator, meta: PagedMeta, k: int) -> torch.Tensor:
+    """[T, k] random positions below the token's row length (later ones than the query too,
+    repeats where the row is shorter than the longest), a fifth of them -1, token 0's first
+    position repeated, the last token selecting nothing."""
+    t, longest = meta.positions.shape[0], max(meta.kv_lens_cpu)
+    qs = meta.query_start_cpu
+    lens = torch.repeat_interleave(meta.kv_lens, torch.tensor([b - a for a, b in itertools.pairwise(qs)]))
+    sel = torch.rand(t, longest, generator=g).argsort(-1)[:, :k] % lens[:, None]
+    sel = torch.where(torch.rand(t, k, generator=g) < 0.2, -1, sel)
+    sel[0, 1] = sel[0, 0]
+    sel[-1] = -1
+    return sel
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).abs().max() / want.abs().max().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("step", sorted(STEPS))
+@pytest.mark.parametrize("rope_dim", [4, 0], ids=["rope", "nope"])
+def test_batched_matches_reference(seed: int, step: str, rope_dim: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    args = inputs(g, STEPS[step], dr=rope_dim)
+    assert _err(batched.mla_attention(*args, 0.3), reference(*args, 0.3)) < TOL
+    for k in (6, 3):  # two selections on one step: the memoised layout is the current one's
+        sel = selection(g, args[-1], k)
+        want, got = reference(*args, 0.3, sel), batched.mla_attention(*args, 0.3, sel)
+        assert _err(got, want) < TOL
+        none = want.abs().amax((1, 2)) == 0  # queries whose selection allows no key
+        assert none[-1] and got[none].abs().max() == 0
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_batched_bf16_is_as_close_as_the_reference(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    args = inputs(g, MIXED)
+    low = [a.bfloat16() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+    sel = selection(g, args[-1], 6)
+    for s in (None, sel):
+        want = reference(*args, 0.3, s)
+        ours, theirs = _err(batched.mla_attention(*low, 0.3, s), want), _err(reference(*low, 0.3, s), want)
+        assert ours <= 2 * theirs + 1e-3, (ours, theirs)
+
+
+def _peak_bytes(fn) -> tuple[int, object]:
+    """Peak of the CPU allocator's live bytes while fn runs: every op's own allocations and the
+    frees, in time order (torch.profiler with profile_memory)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    return max(itertools.accumulate(e.self_cpu_memory_usage for e in events)), out
+
+
+def test_sparse_memory_is_tokens_times_topk() -> None:
+    """A 2,048-token chunk after 6,144 cached tokens (8,192 keys), top-k 256, two heads: peak
+    within MEMORY_BUDGET; three of its queries against the reference run as one-token rows."""
+    g = torch.Generator().manual_seed(SEEDS[0])
+    n, kv, topk, h, dn, dr, lat = 2048, 8192, 256, 2, 16, 8, 32
+    qn, qr, cache, w_k, w_v, meta = inputs(g, [(n, kv)], h=h, dn=dn, dr=dr, dv=16, lat=lat)
+    pos = meta.positions
+    sel = (torch.rand(n, topk, generator=g) * (pos[:, None] + 1)).long()  # [n, topk] <= p_t
+    peak, out = _peak_bytes(lambda: batched.mla_attention(qn, qr, cache, w_k, w_v, meta, 0.3, sel))
+    print(f"sparse MLA peak {peak / 2**20:.1f} MiB (budget {MEMORY_BUDGET >> 20} MiB)")
+    assert peak < MEMORY_BUDGET
+    assert batched.token_chunk(topk, lat + dr, h) * topk * (2 * (lat + dr) + 3 * h) * 4 <= batched.CHUNK_BYTES
+    for t in (0, 1000, n - 1):  # one query at position p_t, the same cached keys and selection
+        one = PagedMeta(
+            torch.tensor([0, 1]), pos[t : t + 1] + 1, pos[t : t + 1], meta.block_table, meta.slots[t : t + 1],
+            meta.block_size, (0, 1), (int(pos[t]) + 1,),
+        )  # fmt: skip
+        want = reference(qn[t : t + 1], qr[t : t + 1], cache, w_k, w_v, one, 0.3, sel[t : t + 1])
+        assert _err(out[t : t + 1], want) < TOL
+
+
+def test_batched_is_selected_over_the_reference_on_cpu() -> None:
+    from dayzero.kernels.selection import Need, select
+
+    need = Need("mla_attention", frozenset({"causal", "select"}))
+    assert select(need, torch.device("cpu"), torch.float32).backend == "batched"
