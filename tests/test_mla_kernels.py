@@ -1,6 +1,7 @@
 """The MLA attention kernels against the reference op (kernels/reference/mla.py `mla_attention`)
 on random inputs from the recorded seeds: the batched backend (kernels/batched/mla.py: absorbed
-decode, sparse selections, expanded prefill).
+decode, sparse selections, expanded prefill) in-process, the Triton kernel (kernels/triton/mla.py)
+in Triton's CPU interpreter in a fresh process (see check_triton).
 
 Each step mixes decode rows, prefill chunks with a cached prefix and fresh prompts, on shuffled
 blocks of a strided cache view (as the pool's rows are); with RoPE keys and fully NoPE (Dr = 0);
@@ -16,7 +17,12 @@ would be [2048, 256, 8192] booleans, 4.3 GB) peaks within MEMORY_BUDGET on the C
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -126,3 +132,81 @@ def test_batched_is_selected_over_the_reference_on_cpu() -> None:
 
     need = Need("mla_attention", frozenset({"causal", "select"}))
     assert select(need, torch.device("cpu"), torch.float32).backend == "batched"
+
+
+def check_triton(seed: int) -> list[str]:
+    """The Triton kernel (kernels/triton/mla.py) in the interpreter: one line per case, the
+    error last. Decode-only steps and a mixed one (decode rows here, prefill rows through the
+    batched expanded form; with a selection every token is a program), RoPE and NoPE, 5 heads
+    (one padded head group), keys split over 1 and 3 programs; long rows over several key tiles,
+    dense and selected, split with one tile a split and with four (a short row's later splits
+    empty)."""
+    from dayzero.kernels.triton import mla
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for dr in (4, 0):
+        for step in ("decode", "mixed"):
+            args = inputs(g, STEPS[step], h=5, dr=dr)
+            sel = selection(g, args[-1], 6)
+            for s in (None, sel):
+                want = reference(*args, 0.3, s)
+                for splits in (1, 3):
+                    got = mla.mla_attention(*args, 0.3, s, splits=splits)
+                    out.append(
+                        f"triton {step} dr={dr} select={s is not None} splits={splits} {_err(got, want):.2e}"
+                    )
+    args = inputs(g, [(1, 300), (1, 70)], h=2, dr=4)  # key tiles of 64
+    sel = selection(g, args[-1], 150)  # three key tiles of selected positions
+    for s in (None, sel):
+        want = reference(*args, 0.3, s)
+        for splits, tiles in ((3, 1), (4, 4)):
+            got = mla.mla_attention(*args, 0.3, s, splits=splits, min_split_tiles=tiles)
+            out.append(
+                f"triton long rows select={s is not None} splits={splits} tiles={tiles} {_err(got, want):.2e}"
+            )
+    return out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_triton_matches_reference_in_the_interpreter(seed: int) -> None:
+    """In a fresh process: the interpreter must be chosen before Triton compiles anything."""
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    r = subprocess.run(
+        [sys.executable, __file__, str(seed)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("triton ")]
+    assert len(lines) == 2 * 2 * 2 * 2 + 2 * 2, r.stdout
+    for ln in lines:
+        assert float(ln.split()[-1]) < TOL, ln
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_reference_on_cuda(dtype: torch.dtype) -> None:
+    """Compiled on the GPU at GLM-5.3's latent widths (L 512, Dr 64; 16 heads), decode rows and a
+    mixed step, dense and selected, default splits: fp32 within TOL, bf16 within 2e-2 of the fp32
+    reference's scale (kernels/triton/mla.py)."""
+    from dayzero.kernels.triton import mla
+
+    g = torch.Generator().manual_seed(SEEDS[0])
+    for step in ([(1, 700), (1, 90), (1, 2000)], MIXED):
+        args = inputs(g, step, h=16, dn=128, dr=64, dv=128, lat=512)
+        sel = selection(g, args[-1], 256)
+        for s in (None, sel):
+            want = reference(*args, 0.1, s)
+            dev = [a.cuda() if torch.is_tensor(a) else a for a in args]
+            dev = [a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in dev]
+            fields = ("query_start", "kv_lens", "positions", "block_table", "slots")
+            meta = dataclasses.replace(args[-1], memo={}, **{f: getattr(args[-1], f).cuda() for f in fields})
+            got = mla.mla_attention(*dev[:-1], meta, 0.1, None if s is None else s.cuda()).cpu()
+            assert _err(got, want) < (TOL if dtype == torch.float32 else 2e-2)
+
+
+if __name__ == "__main__":
+    from test_triton_interpreter import _interpreter_index_fix
+
+    _interpreter_index_fix()
+    print("\n".join(check_triton(int(sys.argv[1]))))

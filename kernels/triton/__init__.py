@@ -1,10 +1,12 @@
 """Triton backend (CUDA): packed-weight GEMMs (`packed`), dense decode GEMVs (`linear`), paged GQA
-attention reading the cache in place (`attention`), stacked experts read in place (`moe`), MoE
-routing (`routing`), RMSNorm (`norm`), the fused small ops (`fused`: residual add + norm, head
-norm + RoPE, output gate, SwiGLU, the K/V cache write), the greedy sampler (`sampling`).
+attention reading the cache in place (`attention`), absorbed-MLA decode and sparse attention over
+the latent cache in place (`mla`), stacked experts read in place (`moe`), MoE routing
+(`routing`), RMSNorm (`norm`), the fused small ops (`fused`: residual add + norm, head norm +
+RoPE, output gate, SwiGLU, the K/V cache write), the greedy sampler (`sampling`).
 Registered only where `triton` imports (CUDA builds of torch bring it); every kernel is checked
-against the reference backend in Triton's CPU interpreter in CI (tests/test_triton_interpreter.py)
-and on the GPU (scripts/gpu_bringup.sh runs tests/test_triton_packed.py, tests/test_triton_cuda.py)."""
+against the reference backend in Triton's CPU interpreter in CI (tests/test_triton_interpreter.py,
+tests/test_mla_kernels.py) and on the GPU (scripts/gpu_bringup.sh runs tests/test_triton_packed.py,
+tests/test_triton_cuda.py)."""
 
 import importlib.util
 
@@ -14,7 +16,7 @@ from dayzero.kernels.ops import PACKED_FORMATS
 from dayzero.kernels.registry import OPS, Capabilities, register
 
 if importlib.util.find_spec("triton") is not None:
-    from dayzero.kernels.triton import attention, fused, linear, moe, norm, packed, routing, sampling
+    from dayzero.kernels.triton import attention, fused, linear, mla, moe, norm, packed, routing, sampling
 
     _half = dict(  # the packed GEMMs: shapes from the tensors alone, no host sync (graph-safe)
         devices=frozenset({"cuda"}),
@@ -42,6 +44,10 @@ if importlib.util.find_spec("triton") is not None:
             **_any,
         ),
     )(attention.gqa_attention)
+    # absorbed decode and sparse selections in place; a dense step's prefill rows through batched/
+    register("mla_attention", "triton", Capabilities(features=frozenset({"causal", "select"}), **_any))(
+        mla.mla_attention
+    )
     # decode-sized dense linears as a GEMV (F.linear past linear.GEMV_ROWS rows)
     register("linear", "triton", Capabilities(features=frozenset({"bias"}), **_any))(linear.linear)
     register("rms_norm", "triton", Capabilities(features=frozenset({"weight_in_fp32"}), **_any))(
