@@ -30,7 +30,9 @@ from dayzero.kernels.ops import PagedMeta
 from dayzero.kernels.triton.packed import _sms
 
 
-@triton.jit
+# ints that change with the step's lengths are not specialized on (Triton compiles a variant per
+# value class, == 1 / divisible by 16: seconds of compiling in a served step, as prompts grow)
+@triton.jit(do_not_specialize=["stride_tr", "window", "q_tiles"])
 def _paged_attention(
     q_ptr,
     k_ptr,
