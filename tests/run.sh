@@ -18,7 +18,7 @@ echo "== generated files are current"
 "$PY" -m dayzero.sdk.cli codegen --check
 
 echo "== python tests (unit, kernels, loader, engine, CLI, and each family's generated parity test)"
-"$PY" -m pytest -q tests models  # exits 5 (a failure here) if nothing was collected
+"$PY" -m pytest -q --durations=25 tests models  # exits 5 (a failure here) if nothing was collected
 
 for mode in plain asan; do
   echo "== C++ tests ($mode)"
