@@ -12,10 +12,19 @@ import torch.distributed as dist
 
 
 class TpGroup:
-    def __init__(self, size: int = 1, rank: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """`size` ranks, this one `rank`, over `group`; `store`: the group's key-value store (rank 0
+    serves it), where a rank whose step fails leaves word of why (sdk/engine/parallel.py)."""
+
+    def __init__(
+        self,
+        size: int = 1,
+        rank: int = 0,
+        group: dist.ProcessGroup | None = None,
+        store: dist.Store | None = None,
+    ) -> None:
         if not 0 <= rank < size:
             raise ValueError(f"tensor-parallel rank {rank} out of size {size}")
-        self.size, self.rank, self.group = size, rank, group
+        self.size, self.rank, self.group, self.store = size, rank, group, store
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """sum over ranks of x (in place; x as it is on one rank)."""

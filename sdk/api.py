@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import json
 import logging
+import pickle
 import signal
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from dayzero.kernels.collective import TpGroup
 from dayzero.sdk.config.model import ModelConfig, Parallel
-from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
+from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams, agree_kv
 from dayzero.sdk.engine.grammar import GrammarCompiler
 from dayzero.sdk.engine.parallel import (
     Followers,
@@ -32,9 +33,11 @@ from dayzero.sdk.engine.parallel import (
     control_group,
     free_port,
     init_group,
+    report_failure,
+    reported_failure,
     watch_parent,
 )
-from dayzero.sdk.engine.ranks import Leader, follow
+from dayzero.sdk.engine.ranks import Leader, StepFailed, follow
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import LOAD_FORMATS, fill_dummy, load_weights, open_checkpoint, refuse_dummy
 from dayzero.sdk.loader.detok import Detokenizer
@@ -154,6 +157,19 @@ class Completion:
         return all(o.finish_reason is not None for o in self.outputs)
 
 
+def rank_engine(engine):
+    """The `engine` argument as the other ranks of this host get it (they are spawned: it must
+    pickle), each evaluating a callable itself with its own shard's config."""
+    try:
+        pickle.dumps(engine)
+    except Exception as e:
+        raise ValueError(
+            f"engine {engine!r}: a tensor-parallel LLM's other ranks call it too, so it must pickle "
+            f"(an EngineConfig, a module-level function or a functools.partial of one): {e}"
+        ) from None
+    return engine
+
+
 class LLM:
     def __init__(
         self,
@@ -181,8 +197,11 @@ class LLM:
         tensor_parallel_size N > 1: the model is sharded over N processes of this host (one a
         device: NCCL on GPUs, gloo on CPUs; enable_expert_parallel: whole experts a rank). This
         process is rank 0: it starts ranks 1 .. N-1, holds the scheduler and the sampler and sends
-        them each step's plan; `close()` stops them. `launch`: several hosts or torchrun (see
-        Launch); on a rank other than 0, `follow()` runs rank 0's plans until it stops."""
+        them each step's plan; `close()` stops them. Every rank finds its own KV budget (an
+        `engine` function runs on each, with its shard's config: it must pickle) and every pool,
+        rank 0's scheduler with it, holds the pages of the smallest one. `launch`: several hosts
+        or torchrun (see Launch); on a rank other than 0, `follow()` runs rank 0's plans until it
+        stops."""
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {load_format!r}: known {', '.join(LOAD_FORMATS)}")
         t0 = time.perf_counter()
@@ -198,18 +217,19 @@ class LLM:
         if launch.size != size:
             raise ValueError(f"tensor_parallel_size {size} against a launch of {launch.size} ranks")
         self.rank = rank = launch.this_rank
-        self.rank_failure: str | None = None  # a tensor-parallel rank that exited (rank 0's watch)
+        self.rank_failure: str | None = None  # a tensor-parallel rank that exited or failed
         self.on_rank_failure: Callable[[str], None] | None = None  # the server's stop
-        self.followers, self.ctrl, tp = None, None, TpGroup()
+        self.followers, self.ctrl, self.tp = None, None, TpGroup()
         if size > 1:
             port = launch.port or free_port()
             if launch.local_ranks():  # this host's other ranks load their shards while this one does
                 kwargs = dict(model=str(self.path), device=device, dtype=dtype, family=family)
                 kwargs |= dict(quantization=quantization, quantize_activations=quantize_activations)
                 kwargs |= dict(load_format=load_format, enable_expert_parallel=enable_expert_parallel)
+                kwargs |= dict(engine=rank_engine(engine))  # each rank sizes its own KV memory
                 self.followers = Followers(follow_rank, launch.local_ranks(), (launch.of(rank, port), kwargs))
                 self.followers.watch(self._rank_failed)
-            tp = init_group(size, rank, launch.addr, port, self.device.type)
+            self.tp = init_group(size, rank, launch.addr, port, self.device.type)
             self.ctrl = control_group()
         parallel = Parallel(size, rank, enable_expert_parallel)
         self.config = ckpt.family.config(ckpt.hf, str(ckpt.path), parallel)
@@ -227,7 +247,7 @@ class LLM:
         )
         packed = ckpt.packing.params if ckpt.packing else None
         self.model, self.ops = build(
-            ckpt.family, self.config, ckpt.hf, self.device, self.dtype, packed, quantize_activations, tp
+            ckpt.family, self.config, ckpt.hf, self.device, self.dtype, packed, quantize_activations, self.tp
         )
         if load_format == "dummy":
             log.warning("random weights (load format dummy): the answers mean nothing")
@@ -237,11 +257,9 @@ class LLM:
         if callable(engine):  # sized once the weights are resident (free device memory is known)
             engine = engine(self.config)
         engine = engine or EngineConfig()
-        if size > 1:  # rank 0's engine for every rank (its plans' KV layout), inputs whole on the host
+        if size > 1:  # rank 0's engine, KV pages the smallest rank holds; inputs whole on the host
             engine = replace(engine, overlap="off", decode_graphs="off")
-            sent = [engine]
-            dist.broadcast_object_list(sent, src=0, group=self.ctrl)
-            engine = sent[0]
+            engine = agree_kv(engine, self.config, self.dtype.itemsize, self.ctrl)
         self.engine = Engine(self.model, self.config, self.ops, engine)
         if size > 1 and rank == 0:
             self.engine.lead(Leader(self.ctrl, self._rank_failed))
@@ -250,12 +268,15 @@ class LLM:
         self.load_seconds = time.perf_counter() - t0
 
     def _rank_failed(self, why: str) -> None:
-        """A rank is gone (the watcher) or stopped answering (rank 0's send): the rank is named
-        where this host started it (the send's failure waits a moment for its exit code)."""
+        """A rank is gone (the watcher), stopped answering (rank 0's send) or a step failed
+        (rank 0's own, or its collective: a rank is gone): the rank and its error are named as
+        the failing rank reported them (the store), else the rank this host started that exited
+        (a failed send or step waits a moment for either)."""
         first = self.rank_failure is None
         followers = self.followers
         for _ in range(20):
-            named = followers.exited() if followers is not None else None
+            named = reported_failure(self.tp)
+            named = named or (followers.exited() if followers is not None else None)
             if named is not None or not first:
                 break
             time.sleep(0.1)
@@ -264,11 +285,17 @@ class LLM:
             self.on_rank_failure(self.rank_failure)
 
     def follow(self) -> int:
-        """A rank other than 0: run rank 0's plans on this shard until it stops (steps run)."""
+        """A rank other than 0: run rank 0's plans on this shard until it stops (steps run). A
+        plan that fails on this rank is logged, reported to rank 0 (the group's store) and
+        raised as RankError: this rank must end, as rank 0 waits in a collective it left."""
         if self.rank == 0 or self.ctrl is None:
             raise RuntimeError("follow() is for a tensor-parallel rank other than 0")
         try:
             return follow(self.engine, self.ctrl)
+        except StepFailed as e:
+            log.exception("%s; this rank exits", e)
+            report_failure(self.tp, str(e))
+            raise RankError(str(e)) from None
         finally:
             self.close()
 
@@ -345,7 +372,10 @@ class LLM:
         while any(not self.engine.requests[r].finished for r in live):
             if self.rank_failure is not None:
                 raise RankError(self.rank_failure)
-            for out in self.engine.step():
+            outs = self.engine.step()
+            if self.rank_failure is not None:  # this step's failure ended the ranks
+                raise RankError(self.rank_failure)
+            for out in outs:
                 d = live.get(out.id)
                 if d is None:
                     continue

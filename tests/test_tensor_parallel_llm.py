@@ -1,24 +1,30 @@
 """`LLM(..., tensor_parallel_size=N)` on CPU ranks (gloo): rank 0 (this process) holds the
 scheduler and the sampler and sends each step's plan to the ranks it started (sdk/engine/ranks.py);
 the answers equal one rank's, greedy and seeded, through chunked prefill, prefix-cache hits and
-retraction (a KV pool too small for the prompts at once); a rank that dies is named. The model
+retraction (a KV pool too small for the prompts at once), every rank's pool the size the
+smallest rank's memory holds; a rank that dies, or whose step fails alone, is named. The model
 math on N ranks is tests/test_tensor_parallel.py's; this file checks the driving of the ranks.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import signal
 import time
 from dataclasses import replace
 
+import faulty_kernels  # noqa: F401  (registers the "faulty" backend in this process)
 import numpy as np
 import pytest
 
 from dayzero.sdk.api import LLM
-from dayzero.sdk.engine.engine import EngineConfig, SamplingParams
+from dayzero.sdk.config.model import Parallel
+from dayzero.sdk.engine.engine import EngineConfig, SamplingParams, kv_capacity
 from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.parallel import RankError
+from dayzero.sdk.loader import open_checkpoint
 from dayzero.sdk.parity.tiny import write_tiny
 
 # 16-token chunks, 4-token blocks; `sized(80)`: a pool of 80 tokens, in which the three prompts
@@ -58,32 +64,43 @@ def checkpoints(tmp_path_factory):
 CASES = [("llama", 2, False, 0), ("beam", 2, True, 1), ("glm53_flash", 2, False, 2)]
 
 
-def sized(tokens: int):
-    """An engine whose KV pool holds `tokens` tokens of the (rank's, sharded) model it is sized
-    for: LLM calls it with its config once the weights are resident."""
+def _sized(tokens: tuple[int, ...], cfg) -> EngineConfig:
+    groups = scheduler_groups(cfg, 4)
+    states = 2 * ENGINE.max_batch_size * sum(g.state_bytes for g in groups)
+    mine = tokens[cfg.parallel.rank]
+    return replace(ENGINE, kv_cache_bytes=mine * sum(g.bytes_per_token for g in groups) + states)
 
-    def engine(cfg) -> EngineConfig:
-        groups = scheduler_groups(cfg, 4)
-        states = 2 * ENGINE.max_batch_size * sum(g.state_bytes for g in groups)
-        return replace(ENGINE, kv_cache_bytes=tokens * sum(g.bytes_per_token for g in groups) + states)
 
-    return engine
+def sized(*tokens: int):
+    """An engine whose KV pool holds tokens[r] tokens of rank r's (sharded) model: LLM calls it
+    on every rank with that rank's config once its weights are resident (a partial: it pickles
+    to the spawned ranks)."""
+    return functools.partial(_sized, tokens)
 
 
 @pytest.mark.parametrize(("family", "size", "experts", "seed"), CASES)
-def test_ranks_driven_by_rank_0_answer_as_one_rank(checkpoints, family, size, experts, seed):
+def test_ranks_driven_by_rank_0_answer_as_one_rank(checkpoints, family, size, experts, seed, caplog):
+    """Rank 0's memory holds 200 tokens, rank 1's 80: every pool and rank 0's scheduler hold
+    what rank 1's holds (the min over the ranks, logged), and the answers and retractions are
+    those of one rank of 80 tokens."""
     path = str(checkpoints[family])
     one = LLM(path, device="cpu", dtype="float32", engine=sized(80), progress=False)
     want = answers(one, seed)
-    many = LLM(
-        path, device="cpu", dtype="float32", engine=sized(80), progress=False,
-        tensor_parallel_size=size, enable_expert_parallel=experts,
-    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="dayzero.sdk.engine.engine"):
+        many = LLM(
+            path, device="cpu", dtype="float32", engine=sized(200, 80), progress=False,
+            tensor_parallel_size=size, enable_expert_parallel=experts,
+        )  # fmt: skip
     try:
         got = answers(many, seed)
         stats = dict(many.engine.stats)
     finally:
         many.close()
+    ckpt = open_checkpoint(path)
+    cfgs = [ckpt.family.config(ckpt.hf, par=Parallel(size, r, experts)) for r in range(size)]
+    alone = [kv_capacity(c, 4, sized(200, 80)(c)).pages for c in cfgs]  # what each rank's memory holds
+    assert alone[1] < alone[0] and many.engine.scheduler.layout["num_pages"] == alone[1]
+    assert f"KV blocks: {alone[1]} of 4 tokens on every rank (tensor-parallel rank 1's memory" in caplog.text
     assert got == want
     assert stats["retracted"] > 0 and stats["steps"] > 10  # retraction and many plans were sent
     assert one.engine.stats["retracted"] == stats["retracted"]
@@ -102,3 +119,39 @@ def test_a_rank_that_dies_is_named(checkpoints):
         assert time.monotonic() - t0 < 30
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize(("rank", "named", "exit_code"), [
+    (1, r"tensor-parallel rank 1 failed in step \d+: InjectedFault: injected fault", 1),
+    (0, r"tensor-parallel rank 0's step failed: InjectedFault: injected fault", -signal.SIGKILL),
+])  # fmt: skip
+def test_a_step_failing_on_one_rank_ends_the_ranks_naming_it(
+    checkpoints, monkeypatch, tmp_path, rank, named, exit_code
+):
+    """A fault in one rank's forward only (tests/faulty_kernels.py, on that rank): the other
+    rank, left in a collective, does not wait for the group's 300 s timeout. Rank 1's fault:
+    it logs it, reports it through the group's store and exits 1, which ends rank 0's
+    collective; rank 0's fault: rank 0 ends rank 1. Either way generate raises within seconds,
+    naming the rank, the step and the error."""
+    fault = tmp_path / "fault"
+    monkeypatch.setenv("DAYZERO_KERNEL_MODULES", "faulty_kernels")  # for the spawned rank
+    monkeypatch.setenv("DAYZERO_KERNEL_ADD_RMS_NORM", "faulty")
+    monkeypatch.setenv("DAYZERO_FAULT_FILE", str(fault))
+    monkeypatch.setenv("DAYZERO_FAULT_RANK", str(rank))
+    llm = LLM(str(checkpoints["llama"]), device="cpu", dtype="float32", engine=ENGINE, progress=False,
+              tensor_parallel_size=2)  # fmt: skip
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    try:
+        assert llm.ops.chosen()["add_rms_norm"] == "faulty"
+        assert len(llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy)[0].outputs[0].token_ids) == 4
+        fault.touch()
+        t0 = time.monotonic()
+        with pytest.raises(RankError, match=named):
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy)
+        took = time.monotonic() - t0
+    finally:
+        follower = llm.followers.ctx.processes[0] if llm.followers else None
+        llm.close()
+    print(f"rank {rank}'s fault named in {took:.2f} s")
+    assert took < 10, took
+    assert follower is not None and follower.exitcode == exit_code

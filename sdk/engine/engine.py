@@ -10,7 +10,7 @@ import contextlib
 import itertools
 import logging
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.grammar import Matchers
 from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
 from dayzero.sdk.engine.kv_pool import KvPool
-from dayzero.sdk.engine.ranks import Leader
+from dayzero.sdk.engine.ranks import Leader, from_leader, smallest
 from dayzero.sdk.engine.sampling import Pending, Sampler, SamplingParams
 from dayzero.sdk.scheduler import FinishReason, Scheduler, SchedulerError, make_config
 
@@ -74,6 +74,81 @@ class EngineConfig:
             raise ValueError(f"overlap {self.overlap!r}; known: {', '.join(OVERLAP_MODES)}")
 
 
+def _scheduler_fields(cfg: ModelConfig, config: EngineConfig) -> dict[str, int | bool]:
+    """The scheduler's settings of an engine config (its memory layout's among them)."""
+    fields: dict[str, int | bool] = dict(
+        block_size=config.block_size,
+        device_bytes=config.kv_cache_bytes,
+        host_bytes=config.host_cache_bytes,
+        max_batch_size=config.max_batch_size,
+        max_tokens_per_step=config.max_tokens_per_step,
+        prefix_cache=config.prefix_cache,
+    )
+    if config.chunk_size:
+        fields["chunk_size"] = config.chunk_size
+    if any(g.kind == "state" for g in cfg.cache_groups):
+        snaps = config.snapshot_slots
+        fields["snapshot_slots"] = config.max_batch_size if snaps is None else snaps
+    return fields
+
+
+@dataclass(frozen=True)
+class KvCapacity:
+    """What an engine config's memory budgets hold of one rank's model: `pages` KV pages on the
+    device (one block of `block_size` tokens of the widest cache group each) and `host_pages`
+    in host memory, `page_bytes` each, after `state_bytes` of recurrent-state slots."""
+
+    pages: int
+    host_pages: int
+    page_bytes: int
+    state_bytes: int
+
+    def budgets(self, config: EngineConfig, pages: int, host_pages: int) -> EngineConfig:
+        """config with budgets of exactly `pages` device and `host_pages` host pages."""
+        device = self.state_bytes + pages * self.page_bytes
+        return replace(config, kv_cache_bytes=device, host_cache_bytes=host_pages * self.page_bytes)
+
+
+def kv_capacity(cfg: ModelConfig, itemsize: int, config: EngineConfig) -> KvCapacity:
+    """The KV pool the scheduler lays out for this model (cfg: this rank's shard) in config's
+    budgets, by the scheduler's own rules (csrc/src/memory.cc); raises ValueError when the
+    device budget holds too few pages."""
+    try:
+        layout = Scheduler(
+            make_config(scheduler_groups(cfg, itemsize), **_scheduler_fields(cfg, config))
+        ).layout
+    except SchedulerError as e:
+        raise ValueError(str(e)) from None
+    state = layout["num_slots"] * layout["state_slot_bytes"]
+    return KvCapacity(layout["num_pages"], layout["num_host_pages"], layout["page_bytes"], state)
+
+
+def agree_kv(own: EngineConfig, cfg: ModelConfig, itemsize: int, group) -> EngineConfig:
+    """A tensor-parallel rank's engine config: rank 0's settings with the KV pool the smallest
+    rank's memory holds, the same number of pages on every rank (`own`: this rank's budgets,
+    found on this rank; cfg: its shard), so that every block rank 0's scheduler hands out exists
+    on every rank. One broadcast (rank 0's config) and one all-reduce (min) on `group`."""
+    mine = from_leader(own, group)
+    mine = replace(mine, kv_cache_bytes=own.kv_cache_bytes, host_cache_bytes=own.host_cache_bytes)
+    try:
+        cap, why = kv_capacity(cfg, itemsize, mine), None
+    except ValueError as e:  # said after the all-reduce: the other ranks must not wait for it
+        cap, why = KvCapacity(0, 0, 0, 0), str(e)
+    (pages, host_pages), rank = smallest((cap.pages, cap.host_pages), group)
+    if pages < 2:
+        raise ValueError(
+            why
+            or f"tensor-parallel rank {rank}'s KV memory holds {pages} pages of {mine.block_size} tokens; "
+            "at least 2 are needed (that rank's error says why)"
+        )
+    log.info(
+        "KV blocks: %d of %d tokens on every rank (tensor-parallel rank %d's memory is the smallest; "
+        "this rank's holds %d), host %d",
+        pages, mine.block_size, rank, cap.pages, host_pages,
+    )  # fmt: skip
+    return cap.budgets(mine, pages, host_pages)
+
+
 _REASONS = {
     int(FinishReason.STOP): "stop",
     int(FinishReason.LENGTH): "length",
@@ -107,20 +182,8 @@ class Engine:
     ) -> None:
         self.model, self.cfg, self.ops, self.config = model, cfg, ops, config
         self.device, self.dtype = ops.device, ops.dtype
-        fields = dict(
-            block_size=config.block_size,
-            device_bytes=config.kv_cache_bytes,
-            host_bytes=config.host_cache_bytes,
-            max_batch_size=config.max_batch_size,
-            max_tokens_per_step=config.max_tokens_per_step,
-            prefix_cache=config.prefix_cache,
-        )
-        if config.chunk_size:
-            fields["chunk_size"] = config.chunk_size
+        fields = _scheduler_fields(cfg, config)
         self.groups = scheduler_groups(cfg, self.dtype.itemsize)
-        if any(g.kind == "state" for g in cfg.cache_groups):
-            snaps = config.snapshot_slots
-            fields["snapshot_slots"] = config.max_batch_size if snaps is None else snaps
         self.overlap = config.overlap == "on" or (config.overlap == "auto" and self.device.type == "cuda")
         fields["overlap"] = self.overlap
         # the prefix cache's key chain starts from a secret of this engine (see SchedulerConfig)
@@ -149,10 +212,17 @@ class Engine:
 
     def lead(self, leader: Leader) -> None:
         """Drive the other ranks of a tensor-parallel model: each plan goes to them first. Their
-        inputs must be whole on the host: no overlap (device-filled tokens), no decode graphs."""
+        inputs must be whole on the host: no overlap (device-filled tokens), no decode graphs.
+        A failed send, or a failure of this rank's KV copies or forward (its collectives are the
+        others'), is the leader's on_failure: the ranks are out of step, every later step fails."""
         if self.overlap or self.graphs is not None:
             raise ValueError("a tensor-parallel engine runs without overlap and decode graphs (yet)")
         self.leader = leader
+
+    def _lockstep(self) -> contextlib.AbstractContextManager:
+        """Around rank 0's part of a step the other tensor-parallel ranks run too: a failure
+        there ends them all (Leader.lockstep); nothing on one rank."""
+        return self.leader.lockstep() if self.leader is not None else contextlib.nullcontext()
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         mode, cfg = self.config.decode_graphs, self.cfg
@@ -241,7 +311,9 @@ class Engine:
         A step that raises (out of device memory, a kernel error) aborts the requests of the
         plans in flight, with the error in `RequestOutput.error`; their blocks go back and none
         of the KV those plans were to write stays in the prefix cache (`discard_inflight`).
-        Every other request goes on. `failures` counts failed steps in a row. A failure of one
+        Every other request goes on (on several tensor-parallel ranks, a failure of rank 0's
+        copies or forward leaves the ranks out of step: every later step fails, see `lead`).
+        `failures` counts failed steps in a row. A failure of one
         request's own bookkeeping once its token is fed (its grammar rejects the token) aborts
         that request alone, with the error (`_fail_request`); the step does not fail."""
         touched: dict[int, RequestOutput] = {}
@@ -260,7 +332,8 @@ class Engine:
         touched |= self._finished(plan)
         if self.leader is not None:
             self.leader.send(plan)
-        self.pool.apply(plan.copies)  # a plan may carry copies (restores) and no rows
+        with self._lockstep():
+            self.pool.apply(plan.copies)  # a plan may carry copies (restores) and no rows
         prev = self._inflight if self.overlap else None
         if prev is not None and self.matchers and self.matchers.constrains(_sampled(plan)):
             touched |= self._collect(prev)  # a grammar's next mask needs the token just drawn
@@ -299,10 +372,13 @@ class Engine:
             logits = self.graphs.run(plan, fill)  # [R, V] fp32
             self.stats["graph_steps"] += 1
         else:
-            ctx = build_context(plan, self.pool.views, self.config.block_size, self.device, self.pool.slots)
-            if fill is not None:
-                fill_tokens(ctx.input_ids, *fill)
-            logits = self.model(ctx)  # [S, V] fp32
+            with self._lockstep():
+                ctx = build_context(
+                    plan, self.pool.views, self.config.block_size, self.device, self.pool.slots
+                )
+                if fill is not None:
+                    fill_tokens(ctx.input_ids, *fill)
+                logits = self.model(ctx)  # [S, V] fp32
         sample = np.asarray(plan.sample, dtype=np.int32).copy()
         req_ids = np.asarray(plan.req_ids).copy()
         sample_ids = req_ids[sample.astype(bool)].tolist()

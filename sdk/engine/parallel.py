@@ -1,11 +1,13 @@
 """The processes of a tensor-parallel model on torch.distributed: one process a rank (a device:
 NCCL on GPUs, gloo on CPUs), started here or by `torchrun`. `run_ranks` starts them on this
 host and watches them: a rank that raises or exits ends them all with an error naming it, and
-one that hangs past the deadline ends them all the same way, never a silent wait.
+one that hangs past the deadline ends them all the same way, never a silent wait. A rank whose
+step fails leaves word in the group's store (`report_failure`), which rank 0 reads to name it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -48,14 +50,38 @@ def init_group(
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{addr}:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    return TpGroup(size, rank, dist.group.WORLD)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # the store init_method would make (rank 0 serves it; torchrun's agent under torchrun), kept
+    store, _, _ = next(dist.rendezvous(f"tcp://{addr}:{port}", rank, size, timeout=timeout))
+    store.set_timeout(timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    return TpGroup(size, rank, dist.group.WORLD, store)
+
+
+# the store's keys: how many ranks reported a failure, and each report in the order they came
+# (the first is the origin: the others fail after it, when its connections close)
+_COUNT, _FAILED = "dayzero/failures", "dayzero/failed/{}"
+
+
+def report_failure(tp: TpGroup, why: str) -> None:
+    """Leave word in the group's store that this rank failed, and why (rank 0 names it)."""
+    if tp.store is None:
+        return
+    try:
+        tp.store.set_timeout(datetime.timedelta(seconds=5))  # a store gone with rank 0: no long wait
+        tp.store.set(_FAILED.format(tp.store.add(_COUNT, 1)), why)
+    except Exception as e:  # rank 0 (the store) is gone too: nobody is left to tell
+        log.warning("tensor-parallel rank %d could not report its failure: %s", tp.rank, e)
+
+
+def reported_failure(tp: TpGroup) -> str | None:
+    """The first failure a rank reported through the store; None if none (yet)."""
+    if tp.store is None:
+        return None
+    with contextlib.suppress(Exception):  # a store that cannot answer holds nothing to say
+        if tp.store.check([_FAILED.format(1)]):
+            return tp.store.get(_FAILED.format(1)).decode()
+    return None
 
 
 def _entry(rank: int, fn: Callable, size: int, port: int, args: tuple) -> None:
@@ -88,13 +114,18 @@ def run_ranks(fn: Callable, size: int, args: tuple = (), timeout_s: float = 600)
         _end(ctx.processes)
 
 
-def _end(processes) -> None:
-    """Terminate the processes still running and reap them all."""
+def _end(processes, grace_s: float = 5) -> None:
+    """Terminate the processes still running, kill those still running grace_s later (a
+    follower ignores SIGTERM: rank 0 acts on it), reap them all."""
     for p in processes:
         if p.is_alive():
             p.terminate()
+    deadline = time.monotonic() + grace_s
     for p in processes:
-        p.join(5)
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(5)
 
 
 @dataclass(frozen=True)
@@ -207,18 +238,20 @@ class Followers:
 
     def join(self, timeout_s: float = 30) -> None:
         """Wait for the ranks to end (after rank 0 sent STOP); a rank still running at the
-        deadline is terminated, named in the log."""
+        deadline is killed, named in the log."""
         self._joining = True
         deadline = time.monotonic() + timeout_s
         for i, p in enumerate(self.ctx.processes):
             p.join(max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 log.error(
-                    "tensor-parallel rank %d running %.0f s after stop; terminated", self.ranks[i], timeout_s
+                    "tensor-parallel rank %d running %.0f s after stop; killed", self.ranks[i], timeout_s
                 )
-                p.terminate()
+                p.kill()  # it ignores SIGTERM (rank 0's to act on)
                 p.join(5)
 
-    def terminate(self) -> None:
+    def terminate(self, grace_s: float = 2) -> None:
+        """End the ranks still running: killed grace_s from now (they ignore SIGTERM, rank 0's
+        to act on; a rank whose step failed exits by itself meanwhile)."""
         self._joining = True
-        _end(self.ctx.processes)
+        _end(self.ctx.processes, grace_s)

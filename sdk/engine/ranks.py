@@ -10,7 +10,8 @@ the arrays in FIELDS' order, then the plan's copies in COPIES' order, then the b
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
 import numpy as np
@@ -66,24 +67,45 @@ def decode(words: torch.Tensor) -> tuple[int, SimpleNamespace | None]:
     return kind, plan
 
 
+class StepFailed(RuntimeError):
+    """A rank other than 0 failed to run a plan (its own error, not a lost rank 0); the message
+    names the rank, the step and the error."""
+
+
 class Leader:
     """Rank 0's end: `send(plan)` before rank 0 runs it, `stop()` once (the others return). A
-    send that fails (a rank is gone) is reported to on_failure, then raised."""
+    send that fails (a rank is gone), or a failure of rank 0's part of a step (`lockstep`), is
+    reported to on_failure, then raised; every later step fails the same way."""
 
     def __init__(self, group, on_failure: Callable[[str], None] | None = None) -> None:
         self.group, self.on_failure = group, on_failure
         self.stopped = False
-        self.broken: str | None = None  # why a send failed: every later step fails the same way
+        self.broken: str | None = None  # why the ranks are no longer in step
+
+    def fail(self, why: str) -> None:
+        first = self.broken is None
+        self.broken = self.broken or why
+        if first and self.on_failure is not None:
+            self.on_failure(self.broken)
+
+    @contextlib.contextmanager
+    def lockstep(self) -> Iterator[None]:
+        """Rank 0's part of a step that every rank runs (its KV copies, its forward pass). One
+        that raises leaves the others in a collective rank 0 never joins (or rank 0's
+        collective failed: a rank is gone), so the ranks are out of step for good: the failure
+        is reported (the server stops and ends the ranks), then raised."""
+        try:
+            yield
+        except Exception as e:
+            self.fail(f"tensor-parallel rank 0's step failed: {type(e).__name__}: {e}".splitlines()[0])
+            raise
 
     def _broadcast(self, msg: torch.Tensor) -> None:
         try:
             dist.broadcast(torch.tensor([msg.numel()], dtype=torch.int64), 0, group=self.group)
             dist.broadcast(msg, 0, group=self.group)
         except Exception as e:  # gloo: a peer closed the connection, or the wait timed out
-            first = self.broken is None
-            self.broken = f"a tensor-parallel rank stopped answering rank 0: {e}".splitlines()[0]
-            if first and self.on_failure is not None:
-                self.on_failure(self.broken)
+            self.fail(f"a tensor-parallel rank stopped answering rank 0: {e}".splitlines()[0])
             raise RuntimeError(self.broken) from None
 
     def send(self, plan) -> None:
@@ -95,6 +117,23 @@ class Leader:
         if not self.stopped:
             self.stopped = True
             self._broadcast(encode(STOP))
+
+
+def from_leader(obj, group):
+    """Rank 0's `obj` (picklable), on every rank of `group`."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def smallest(values: tuple[int, ...], group) -> tuple[tuple[int, ...], int]:
+    """The minimum over the ranks of `group` of each of values (non-negative, each rank its own),
+    and the rank that holds the first one's (the lowest of them at a tie): one all-reduce."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    t = torch.tensor([v * size + rank for v in values], dtype=torch.int64)  # the rank in the low digit
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    low = t.tolist()
+    return tuple(v // size for v in low), low[0] % size
 
 
 def receive(group) -> tuple[int, SimpleNamespace | None]:
@@ -109,17 +148,24 @@ def receive(group) -> tuple[int, SimpleNamespace | None]:
 def follow(engine, group) -> int:
     """A rank other than 0: run every plan rank 0 sends on this rank's shard (its KV copies, the
     forward pass) until it sends STOP; returns the steps run. `engine` is this rank's Engine
-    (its KV pool and model; its own scheduler is never stepped)."""
+    (its KV pool and model; its own scheduler is never stepped). A plan that fails here raises
+    StepFailed: rank 0 waits in a collective this rank never joins, so it must exit (which ends
+    rank 0's wait at once on gloo) rather than go on."""
     steps = 0
     while True:
         kind, plan = receive(group)
         if kind == STOP:
             return steps
-        engine.pool.apply(plan.copies)
-        if plan.rows:
-            ctx = build_context(
-                plan, engine.pool.views, engine.config.block_size, engine.device, engine.pool.slots
-            )
-            engine.model(ctx)  # the collectives of rank 0's forward; the logits are rank 0's to use
-        engine.pool.apply_after(plan.copies)
+        try:
+            engine.pool.apply(plan.copies)
+            if plan.rows:
+                ctx = build_context(
+                    plan, engine.pool.views, engine.config.block_size, engine.device, engine.pool.slots
+                )
+                engine.model(ctx)  # the collectives of rank 0's forward; the logits are rank 0's to use
+            engine.pool.apply_after(plan.copies)
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}".splitlines()[0]
+            rank = dist.get_rank(group)
+            raise StepFailed(f"tensor-parallel rank {rank} failed in step {steps + 1}: {why}") from e
         steps += 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -41,7 +42,9 @@ def refuse_unsupported_flags(args: argparse.Namespace) -> None:
         )
 
 
-def engine_config(args: argparse.Namespace, device: str):
+def engine_config(args: argparse.Namespace, device: str, _cfg=None):
+    """The flags' engine; as LLM's `engine` (called with the model config, `_cfg`) every
+    tensor-parallel rank evaluates it, so each measures its own free device memory."""
     import torch
 
     from dayzero.sdk.engine.engine import EngineConfig
@@ -96,14 +99,12 @@ def load(args: argparse.Namespace, template: str | None = None, launch=None):
             raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's {limit}")
         startup.probe_template(llm.tokenizer, template)
 
-    def sized(_cfg):  # called by LLM once the weights are resident (free device memory is known)
-        return engine_config(args, device)
-
     llm = LLM(
         args.model,
         device=device,
         dtype=args.dtype,
-        engine=sized,
+        # called by every rank once its weights are resident (its free device memory is known)
+        engine=functools.partial(engine_config, args, device),
         family=args.family,
         quantization=args.quantization,
         quantize_activations=args.quantize_activations,
@@ -158,8 +159,12 @@ def follow(args: argparse.Namespace, launch) -> int:
         signal.signal(sig, signal.SIG_IGN)
     llm, _ = load(args, None, launch)
     log.info("tensor-parallel rank %d of %d: following rank 0", llm.rank, launch.size)
+    from dayzero.sdk.engine.parallel import RankError  # like torch: not at CLI start-up
+
     try:
         steps = llm.follow()
+    except RankError:  # a step failed on this rank: logged and reported to rank 0 already
+        return 1
     except RuntimeError as e:  # gloo: rank 0's connection closed (its host died) or timed out
         log.error("tensor-parallel rank %d: lost rank 0: %s", llm.rank, str(e).splitlines()[0])
         return 1
