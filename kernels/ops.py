@@ -144,6 +144,15 @@ declare_op(
     "pooled indexer: scores over pooled groups of cached keys -> top groups (+ tail) positions [T, K]",
     features={"tail"},
 )
+# the indexers' two halves, for heads split over tensor-parallel ranks: partial scores, summed
+# over the ranks (all-reduce), then the same top-k on every rank
+declare_op("dsa_scores", "lightning indexer scores [T, L] fp32 by key position (-inf: not visible)")
+declare_op("kpool_scores", "pooled indexer scores [T, M] fp32 by pool of keys (-inf: not visible)")
+declare_op(
+    "index_topk",
+    "indexer scores [T, M] over groups of P keys -> the top groups' positions (+ tail) [T, K]",
+    features={"tail"},
+)
 declare_op("short_conv", "causal depthwise conv over each row, continuing its state; silu", features={"silu"})
 declare_op(
     "kda_recurrence",

@@ -339,3 +339,47 @@ def test_rotate_half_indexer_matches_deepseek_v32(seed: int) -> None:
     s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
     assert _tie_free(s, topk), f"seed {seed}: the inputs tie at the top-{topk} boundary; pick another seed"
     assert _sets(got) == [{j for j in row if j <= t} for t, row in enumerate(want[0].tolist())]
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_indexer_scores_split_by_head_sum_to_the_whole(seed: int) -> None:
+    """What tensor-parallel ranks compute (sdk/blocks/mla.py): the scores of each half of the
+    indexer heads (dsa_scores / kpool_scores, reference) sum to the scores of all heads within
+    fp32 rounding, and index_topk of the whole scores is the fused op's selection (dsa_index /
+    kpool_index), on two rows of a paged cache: a prefill chunk of 20 tokens after 9 cached, and
+    a decode token at position 37 (-inf past each row's keys)."""
+    from dayzero.kernels.ops import PagedMeta
+    from dayzero.kernels.reference import mla as ref
+
+    g = torch.Generator().manual_seed(seed)
+    heads, di, pool, block = 4, 8, 4, 8
+    kv = (29, 38)
+    meta = PagedMeta(
+        query_start=torch.tensor([0, 20, 21]),
+        kv_lens=torch.tensor(kv),
+        positions=torch.cat((torch.arange(9, 29), torch.tensor([37]))),
+        block_table=torch.tensor([[0, 1, 2, 3, -1], [4, 5, 6, 7, 8]]),
+        slots=torch.cat((torch.arange(9, 29), torch.tensor([4 * block + 37]))),
+        block_size=block,
+        query_start_cpu=(0, 20, 21),
+        kv_lens_cpu=kv,
+    )
+    q = torch.randn(21, heads, di, generator=g)  # [T, Hi, Di]
+    w = torch.randn(21, heads, generator=g)  # [T, Hi]
+    cache = torch.randn(9 * block, 2 * di, generator=g)  # [N, 2 Di]: index key ; pool gate
+    ape = torch.randn(pool, di, generator=g)
+    halves = (slice(0, heads // 2), slice(heads // 2, heads))
+    whole = ref.dsa_scores(q, w, cache[:, :di], meta, di**-0.5)  # [T, 38]
+    parts = sum(ref.dsa_scores(q[:, h], w[:, h], cache[:, :di], meta, di**-0.5) for h in halves)
+    assert whole.shape == (21, 38) and torch.isinf(whole[:20, 29:]).all()  # row 0 has 29 keys
+    assert torch.equal(torch.isinf(parts), torch.isinf(whole))
+    assert (parts - whole)[torch.isfinite(whole)].abs().max() < 1e-5
+    fused = ref.dsa_index(q, w, cache[:, :di], meta, 6, di**-0.5)
+    assert torch.equal(ref.index_topk(whole, meta.positions, 6), fused)
+    pooled = ref.kpool_scores(q, w, cache, ape, meta, pool, di**-0.5)  # [T, 9]
+    parts = sum(ref.kpool_scores(q[:, h], w[:, h], cache, ape, meta, pool, di**-0.5) for h in halves)
+    assert pooled.shape == (21, 9) and torch.equal(torch.isinf(parts), torch.isinf(pooled))
+    assert (parts - pooled)[torch.isfinite(pooled)].abs().max() < 1e-5
+    fused = ref.kpool_index(q, w, cache, ape, meta, 8, pool, di**-0.5, True)
+    assert torch.equal(ref.index_topk(pooled, meta.positions, 8, pool, True), fused)
+    assert fused.shape == (21, 8 + pool - 1) and (fused[-1, :8] >= 0).all()  # two whole pools of 9

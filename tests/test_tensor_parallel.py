@@ -19,10 +19,19 @@ from dayzero.sdk.parity.tiny import write_tiny
 TOL = 1e-5  # relative to the largest |logit|: fp32 sums in another order (the all-reduce)
 
 
+# the sparse indexers prune: top-k 16 of prompts of 9-63 tokens (+ 12 generated); KPool pools of
+# 4 (top 4 pools + the query's incomplete one)
+PRUNING = {
+    "glm53": {"index_topk": 16},
+    "glm53_flash": {"text_config": {"index_topk": 16, "index_kpool": 4}},
+}
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     base = tmp_path_factory.mktemp("tp")
-    return {f: write_tiny(f, base / f, seed=11) for f in ("llama", "beam", "glm53", "glm53_flash")}
+    families = ("llama", "beam", "glm53", "glm53_flash")
+    return {f: write_tiny(f, base / f, seed=11, overrides=PRUNING.get(f)) for f in families}
 
 
 # (family, ranks, expert parallel, seed); the engine: CHECK_ENGINE (chunks, prefix hits, a KV pool
@@ -33,9 +42,9 @@ CASES = [
     ("beam", 2, False, 2),
     ("beam", 2, True, 3),
     ("beam", 4, True, 4),
-    ("glm53", 2, False, 5),  # MLA by head (latents and the DSA indexer replicated), MoE split
+    ("glm53", 2, False, 5),  # MLA and the DSA indexer by head (latents, index keys replicated), MoE split
     ("glm53", 4, True, 6),
-    ("glm53_flash", 2, False, 8),  # + KDA by head with its state, hyper-connections replicated
+    ("glm53_flash", 2, False, 8),  # + KPool by head, KDA by head with its state, hyper-connections replicated
     ("glm53_flash", 4, True, 9),
 ]
 
@@ -78,7 +87,17 @@ def test_what_does_not_shard_is_refused_by_name(checkpoints):
         )
     with pytest.raises(SpecError, match="510 rows do not split over tensor-parallel size 4"):
         llama.family.config(llama.hf | {"vocab_size": 510}, par=Parallel(4, 1))
+    glm = open_checkpoint(checkpoints["glm53"])
+    with pytest.raises(
+        SpecError, match=r"dsa indexer heads \(6\) does not split over tensor-parallel size 4"
+    ):
+        glm.family.config(glm.hf | {"index_n_heads": 6}, par=Parallel(4, 1))
     flash = open_checkpoint(checkpoints["glm53_flash"])
+    text = flash.hf["text_config"]
+    with pytest.raises(
+        SpecError, match=r"kpool indexer heads \(2\) does not split over tensor-parallel size 4"
+    ):
+        flash.family.config(flash.hf | {"text_config": text | {"index_n_heads": 2}}, par=Parallel(4, 0))
     with pytest.raises(SpecError, match=r"KDA heads \(4\) does not split over tensor-parallel size 8"):
         flash.family.config(
             flash.hf | {"text_config": flash.hf["text_config"] | {"num_attention_heads": 8}},
@@ -117,6 +136,28 @@ def test_a_rank_loads_its_slices_and_a_fused_tensor_is_refused(checkpoints):
         WeightError, match=r"writes layers\.0\.attn\.in_proj whole, which tensor parallelism splits by part"
     ):
         writer.write("fused_qkv", Target("layers.0.attn.in_proj", (), None), fused)
+
+
+def test_a_rank_holds_its_indexer_heads(checkpoints):
+    """Rank 1 of 2 of GLM-5.3 holds the second half of the DSA indexer's query heads (rows of
+    wq_b) and of their weights (rows of weights_proj), the index key projection whole."""
+    from safetensors.torch import load_file
+
+    from dayzero.kernels.collective import TpGroup
+    from dayzero.sdk.config.model import Parallel
+    from dayzero.sdk.families import build
+    from dayzero.sdk.loader import load_weights, open_checkpoint
+
+    ckpt = open_checkpoint(checkpoints["glm53"])
+    cfg = ckpt.family.config(ckpt.hf, par=Parallel(2, 1))
+    model, _ = build(ckpt.family, cfg, ckpt.hf, torch.device("cpu"), torch.float32, tp=TpGroup(2, 1))
+    load_weights(model, ckpt, progress=False)
+    full = load_file(checkpoints["glm53"] / "model.safetensors")
+    attn, name = model.layers[0].attn, "model.layers.0.self_attn.indexer"
+    assert attn.cfg.indexer.heads == 2  # of 4, head_dim 16
+    assert torch.equal(attn.index_q, full[f"{name}.wq_b.weight"][32:])
+    assert torch.equal(attn.index_weights, full[f"{name}.weights_proj.weight"][2:].float())
+    assert torch.equal(attn.index_k, full[f"{name}.wk.weight"])
 
 
 def _fail_on_one(rank: int, size: int, port: int) -> None:

@@ -73,25 +73,98 @@ def _topk_positions(score: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Ten
     return torch.nn.functional.pad(out, (0, k - width), value=-1)
 
 
+def _dsa_row_scores(q, weights, keys, scale):
+    """I[t, j] = sum_h weights[t, h] relu(scale <q[t, h], keys[j]>): q [n, Hi, Di], weights
+    [n, Hi], keys [L, Di] -> [n, L] fp32."""
+    s = torch.relu(torch.einsum("thd,ld->thl", q.float(), keys.float()) * scale)
+    return torch.einsum("th,thl->tl", weights.float(), s)
+
+
+@register("dsa_scores", "reference")
+def dsa_scores(
+    q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, meta: PagedMeta, scale: float
+) -> torch.Tensor:
+    """The lightning indexer's scores, by key position (the part of dsa_index before its top-k).
+
+    I[t, j] = sum_h weights[t, h] * relu(scale * <q[t, h], k[j]>)    over cached j <= p_t (fp32)
+    q [T, Hi, Di], weights [T, Hi] fp32, k_cache [N, Di] -> [T, L] fp32, L the step's longest
+    row, column j key position j, -inf where j is not visible (j > p_t, or past the row). A sum
+    over heads: heads split over ranks give partial scores whose sum is the whole one.
+    """
+    width = max((kv for *_, kv in _rows(meta)), default=0)
+    out = torch.full((q.shape[0], width), float("-inf"), dtype=torch.float32, device=q.device)
+    for r, a, b, kv_len in _rows(meta):
+        pos_k, slots = row_slots(meta, r, 0, kv_len)
+        score = _dsa_row_scores(q[a:b], weights[a:b], k_cache[slots], scale)  # [n, L_kv]
+        out[a:b, pos_k] = score.masked_fill(pos_k[None, :] > meta.positions[a:b, None], float("-inf"))
+    return out
+
+
+@register("kpool_scores", "reference")
+def kpool_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    cache: torch.Tensor,
+    ape: torch.Tensor,
+    meta: PagedMeta,
+    pool: int,
+    scale: float,
+) -> torch.Tensor:
+    """The pooled (KPool) indexer's scores, by pool (the part of kpool_index before its top-k).
+
+    cache [N, 2 Di] holds k (the index key) and g (its pooling gate) per token. Complete pool m
+    covers positions [m P, (m + 1) P); its key is
+        K_m = sum_{i < P} softmax_i(g[mP + i] + ape[i]) * k[mP + i]      (softmax per channel)
+    I[t, m] = sum_h weights[t, h] * relu(scale * <q[t, h], K_m>) (fp32)
+    q [T, Hi, Di], weights [T, Hi] fp32, ape [P, Di] -> [T, M] fp32, M the step's most complete
+    pools of a row, -inf where pool m ends after p_t (or is past the row's).
+    """
+    di = q.shape[-1]
+    width = max((kv // pool for *_, kv in _rows(meta)), default=0)
+    out = torch.full((q.shape[0], width), float("-inf"), dtype=torch.float32, device=q.device)
+    for r, a, b, kv_len in _rows(meta):
+        n_pools = kv_len // pool
+        if not n_pools:
+            continue
+        _, slots = row_slots(meta, r, 0, n_pools * pool)
+        rows = cache[slots].view(n_pools, pool, 2 * di)
+        keys, gate = rows[..., :di], rows[..., di:]
+        prob = torch.softmax(gate.float() + ape.float(), dim=1).to(keys.dtype)  # [M, P, Di]
+        score = _dsa_row_scores(q[a:b], weights[a:b], (prob * keys).sum(1), scale)  # [n, M]
+        ends = torch.arange(n_pools, device=q.device) * pool + pool - 1
+        out[a:b, :n_pools] = score.masked_fill(ends[None, :] > meta.positions[a:b, None], float("-inf"))
+    return out
+
+
+@register("index_topk", "reference")
+def index_topk(
+    scores: torch.Tensor, positions: torch.Tensor, topk: int, pool: int = 1, tail: bool = False
+) -> torch.Tensor:
+    """A sparse indexer's selection from its scores: scores [T, M] fp32 over groups of `pool`
+    consecutive key positions (column m: positions [m P, (m + 1) P); -inf: not visible; P = 1:
+    single keys, DSA), positions [T] the queries' -> the positions of the topk / P best groups
+    [T, topk], -1 where fewer are visible; with `tail` + the positions of the query's
+    incomplete group [P floor((p_t + 1) / P), p_t] ([T, P - 1] more, -1 padded).
+    """
+    best = _topk_positions(scores, torch.arange(scores.shape[1], device=scores.device), topk // pool)
+    span = torch.arange(pool, device=scores.device)
+    out = torch.where(best[..., None] >= 0, best[..., None] * pool + span, -1).flatten(1)  # [T, topk]
+    if not tail:
+        return out
+    t = (positions + 1) // pool * pool
+    t = t[:, None] + torch.arange(pool - 1, device=scores.device)  # [T, P - 1]
+    return torch.cat((out, torch.where(t <= positions[:, None], t, -1)), dim=1)
+
+
 @register("dsa_index", "reference")
 def dsa_index(
     q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, meta: PagedMeta, topk: int, scale: float
 ) -> torch.Tensor:
-    """The lightning indexer's selection (DeepSeek sparse attention).
-
-    I[t, j] = sum_h weights[t, h] * relu(scale * <q[t, h], k[j]>)    over cached j <= p_t (fp32)
-    returns the positions of the top-k I[t, :] ([T, topk], -1 padded when fewer are visible).
+    """The lightning indexer's selection (DeepSeek sparse attention): the positions of the top-k
+    dsa_scores of each query ([T, topk], -1 padded when fewer are visible).
     q [T, Hi, Di], weights [T, Hi] fp32, k_cache [N, Di].
     """
-    out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
-    for r, a, b, kv_len in _rows(meta):
-        pos_k, slots = row_slots(meta, r, 0, kv_len)
-        keys = k_cache[slots].float()  # [L, Di]
-        s = torch.relu(torch.einsum("thd,ld->thl", q[a:b].float(), keys) * scale)
-        score = torch.einsum("th,thl->tl", weights[a:b].float(), s)
-        score = score.masked_fill(pos_k[None, :] > meta.positions[a:b, None], float("-inf"))
-        out[a:b] = _topk_positions(score, pos_k, topk)
-    return out
+    return index_topk(dsa_scores(q, weights, k_cache, meta, scale), meta.positions, topk)
 
 
 @register("kpool_index", "reference")
@@ -106,39 +179,9 @@ def kpool_index(
     scale: float,
     tail: bool = True,
 ) -> torch.Tensor:
-    """The pooled (KPool) indexer: scores groups of `pool` consecutive keys, not single keys.
-
-    cache [N, 2 Di] holds k (the index key) and g (its pooling gate) per token. Complete pool m
-    covers positions [m P, (m + 1) P); its key is
-        K_m = sum_{i < P} softmax_i(g[mP + i] + ape[i]) * k[mP + i]      (softmax per channel)
-    I[t, m] = sum_h weights[t, h] * relu(scale * <q[t, h], K_m>), over pools ending at or before
-    p_t; the topk / P best pools' positions are selected, plus (tail) the positions of the
-    query's incomplete pool [P floor((p_t + 1) / P), p_t].
+    """The pooled (KPool) indexer: the topk / P best pools of kpool_scores, each pool's positions,
+    plus (tail) the positions of the query's incomplete pool [P floor((p_t + 1) / P), p_t].
     q [T, Hi, Di], weights [T, Hi] fp32, ape [P, Di] -> [T, topk (+ P - 1)] positions, -1 padded.
     """
-    di = q.shape[-1]
-    keep = topk // pool
-    width = topk + (pool - 1 if tail else 0)
-    out = torch.full((q.shape[0], width), -1, dtype=torch.int64, device=q.device)
-    for r, a, b, kv_len in _rows(meta):
-        n_pools = kv_len // pool
-        p_t = meta.positions[a:b]
-        if n_pools:
-            _, slots = row_slots(meta, r, 0, n_pools * pool)
-            rows = cache[slots].view(n_pools, pool, 2 * di)
-            keys, gate = rows[..., :di], rows[..., di:]
-            prob = torch.softmax(gate.float() + ape.float(), dim=1).to(keys.dtype)  # [M, P, Di]
-            pooled = (prob * keys).sum(1)  # [M, Di]
-            s = torch.relu(torch.einsum("thd,md->thm", q[a:b].float(), pooled.float()) * scale)
-            score = torch.einsum("th,thm->tm", weights[a:b].float(), s)
-            ends = torch.arange(n_pools, device=q.device) * pool + pool - 1
-            score = score.masked_fill(ends[None, :] > p_t[:, None], float("-inf"))
-            best = _topk_positions(score, torch.arange(n_pools, device=q.device), keep)  # [n, keep]
-            span = torch.arange(pool, device=q.device)
-            toks = torch.where(best[..., None] >= 0, best[..., None] * pool + span, -1)
-            out[a:b, :topk] = toks.flatten(1)[:, :topk]
-        if tail:
-            start = (p_t + 1) // pool * pool  # [n]
-            t = start[:, None] + torch.arange(pool - 1, device=q.device)
-            out[a:b, topk:] = torch.where(t <= p_t[:, None], t, -1)
-    return out
+    scores = kpool_scores(q, weights, cache, ape, meta, pool, scale)
+    return index_topk(scores, meta.positions, topk, pool, tail)

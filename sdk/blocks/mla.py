@@ -100,9 +100,12 @@ class MlaAttention(nn.Module):
     w = x W_iw / sqrt(Hi). A `reuse` layer attends to the last indexer layer's S(t).
 
     Tensor parallel over P ranks: each rank holds H / P heads (its rows of W_qb, or of W_q, and
-    of W_kvb, its columns of W_o); the latents, their cache and the indexer are replicated, so
-    every rank caches the same [c ; k_r] and selects the same keys; y = sum over ranks of
-    o_r W_o,r (all-reduce), + b_o once.
+    of W_kvb, its columns of W_o) and Hi / P indexer heads (its rows of W_iq and W_iw); the
+    latents, the index key (W_ik, its norm, the pool gate and ape) and their caches are
+    replicated, so every rank caches the same [c ; k_r] and k_i. Each rank scores with its
+    indexer heads (I_r: the sum above over its h, w still scaled by the whole 1 / sqrt(Hi)),
+    I = sum over ranks of I_r (all-reduce), and every rank takes the same top-k of I;
+    y = sum over ranks of o_r W_o,r (all-reduce), + b_o once.
     """
 
     fp32_params = ("index_weights",)  # the indexer's head weights stay fp32 in every dtype
@@ -158,6 +161,11 @@ class MlaAttention(nn.Module):
             "o_proj": {"": Slice(-1, p.rank * h * cfg.v_dim, h * cfg.v_dim)},
         }
         q = Slice(-2, p.rank * h * dq, h * dq)
+        ix = cfg.indexer
+        if ix is not None and not ix.reuse:  # the indexer's query heads and their weights
+            hi, di = ix.heads, ix.head_dim
+            out["index_q"] = {"": Slice(-2, p.rank * hi * di, hi * di)}
+            out["index_weights"] = {"": Slice(-2, p.rank * hi, hi)}
         if cfg.q_lora:
             out["q_b"] = {"": q}
         else:  # q = x W_q sits in a_proj's q part: split by head, the kv latent replicated
@@ -233,17 +241,27 @@ class MlaAttention(nn.Module):
         if self.cfg.rope_dim:
             qi = self._rope(qi, ctx.positions, ix.rope_interleaved)
             ki = self._rope(ki[:, None, :], ctx.positions, ix.rope_interleaved)[:, 0]
-        w = ops.linear(x.float(), self.index_weights) * ix.heads**-0.5  # [T, Hi] fp32
+        p = self.cfg.par
+        w = ops.linear(x.float(), self.index_weights) * (ix.heads * p.size) ** -0.5  # [T, Hi] fp32
         g, off = self.index_cache
         meta = ctx.paged[g]
         if ix.kind == "dsa":
             cache = ctx.caches[g][:, off : off + di]
             ops.cache_write(ki, cache, meta.slots)
-            sel = ops.dsa_index(qi, w, cache, meta, ix.topk, di**-0.5)
+            if p.size == 1:
+                sel = ops.dsa_index(qi, w, cache, meta, ix.topk, di**-0.5)
+            else:  # this rank's heads' part of I, summed over the ranks: [T, L]
+                score = ops.tp.all_reduce(ops.dsa_scores(qi, w, cache, meta, di**-0.5))
+                sel = ops.index_topk(score, meta.positions, ix.topk)
         else:
             cache = ctx.caches[g][:, off : off + 2 * di]
             ops.cache_write(torch.cat((ki, ops.linear(x, self.pool_gate)), dim=-1), cache, meta.slots)
-            sel = ops.kpool_index(qi, w, cache, self.pool_ape, meta, ix.topk, ix.pool, di**-0.5, ix.tail)
+            if p.size == 1:
+                sel = ops.kpool_index(qi, w, cache, self.pool_ape, meta, ix.topk, ix.pool, di**-0.5, ix.tail)
+            else:  # by pool: [T, M]
+                score = ops.kpool_scores(qi, w, cache, self.pool_ape, meta, ix.pool, di**-0.5)
+                score = ops.tp.all_reduce(score)
+                sel = ops.index_topk(score, meta.positions, ix.topk, ix.pool, ix.tail)
         ctx.shared[SELECTION] = sel
         return sel
 
@@ -301,7 +319,10 @@ def _resolve(o: MlaOpts, val) -> MlaCfg:
 
 
 def _shard(c: MlaCfg, par: Parallel) -> MlaCfg:
-    return dataclasses.replace(c, heads=par.even(c.heads, "MLA heads"), par=par)
+    ix = c.indexer
+    if ix is not None:
+        ix = dataclasses.replace(ix, heads=par.even(ix.heads, f"{ix.kind} indexer heads"))
+    return dataclasses.replace(c, heads=par.even(c.heads, "MLA heads"), indexer=ix, par=par)
 
 
 def _needs(c: MlaCfg):
@@ -317,10 +338,13 @@ def _needs(c: MlaCfg):
         out.append(("rope", frozenset({"neox"}) if neox else frozenset(), None))
     if ix and not ix.reuse:
         out.append(("layer_norm", frozenset(), None))
-        if ix.kind == "dsa":
+        tail = frozenset({"tail"} if ix.kind == "kpool" and ix.tail else ())
+        if c.par.size > 1:  # scores of this rank's heads, summed over the ranks, then the top-k
+            out += [(f"{ix.kind}_scores", frozenset(), None), ("index_topk", tail, None)]
+        elif ix.kind == "dsa":
             out.append(("dsa_index", frozenset(), None))
         else:
-            out.append(("kpool_index", frozenset({"tail"} if ix.tail else ()), None))
+            out.append(("kpool_index", tail, None))
     return out
 
 
