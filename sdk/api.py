@@ -267,11 +267,11 @@ class LLM:
             atexit.register(self.close)
         self.load_seconds = time.perf_counter() - t0
 
-    def _rank_failed(self, why: str) -> None:
+    def _rank_failed(self, why: str) -> str:
         """A rank is gone (the watcher), stopped answering (rank 0's send) or a step failed
         (rank 0's own, or its collective: a rank is gone): the rank and its error are named as
         the failing rank reported them (the store), else the rank this host started that exited
-        (a failed send or step waits a moment for either)."""
+        (a failed send or step waits a moment for either); returns that name."""
         first = self.rank_failure is None
         followers = self.followers
         for _ in range(20):
@@ -283,6 +283,7 @@ class LLM:
         self.rank_failure = named or self.rank_failure or why
         if first and self.on_rank_failure is not None:
             self.on_rank_failure(self.rank_failure)
+        return self.rank_failure
 
     def follow(self) -> int:
         """A rank other than 0: run rank 0's plans on this shard until it stops (steps run). A

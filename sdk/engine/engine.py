@@ -353,6 +353,8 @@ class Engine:
         else:
             log.exception("engine step failed; aborting the requests of the plans in flight")
         why = f"internal error in the engine step: {type(err).__name__}: {err}"
+        if self.leader is not None and self.leader.broken is not None:  # the failing rank, named
+            why = f"internal error in the engine step: {self.leader.broken}"
         self._inflight = None
         self.failures += 1
         self.stats["failed_steps"] += 1

@@ -77,16 +77,16 @@ class Leader:
     send that fails (a rank is gone), or a failure of rank 0's part of a step (`lockstep`), is
     reported to on_failure, then raised; every later step fails the same way."""
 
-    def __init__(self, group, on_failure: Callable[[str], None] | None = None) -> None:
-        self.group, self.on_failure = group, on_failure
+    def __init__(self, group, on_failure: Callable[[str], str | None] | None = None) -> None:
+        self.group, self.on_failure = group, on_failure  # on_failure may name the cause better
         self.stopped = False
         self.broken: str | None = None  # why the ranks are no longer in step
 
     def fail(self, why: str) -> None:
-        first = self.broken is None
-        self.broken = self.broken or why
-        if first and self.on_failure is not None:
-            self.on_failure(self.broken)
+        if self.broken is None:
+            self.broken = why
+            if self.on_failure is not None:
+                self.broken = self.on_failure(why) or why
 
     @contextlib.contextmanager
     def lockstep(self) -> Iterator[None]:
