@@ -15,6 +15,7 @@ IntV = int | Ref
 FloatV = float | Ref
 BoolV = bool | Ref
 Expr = Annotated[str, StringConstraints(min_length=1)]
+Formula = Annotated[str, StringConstraints(pattern=r"^=.+")]  # an `= expression` over symbols
 
 
 class Strict(BaseModel):

@@ -16,9 +16,10 @@ from tqdm import tqdm
 from dayzero.sdk.errors import CheckpointError, WeightError
 from dayzero.sdk.families import FAMILIES, Family, family_for
 from dayzero.sdk.loader import gguf_io, safetensors_io
-from dayzero.sdk.loader.mapping import Mapping, StrictWriter
+from dayzero.sdk.loader.mapping import Mapping, Split, StrictWriter
 from dayzero.sdk.quant.config import QuantConfig, read_quant_config
 from dayzero.sdk.quant.packing import Packing, find_packing
+from dayzero.sdk.spec.assemble import layer_plan
 from dayzero.sdk.spec.resolver import Resolver
 
 log = logging.getLogger(__name__)
@@ -59,9 +60,10 @@ class Checkpoint:
             raise CheckpointError(f"family {fam.name} has no weight rules for {self.format}")
         resolver = Resolver(fam.spec, self.hf, str(self.path))
         mtp = fam.spec.spec.mtp
-        n = int(resolver.value(fam.spec.spec.layers.count))
+        plan = layer_plan(fam.spec.spec, resolver)  # block-scoped rules match a layer's blocks
+        n = len(plan)
         mtp_layers = range(n, n + int(resolver.value(mtp.layers))) if mtp else range(0)
-        return Mapping(fmt, resolver.value, mtp_layers)
+        return Mapping(fmt, resolver.value, mtp_layers, plan, str(self.path))
 
     @cached_property
     def packing(self) -> Packing | None:
@@ -184,7 +186,9 @@ def load_weights(
             target = mapping.target(weight)
             if target is not None:
                 writer.write_packed(name, target, comp, tensor, packing.config.convention)
-        elif (target := mapping.target(name)) is not None:
+        elif isinstance(target := mapping.target(name), Split):
+            writer.write_split(name, target, tensor)
+        elif target is not None:
             writer.write(name, target, tensor, sliced=name in sliced)
         del tensor  # dropped before the next tensor is read (bounds peak memory)
         bar.update(1)

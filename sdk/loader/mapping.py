@@ -3,14 +3,16 @@
 Every checkpoint tensor must match one rule (or an ignore pattern); every parameter element
 must be written exactly once. A rule target `name[sel][sel]` narrows the parameter: `[{e}]`
 picks an index along the leading dim (expert stacking), `[part]` a named slice of a fused
-parameter (its sizes come from the block's `parts`).
+parameter (its sizes come from the block's `parts`). A rule's transforms (sdk/transforms.py)
+run in order on the tensor; a splitting one last cuts it into one piece per target (`Split`).
+A block-scoped rule applies to the layers whose attention or mlp is one of its blocks.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +20,10 @@ from torch import nn
 
 from dayzero.kernels.packed import PackedWeight
 from dayzero.sdk.config.model import Slice
-from dayzero.sdk.errors import WeightError
+from dayzero.sdk.errors import SpecError, WeightError
 from dayzero.sdk.quant.layout import expected_shape, slice_component, to_rows
-from dayzero.sdk.spec.schema import WeightFormat
-from dayzero.sdk.transforms import TRANSFORMS
+from dayzero.sdk.spec.schema import WeightFormat, WeightRule
+from dayzero.sdk.transforms import TRANSFORMS, bind
 
 
 @dataclass(frozen=True)
@@ -31,21 +33,82 @@ class Target:
     transform: Callable[[torch.Tensor], torch.Tensor] | None
 
 
+@dataclass(frozen=True)
+class Split:
+    """One checkpoint tensor cut by its rule's transforms into pieces, one target each."""
+
+    parts: tuple[Target, ...]  # each without a transform of its own
+    transform: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+
+    @property
+    def param(self) -> str:
+        return self.parts[0].param
+
+
+@dataclass(frozen=True)
+class _Rule:
+    pattern: re.Pattern
+    src: str
+    to: tuple[str, ...]
+    transform: Callable | None
+    splits: bool
+    skip: bool
+    scope: frozenset[str]  # block names; empty: every layer
+
+
 _PLACEHOLDER = re.compile(r"\\\{([ie])\\\}")
 
 
+def _chain(rule: WeightRule, value: Callable, where: str, source: str) -> Callable | None:
+    """The rule's transforms, resolved and checked, as one function; a failing step raises
+    ValueError naming its kind."""
+    steps = []
+    for tf in rule.transforms:
+        try:
+            args = {k: [value(x) for x in v] if isinstance(v, list) else value(v) for k, v in tf.args.items()}
+            steps.append((tf.kind, bind(tf.kind, args)))
+        except (ArithmeticError, TypeError, ValueError) as e:  # pydantic's ValidationError too
+            if isinstance(e, SpecError):
+                raise
+            msg = str(e).splitlines()
+            raise SpecError(source, where, f"{' '.join(msg[:3])} (rule from {rule.src})") from None
+    if not steps:
+        return None
+
+    def run(w: torch.Tensor):
+        for kind, fn in steps:
+            try:
+                w = fn(w)
+            except (RuntimeError, ValueError, IndexError) as e:
+                raise ValueError(f"transform {kind}: {e}") from None
+        return w
+
+    return run
+
+
 class Mapping:
-    def __init__(self, fmt: WeightFormat, value: Callable, mtp_layers: range = range(0)) -> None:
-        self.rules = []
-        for rule in fmt.rules:
+    """A format's rules for one config; `layers`: each layer's block names (attention, mlp),
+    which block-scoped rules match against."""
+
+    def __init__(
+        self,
+        fmt: WeightFormat,
+        value: Callable,
+        mtp_layers: range = range(0),
+        layers: Sequence[tuple[str, ...]] = (),
+        source: str = "config.json",
+    ) -> None:
+        self.rules: list[_Rule] = []
+        self.layers = [tuple(b) for b in layers]
+        for ri, rule in enumerate(fmt.rules):
             skip = bool(value(rule.unless)) if rule.unless else False
             pattern = re.compile("^" + _PLACEHOLDER.sub(r"(?P<\1>\\d+)", re.escape(rule.src)) + "$")
-            tf = None
-            if rule.transform is not None:
-                fn = TRANSFORMS.get(rule.transform.kind)
-                args = {k: value(v) for k, v in rule.transform.args.items()}
-                tf = (lambda f, a: lambda w: f(w, **a))(fn, args)
-            self.rules.append((pattern, rule.to, tf, skip))
+            where = f"weights.{fmt.format}.rules.{ri}.transform"
+            tf = _chain(rule, value, where, source)
+            splits = bool(rule.transforms) and TRANSFORMS.get(rule.transforms[-1].kind).splits
+            self.rules.append(
+                _Rule(pattern, rule.src, tuple(rule.targets), tf, splits, skip, frozenset(rule.blocks))
+            )
         self.ignore = list(fmt.ignore)
         self.mtp = [p.replace("{mtp}", str(i)) for p in fmt.mtp for i in mtp_layers]
 
@@ -58,21 +121,44 @@ class Mapping:
         t = self.target(name)
         return None if t is None else t.param
 
-    def target(self, name: str) -> Target | None:
+    def target(self, name: str) -> Target | Split | None:
         """Where a checkpoint tensor goes; None when deliberately ignored."""
-        for pattern, to, tf, skip in self.rules:
-            m = pattern.match(name)
+        scoped_out: list[_Rule] = []  # rules whose pattern matched, for another layer kind
+        layer = None
+        for rule in self.rules:
+            m = rule.pattern.match(name)
             if m is None:
                 continue
-            if skip:
-                return None
             groups = m.groupdict()
-            filled = to.replace("{i}", groups.get("i", "{i}")).replace("{e}", groups.get("e", "{e}"))
-            param, *sels = re.findall(r"[^\[\]]+", filled)
-            return Target(param, tuple(int(s) if s.isdigit() else s for s in sels), tf)
+            if rule.scope:
+                layer = int(groups["i"])
+                if rule.scope.isdisjoint(self._blocks(layer)):
+                    scoped_out.append(rule)
+                    continue
+            if rule.skip:
+                return None
+            targets = tuple(self._fill(to, groups, None if rule.splits else rule.transform) for to in rule.to)
+            return Split(targets, rule.transform) if rule.splits else targets[0]
         if any(fnmatch.fnmatchcase(name, p) for p in self.ignore):
             return None
+        if scoped_out:
+            blocks = ", ".join(sorted({b for r in scoped_out for b in r.scope}))
+            kinds = " + ".join(self._blocks(layer)) or "not a layer of this config"
+            raise WeightError(
+                f"checkpoint tensor {name} matches weight rules only for layers of blocks {blocks}; "
+                f"layer {layer} is {kinds}, and no rule maps it there"
+            )
         raise WeightError(f"checkpoint tensor {name} matches no weight rule and is not ignored")
+
+    def _blocks(self, layer: int | None) -> tuple[str, ...]:
+        """Layer `layer`'s (attention, mlp) block names; none past the last layer."""
+        return self.layers[layer] if layer is not None and 0 <= layer < len(self.layers) else ()
+
+    @staticmethod
+    def _fill(to: str, groups: dict, tf: Callable | None) -> Target:
+        filled = to.replace("{i}", groups.get("i", "{i}")).replace("{e}", groups.get("e", "{e}"))
+        param, *sels = re.findall(r"[^\[\]]+", filled)
+        return Target(param, tuple(int(s) if s.isdigit() else s for s in sels), tf)
 
 
 # elements checked at a time: the check's temporaries stay small (on the CPU, freed temporaries
@@ -156,9 +242,11 @@ class StrictWriter:
             )
         return sl
 
-    def wants(self, tensor_name: str, t: Target) -> Slice | bool | None:
+    def wants(self, tensor_name: str, t: Target | Split) -> Slice | bool | None:
         """What of a checkpoint tensor this rank reads: None nothing (another rank's expert),
         True all of it (also when a transform needs the whole tensor), or its Slice."""
+        if isinstance(t, Split):
+            return True
         e = next((s for s in t.selectors if isinstance(s, int)), None)
         if e is not None and self._local_expert(t, e) is None:
             return None
@@ -204,7 +292,7 @@ class StrictWriter:
             return
         dst, cov = narrowed
         if t.transform is not None:
-            value = t.transform(value)
+            value = self._transformed(tensor_name, t.transform, value)
         if not sliced:
             value = self._shard(tensor_name, t, value)
         if tuple(value.shape) != tuple(dst.shape):
@@ -216,10 +304,28 @@ class StrictWriter:
             raise WeightError(f"checkpoint tensor {tensor_name} holds NaN or inf")
         self._store(tensor_name, t.param, dst, cov, value)
 
+    @staticmethod
+    def _transformed(tensor_name: str, tf: Callable, value: torch.Tensor):
+        try:
+            return tf(value)
+        except ValueError as e:
+            raise WeightError(f"checkpoint tensor {tensor_name} (shape {list(value.shape)}): {e}") from None
+
+    def write_split(self, tensor_name: str, t: Split, value: torch.Tensor) -> None:
+        """A tensor cut by its rule's transforms: each piece written to its own target."""
+        pieces = self._transformed(tensor_name, t.transform, value)
+        for part, piece in zip(t.parts, pieces, strict=True):
+            self.write(tensor_name, part, piece)
+
     def write_packed(
-        self, tensor_name: str, t: Target, comp: str, value: torch.Tensor, convention: str
+        self, tensor_name: str, t: Target | Split, comp: str, value: torch.Tensor, convention: str
     ) -> None:
         """One component of a packed weight (sdk/quant/layout.py: names, shapes, per-row form)."""
+        if isinstance(t, Split) or t.transform is not None:
+            raise WeightError(
+                f"checkpoint tensor {tensor_name} is a packed component of a weight whose rule "
+                f"transforms it; packed weights are written as stored"
+            )
         pw = self.packed.get(t.param)
         if pw is None:
             raise WeightError(

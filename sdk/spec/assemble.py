@@ -27,7 +27,7 @@ from dayzero.sdk.errors import SpecError
 from dayzero.sdk.spec.config_keys import check_config_keys, show_value
 from dayzero.sdk.spec.read import LoadedSpec
 from dayzero.sdk.spec.resolver import MISSING, Resolver, agree, field
-from dayzero.sdk.spec.schema import RuleAll, RuleEvery, RuleField, RuleFirst, Spec
+from dayzero.sdk.spec.schema import RuleAll, RuleEvery, RuleField, RuleFirst, RuleIndices, Spec
 
 STATE_ALIGN = 256  # bytes; a state part starts aligned in the request's slot
 
@@ -49,6 +49,14 @@ def layer_types(rule: Any, n: int, r: Resolver, role: str) -> list[str]:
     if isinstance(rule, RuleFirst):
         k = r.number(rule.k, int, f"layers.{role}.k")
         return [rule.block if i < k else rule.other for i in range(n)]
+    if isinstance(rule, RuleIndices):
+        listed = _indices(rule.layers, r, f"layers.{role}.layers")
+        rest = (
+            [rule.other] * n
+            if isinstance(rule.other, str)
+            else layer_types(rule.other, n, r, f"{role}.other")
+        )
+        return [rule.block if i in listed else rest[i] for i in range(n)]
     assert isinstance(rule, RuleField)
     fields = [rule.field] if isinstance(rule.field, str) else rule.field
     # read_as: per column (what it was read as, its value shown, the config key(s) at fault for
@@ -123,6 +131,32 @@ def _whole(v: Any, r: Resolver, where: str) -> int:
             f"expected a whole number (for {where}), got {r.value(v)!r}",
         )
     return int(got)
+
+
+def _indices(v: Any, r: Resolver, where: str) -> set[int]:
+    """A layer rule's index list (literal, `$symbol` or `= expression`): whole numbers >= 0."""
+    try:
+        got = r.value(v)
+    except (ArithmeticError, TypeError, ValueError) as e:
+        if isinstance(e, SpecError):
+            raise
+        raise SpecError(r.source, " / ".join(r.keys_behind(v)) or where, f"{e} (for {where})") from None
+    ok = isinstance(got, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in got)
+    if not ok:
+        raise SpecError(
+            r.source,
+            " / ".join(r.keys_behind(v)) or where,
+            f"expected a list of layer indices (whole numbers >= 0, for {where}), got {show_value(got)}",
+        )
+    return set(got)
+
+
+def layer_plan(spec: Spec, r: Resolver) -> list[tuple[str, str]]:
+    """Each layer's (attention block, mlp block) names, from the spec's layer rules."""
+    n = r.number(spec.layers.count, int, "layers.count")
+    attn = layer_types(spec.layers.attention, n, r, "attention")
+    mlp = layer_types(spec.layers.mlp, n, r, "mlp")
+    return list(zip(attn, mlp, strict=True))
 
 
 def _keyed(rule: Any, r: Resolver) -> list[tuple[str, Any]]:
@@ -209,9 +243,9 @@ def resolve(
     spath = str(loaded.path)
     hidden = r.number(spec.embedding.dim, int, "embedding.dim")
     norm = NormCfg(hidden, r.number(spec.norm.eps, float, "norm.eps"), spec.norm.weight_in_fp32)
-    n = r.number(spec.layers.count, int, "layers.count")
-    attn_types = layer_types(spec.layers.attention, n, r, "attention")
-    mlp_types = layer_types(spec.layers.mlp, n, r, "mlp")
+    plan = layer_plan(spec, r)
+    n = len(plan)
+    attn_types, mlp_types = [a for a, _ in plan], [m for _, m in plan]
     resolved: dict[str, Any] = {}
     for name, opts in loaded.blocks.items():
         if name in attn_types or name in mlp_types:

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from dayzero.sdk.config.options import BoolV, FloatV, IntV, Ref, Strict
+from dayzero.sdk.config.options import BoolV, FloatV, Formula, IntV, Ref, Strict
 
 QUANT_FORMATS = ("fp8_block", "mxfp4", "nvfp4")
 BUILTINS = (
@@ -32,12 +32,13 @@ MTP_KINDS = ("nextn", "qwen_mtp")
 
 class Symbol(Strict):
     """A spec symbol read from the HF config: the first present field wins, else `default`
-    (a literal, a `$symbol`, or `= expression`: arithmetic over symbols with max / min, e.g.
-    `= hidden // heads`, `= max(freq, 1)`).
+    (a literal, a list of literals, a `$symbol`, or `= expression`: arithmetic over symbols
+    with max / min, list values with len() and indexing, e.g. `= hidden // heads`,
+    `= max(freq, 1)`, `= len(mlp_only_layers)`).
     A required symbol whose field is absent or null and that has no default is an error."""
 
     field: str | list[str] | None = None
-    default: int | float | bool | str | None = None
+    default: int | float | bool | str | list[int | float | bool | str] | None = None
     required: bool = True
 
 
@@ -70,7 +71,7 @@ class RuleField(Strict):
     letters: dict[str, dict[Annotated[str, StringConstraints(min_length=1, max_length=1)], str]] = {}
     defaults: dict[str, Annotated[RuleEvery | RuleFirst | RuleAll, Field(discriminator="rule")]] = {}
     follows: dict[str, list[str]] = {}
-    fallback: RuleEvery | RuleFirst | RuleAll | None = Field(default=None, discriminator="rule")
+    fallback: RuleEvery | RuleFirst | RuleAll | RuleIndices | None = Field(default=None, discriminator="rule")
 
     @model_validator(mode="after")
     def _names_known(self) -> RuleField:
@@ -113,7 +114,21 @@ class RuleFirst(Strict):
     other: str
 
 
-LayerRule = Annotated[RuleAll | RuleField | RuleEvery | RuleFirst, Field(discriminator="rule")]
+class RuleIndices(Strict):
+    """The layers whose indices are listed in `layers` get `block`; the others get `other`: a
+    block, or the block a nested rule (`all`, `every`, `first`) gives them. `layers` is a list
+    of whole numbers >= 0, written in the spec or a `$symbol` / `= expression` read from the
+    config (Qwen2-MoE's `mlp_only_layers`, with `other: {rule: every, n: $decoder_sparse_step,
+    block: moe, other: dense}`); an index past the last layer names no layer (as in transformers)."""
+
+    rule: Literal["indices"]
+    layers: list[int] | Ref | Formula
+    block: str
+    other: str | Annotated[RuleEvery | RuleFirst | RuleAll, Field(discriminator="rule")]
+
+
+LayerRule = Annotated[RuleAll | RuleField | RuleEvery | RuleFirst | RuleIndices, Field(discriminator="rule")]
+RuleField.model_rebuild()  # its defaults and fallback name rules defined after it
 
 
 class Layers(Strict):
@@ -153,8 +168,11 @@ class Head(Strict):
 
 
 class Transform(Strict):
+    """One weight transform (see Weight transforms below): its `kind` and `args` (literals,
+    `$symbol`s or `= expressions`), checked against the kind's arguments when the spec loads."""
+
     kind: str
-    args: dict[str, IntV | FloatV] = {}
+    args: dict[str, Any] = {}
 
 
 class WeightRule(Strict):
@@ -162,12 +180,30 @@ class WeightRule(Strict):
 
     Patterns may hold `{i}` (layer) and `{e}` (expert). A target is a parameter name followed by
     selectors: `[{e}]` picks an expert along the leading dim, `[part]` a named part of a fused
-    parameter (e.g. `layers.{i}.attn.in_proj.weight[q]`)."""
+    parameter (e.g. `layers.{i}.attn.in_proj.weight[q]`). `transform`: one transform or a list,
+    applied in order; a list `to` takes the pieces of a splitting transform (`split_heads`,
+    `split`), one target each. `block`: the rule applies only to the layers whose attention or
+    mlp is one of these blocks (the same checkpoint name maps to different parameters per
+    layer kind); a tensor of a layer that no rule maps is an error naming it."""
 
     src: str = Field(alias="from")
-    to: str
-    transform: Transform | None = None
+    to: str | list[str] = Field(union_mode="left_to_right")
+    transform: Transform | list[Transform] | None = None
     unless: Ref | None = None  # skip (ignore the tensor) when this boolean symbol is true
+    block: str | list[str] | None = None
+
+    @property
+    def transforms(self) -> list[Transform]:
+        t = self.transform
+        return [] if t is None else [t] if isinstance(t, Transform) else list(t)
+
+    @property
+    def targets(self) -> list[str]:
+        return [self.to] if isinstance(self.to, str) else list(self.to)
+
+    @property
+    def blocks(self) -> list[str]:
+        return [] if self.block is None else [self.block] if isinstance(self.block, str) else list(self.block)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
