@@ -95,6 +95,11 @@ def test_indices_rule_blocks_are_checked_when_the_spec_loads(tmp_path: Path) -> 
     with pytest.raises(SpecError) as e:
         load_spec(scratch_family(raw, tmp_path).spec_path)
     assert e.value.path == "layers.mlp.other.block" and "unknown block 'mo'" in str(e.value)
+    raw = spec_raw()
+    raw["layers"]["mlp"]["layers"] = "= [n_layers - 1, nope]"
+    with pytest.raises(SpecError) as e:
+        load_spec(scratch_family(raw, tmp_path).spec_path)
+    assert e.value.path == "layers.mlp.layers" and "unknown symbol(s) nope" in str(e.value)
 
 
 def test_list_values_and_len_in_expressions() -> None:

@@ -165,6 +165,17 @@ def check_symbols(source: str, spec: Spec, raw: dict) -> None:
     """Every `$symbol` outside the literal sections, and every name in an `= expression`
     default, is a symbol of the spec (or a builtin)."""
     symbols = set(spec.symbols) | set(BUILTINS)
+    for role in ("attention", "mlp"):
+        rule, path = getattr(spec.layers, role), f"layers.{role}"
+        while isinstance(rule, RuleIndices):  # an index list written as an `= expression`
+            if isinstance(rule.layers, str) and rule.layers.startswith("="):
+                try:
+                    unknown = sorted(names(rule.layers[1:]) - symbols)
+                except ValueError as e:
+                    raise SpecError(source, f"{path}.layers", str(e)) from None
+                if unknown:
+                    raise SpecError(source, f"{path}.layers", f"unknown symbol(s) {', '.join(unknown)}")
+            rule, path = rule.other, f"{path}.other"
     for where, ref in (r for k, v in raw.items() if k not in LITERAL_SECTIONS for r in _refs(v, k)):
         if ref not in symbols:
             raise SpecError(source, where, f"unknown symbol ${ref}; known: {', '.join(sorted(symbols))}")
