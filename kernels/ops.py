@@ -126,8 +126,9 @@ declare_op(
 )
 declare_op(
     "gqa_attention",
-    "causal attention of q [T, H, D] over the paged K/V of each row -> [T, H, D]",
-    features={"causal", "sliding_window", "softcap"},
+    "causal attention of q [T, H, D] over the paged K/V of each row -> [T, H, D]; sinks: a learned "
+    "logit per head [H] joins each softmax's denominator",
+    features={"causal", "sliding_window", "softcap", "sinks"},
 )
 declare_op("cache_write", "write rows [T, W] into their cache slots of a [N, W] cache view")
 declare_op(
@@ -164,7 +165,10 @@ declare_op(
     "Gated DeltaNet (a log decay per head and token) over each row, continuing its fp32 state -> [T, HV, Dv]",
     features={"chunked"},
 )
-declare_op("swiglu", "act(gate) * up, optionally in fp32", features={"fp32", "limit"})
+# the gated activations past silu: kernels/reference/basic.py ACTIVATIONS (silu needs no feature)
+GATED_ACTS = ("gelu_pytorch_tanh", "clamped_swiglu")
+ACTIVATIONS = ("silu", *GATED_ACTS)
+declare_op("swiglu", "act(gate) * up, optionally in fp32", features={"fp32", "limit", *GATED_ACTS})
 declare_op(
     "moe_route",
     "router logits [T, E] -> (weights [T, k], expert ids [T, k])",
@@ -172,8 +176,8 @@ declare_op(
 )
 declare_op(
     "moe_experts",
-    "sum_k w_k * expert_{id_k}(x) over stacked SwiGLU experts -> [T, Dm]",
-    features={"fp32", "limit"},
+    "sum_k w_k * expert_{id_k}(x) over stacked SwiGLU experts -> [T, Dm]; bias: gate_up / down biases [E, N]",
+    features={"fp32", "limit", "bias", *GATED_ACTS},
     packed="moe_experts_packed",
 )
 declare_op(

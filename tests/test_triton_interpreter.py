@@ -3,10 +3,11 @@ their indexing without a GPU: the packed-weight GEMMs (kernels/triton/packed.py:
 row a program and tensor-core tiles with experts sorted and padded, every format), paged
 attention (kernels/triton/attention.py: decode rows, prefill chunks longer than a query tile and
 a fresh prompt in one step, GQA groups of 3 and 1, head sizes 24 and 32 (padded tiles), sliding
-windows, softcaps, a freed block before the window, keys split over 1 and 3 programs), the
-stacked experts (kernels/triton/moe.py: the decode GEMVs and the sorted-pair tensor-core
-tiles), RMSNorm, RoPE and the splits' merge (kernels/triton/norm.py, attention.py), the fused
-small ops (the q/k norm + RoPE + K/V write among them), MoE routing and the greedy sampler
+windows, softcaps, attention sinks, a freed block before the window, keys split over 1 and 3
+programs), the stacked experts (kernels/triton/moe.py: the decode GEMVs and the sorted-pair
+tensor-core tiles, with the gated activations and expert biases), RMSNorm, RoPE and the splits'
+merge (kernels/triton/norm.py, attention.py), the fused small ops (the q/k norm + RoPE + K/V
+write among them, the gated activations), MoE routing and the greedy sampler
 (kernels/triton/fused.py, routing.py, sampling.py; see check_fused), the dense decode GEMV
 (kernels/triton/linear.py). fp32 activations (the
 interpreter emulates bf16 wrongly in general). Tolerance 1e-5 of the output scale: the same fp32
@@ -66,6 +67,14 @@ def check_attention(g: torch.Generator) -> list[str]:
                 out.append(
                     f"attention h={h} hk={hk} d={d} window={window} cap={cap} splits={splits} {err:.2e}"
                 )
+        sinks = torch.randn(h, generator=g) * 2  # per-head logits joining the softmax (gpt-oss)
+        for window, cap in ((None, None), (6, 2.0)):
+            meta, _ = paged_meta(rows, bs, g, blocks, freed=8 if window else 0)
+            want = reference(q, kc, vc, meta, 0.3, window, cap, sinks)
+            for splits in (1, 3):
+                got = attention.gqa_attention(q, kc, vc, meta, 0.3, window, cap, sinks, splits=splits)
+                err = (got - want).abs().max() / want.abs().max()
+                out.append(f"attention sinks h={h} d={d} window={window} cap={cap} splits={splits} {err:.2e}")
     # decode rows longer than a key tile (128 at decode): the splits each see keys and are merged; with the
     # default minimum of key tiles a split, the short row leaves its later splits empty
     h, hk, d, rows = 4, 2, 16, [(1, 300), (1, 70)]
@@ -78,6 +87,10 @@ def check_attention(g: torch.Generator) -> list[str]:
             got = attention.gqa_attention(q, kc, vc, meta, 0.3, window, splits=splits, min_split_tiles=tiles)
             err = (got - want).abs().max() / want.abs().max()
             out.append(f"attention long rows window={window} splits={splits} min tiles={tiles} {err:.2e}")
+    sinks = torch.randn(h, generator=g)  # a sink counted once over 5 splits (two of them empty)
+    want = reference(q, kc, vc, meta, 0.3, None, None, sinks)
+    got = attention.gqa_attention(q, kc, vc, meta, 0.3, None, None, sinks, splits=5)
+    out.append(f"attention long rows sinks splits=5 {((got - want).abs().max() / want.abs().max()):.2e}")
     return out
 
 
@@ -97,6 +110,23 @@ def check_moe(g: torch.Generator) -> list[str]:
             want = reference(x, up, down, wts, ids, fp32, limit)
             err = (moe.moe_experts(x, up, down, wts, ids, fp32, limit) - want).abs().max() / want.abs().max()
             out.append(f"moe t={t} fp32={fp32} limit={limit} {err:.2e}")
+        gub, db = torch.randn(8, 80, generator=g), torch.randn(8, 96, generator=g)  # expert biases
+        for act in ("gelu_pytorch_tanh", "clamped_swiglu"):
+            args = (
+                x,
+                up,
+                down,
+                wts,
+                ids,
+                False,
+                0.7 if act == "clamped_swiglu" else None,
+                act,
+                1.702,
+                gub,
+                db,
+            )
+            err = (moe.moe_experts(*args) - reference(*args)).abs().max() / reference(*args).abs().max()
+            out.append(f"moe t={t} act={act} biases {err:.2e}")
     return out
 
 
@@ -204,6 +234,11 @@ def check_fused(g: torch.Generator) -> list[str]:
     for fp32, limit in ((False, None), (True, 2.0)):
         err = _rel(fused.swiglu(gt, up, fp32, limit), basic.swiglu(gt, up, fp32, limit))
         out.append(f"swiglu fp32={fp32} limit={limit} {err:.2e}")
+    for act, fp32, limit in (("gelu_pytorch_tanh", False, None), ("clamped_swiglu", True, 7.0)):
+        err = _rel(
+            fused.swiglu(gt, up, fp32, limit, act, 1.702), basic.swiglu(gt, up, fp32, limit, act, 1.702)
+        )
+        out.append(f"swiglu act={act} fp32={fp32} limit={limit} {err:.2e}")
     for e, k, score, bias, groups, topg, renorm, scale in (
         (64, 8, "sigmoid", True, 8, 4, True, 2.5), (12, 3, "softmax", False, 1, 1, False, 1.0),
         (32, 6, "sigmoid", False, 4, 2, False, 1.0), (40, 5, "softmax", True, 1, 1, True, 0.5),
@@ -315,7 +350,9 @@ def test_triton_kernels_in_the_interpreter(seed: int) -> None:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
-    fixed = 3 * 9 + 2 * 4 * 2 + 6 + 3 * 2 + 4 + 6 + 1 + 4 + 6 + 2 + 2 + 4 + 1 + 2 + 2
+    fixed = (
+        3 * 9 + 2 * 4 * 2 + 2 * 2 * 2 + 6 + 1 + 3 * 2 + 3 * 2 + 2 + 4 + 6 + 1 + 4 + 6 + 2 + 2 + 4 + 1 + 2 + 2
+    )
     assert len(lines) == fixed + 3 * 2 * 2, r.stdout  # + check_linear
     for ln in lines:  # bf16 rows: a few bf16 ulps of the output's scale
         assert float(ln.split()[-1]) <= (2e-2 if " bf16 " in ln else 1e-5), ln

@@ -1,5 +1,5 @@
 """Paged GQA attention for all rows at once: keys gathered into [R, L, Hk, D], queries padded to
-[R, Q, H, D], one masked SDPA call (manual softmax when a logit softcap is asked for)."""
+[R, Q, H, D], one masked SDPA call (manual softmax when a logit softcap or sinks are asked for)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _layout(meta: PagedMeta, window: int | None, tokens: int):
 @register(
     "gqa_attention",
     "batched",
-    Capabilities(features=frozenset({"causal", "sliding_window", "softcap"}), priority=5),
+    Capabilities(features=frozenset({"causal", "sliding_window", "softcap", "sinks"}), priority=5),
 )
 def gqa_attention(
     q: torch.Tensor,
@@ -61,8 +61,10 @@ def gqa_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The reference's math (see kernels/reference/attention.py), batched over rows.
+    """The reference's math (see kernels/reference/attention.py), batched over rows; with sinks
+    [H] each head's logit joins the softmax (manual softmax, as with a softcap).
 
     q [T, H, D], caches [N, Hk, D] -> [T, H, D]. Key j of row r is allowed for the query at
     position p iff j < kv_lens[r], j <= p, and j > p - window when windowed.
@@ -75,12 +77,13 @@ def gqa_attention(
     qp = q[tok].transpose(1, 2)  # [R, H, Q, D]
     h, hk = q.shape[1], k_cache.shape[1]
     kt, vt = keys.transpose(1, 2), vals.transpose(1, 2)  # [R, Hk, L, D]
-    if softcap is None and qp.shape[2] > 1:  # prefill rows: a fused kernel (never cuDNN: it plans per shape)
+    plain = softcap is None and sinks is None
+    if plain and qp.shape[2] > 1:  # prefill rows: a fused kernel (never cuDNN: it plans per shape)
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
             out = F.scaled_dot_product_attention(
                 qp, kt, vt, attn_mask=allowed[:, None], scale=scale, enable_gqa=h != hk
             )
-    elif softcap is None:  # decode only: one query per row, plain batched matmuls
+    elif plain:  # decode only: one query per row, plain batched matmuls
         g = h // hk
         s = torch.einsum("rkgd,rkld->rkgl", qp.reshape(-1, hk, g, qp.shape[3]).float(), kt.float()) * scale
         s = s.masked_fill(~allowed[:, :, None, :].transpose(1, 2), float("-inf"))  # [R, Hk, G, L]
@@ -88,7 +91,14 @@ def gqa_attention(
     else:
         kt, vt = kt.repeat_interleave(h // hk, dim=1), vt.repeat_interleave(h // hk, dim=1)
         s = torch.einsum("rhqd,rhld->rhql", qp.float(), kt.float()) * scale
-        s = (torch.tanh(s / softcap) * softcap).masked_fill(~allowed[:, None], float("-inf"))
-        out = torch.einsum("rhql,rhld->rhqd", torch.softmax(s, -1).to(q.dtype), vt)
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~allowed[:, None], float("-inf"))
+        if sinks is not None:  # [R, H, Q, L + 1]: the sink logit joins the softmax, then is dropped
+            sink = sinks.float()[None, :, None, None].expand(*s.shape[:3], 1)
+            p = torch.softmax(torch.cat((s, sink), dim=-1), -1)[..., :-1]
+        else:
+            p = torch.softmax(s, -1)
+        out = torch.einsum("rhql,rhld->rhqd", p.to(q.dtype), vt)
     out = out.transpose(1, 2).reshape(-1, h, q.shape[2])  # [R * Q, H, D]
     return out[sel]  # back to [T, H, D] in token order

@@ -66,6 +66,7 @@ def gqa_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention over paged K/V.
 
@@ -73,6 +74,9 @@ def gqa_attention(
         s[t, h, j] = scale * <q[t, h], K_r[j, h // (H / Hk)]>     (optionally cap * tanh(s / cap))
         allowed iff j <= p_t and (window is None or j > p_t - window)
         out[t, h] = sum_j softmax_j(s[t, h, :])[j] * V_r[j, h // (H / Hk)]
+    With sinks [H] (learned per-head logits, gpt-oss): the softmax's denominator also holds
+    exp(sinks[h]), a key that is always visible and has no value:
+        out[t, h] = sum_j exp(s_j) V_r[j] / (exp(sinks[h]) + sum_j exp(s_j))
     Scores and softmax in fp32; the probabilities are cast to q's dtype before the V product.
     q [T, H, D], caches [N, Hk, D] -> [T, H, D].
     """
@@ -97,6 +101,10 @@ def gqa_attention(
         if window is not None:
             allowed &= pos_k[None, :] > pos_q[:, None] - window
         s = s.masked_fill(~allowed[None], float("-inf"))
-        p = torch.softmax(s, dim=-1).to(q.dtype)
+        if sinks is not None:  # one more logit per head and query, dropped after the softmax
+            sink = sinks.float()[:, None, None].expand(h, b - a, 1)
+            p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :-1].to(q.dtype)
+        else:
+            p = torch.softmax(s, dim=-1).to(q.dtype)
         out[a:b] = torch.einsum("htl,lhd->thd", p, vals)
     return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dayzero.kernels.ops import ACTIVATIONS
 from dayzero.kernels.registry import register
 
 
@@ -30,7 +31,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
     """y = x / sqrt(mean(x^2) + eps) * w, the statistic in fp32.
 
     weight_in_fp32: multiply by w before casting back (Gemma/Beam order); otherwise cast, then
-    multiply (Llama order). Identical in fp32, differs by rounding in bf16.
+    multiply (Llama order). Identical in fp32, differs by rounding in bf16. A zero-centred norm
+    (Gemma's (1 + w)) passes w = 1 + w_stored in fp32 (sdk/blocks/norm.py `RMSNorm.scale`),
+    with weight_in_fp32.
     """
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -115,17 +118,34 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None 
     return o * torch.sigmoid(gate)
 
 
+def gated_act(g: torch.Tensor, u: torch.Tensor, act: str = "silu", alpha: float = 1.702) -> torch.Tensor:
+    """act(g) * u in g's dtype: silu(g) u (SwiGLU), gelu_tanh(g) u (GeGLU, torch's tanh
+    approximation), or g sigmoid(alpha g) (u + 1) (`clamped_swiglu`, gpt-oss's experts)."""
+    if act == "silu":
+        return F.silu(g) * u
+    if act == "gelu_pytorch_tanh":
+        return F.gelu(g, approximate="tanh") * u
+    if act == "clamped_swiglu":
+        return g * torch.sigmoid(g * alpha) * (u + 1)
+    raise ValueError(f"activation {act!r} is not implemented; known: {', '.join(ACTIVATIONS)}")
+
+
 @register("swiglu", "reference", graphs=True)
 def swiglu(
-    gate: torch.Tensor, up: torch.Tensor, fp32: bool = False, limit: float | None = None
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    fp32: bool = False,
+    limit: float | None = None,
+    act: str = "silu",
+    alpha: float = 1.702,
 ) -> torch.Tensor:
-    """silu(min(gate, limit)) * clamp(up, -limit, limit) (no clamp without a limit); with fp32 the
-    activation and product run in fp32 and are cast back."""
+    """act(min(gate, limit)) * clamp(up, -limit, limit) (no clamp without a limit; `act` as
+    gated_act); with fp32 the activation and product run in fp32 and are cast back."""
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     if fp32:
-        return (F.silu(gate.float()) * up.float()).to(gate.dtype)
-    return F.silu(gate) * up
+        return gated_act(gate.float(), up.float(), act, alpha).to(gate.dtype)
+    return gated_act(gate, up, act, alpha)
 
 
 @register("softcap", "reference", graphs=True)

@@ -1,4 +1,5 @@
-"""Reference mixture-of-experts: routing (sigmoid / softmax, grouped top-k) and stacked SwiGLU experts."""
+"""Reference mixture-of-experts: routing (sigmoid / softmax, grouped top-k) and stacked gated experts
+(SwiGLU, GeGLU, the clamped form; optional biases)."""
 
 from __future__ import annotations
 
@@ -55,14 +56,27 @@ def moe_experts(
     ids: torch.Tensor,
     fp32: bool = False,
     limit: float | None = None,
+    act: str = "silu",
+    alpha: float = 1.702,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out[t] = sum_k weights[t, k] * down_e(swiglu(g, u)), [g; u] = gate_up_e x[t], e = ids[t, k]
-    (swiglu as the `swiglu` op, with its optional fp32 and limit).
+    """out[t] = sum_k weights[t, k] * (down_e swiglu(g, u) + b_down_e), [g; u] = gate_up_e x[t]
+    + b_gate_up_e, e = ids[t, k] (swiglu as the `swiglu` op, with its optional fp32, limit and
+    activation; the biases [E, 2I] / [E, Dm] are optional, added in each linear's output).
 
     x [T, Dm], gate_up [E, 2I, Dm], down [E, Dm, I], weights/ids [T, k] -> [T, Dm].
     """
     return expert_loop(
-        x, weights, ids, lambda h, e: F.linear(h, gate_up[e]), lambda h, e: F.linear(h, down[e]), fp32, limit
+        x,
+        weights,
+        ids,
+        lambda h, e: F.linear(h, gate_up[e], None if gate_up_bias is None else gate_up_bias[e]),
+        lambda h, e: F.linear(h, down[e], None if down_bias is None else down_bias[e]),
+        fp32,
+        limit,
+        act,
+        alpha,
     )
 
 
@@ -74,6 +88,8 @@ def expert_loop(
     down: Callable[[torch.Tensor, int], torch.Tensor],
     fp32: bool,
     limit: float | None,
+    act: str = "silu",
+    alpha: float = 1.702,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * down(swiglu(up(x[t], e)), e), e = ids[t, k], one picked expert at a
     time (up / down: expert e's projection, however its weight is stored)."""
@@ -81,6 +97,6 @@ def expert_loop(
     for e in ids.unique().tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         g, u = up(x[tok], e).chunk(2, dim=-1)
-        y = down(swiglu(g, u, fp32, limit), e) * weights[tok, slot, None]
+        y = down(swiglu(g, u, fp32, limit, act, alpha), e) * weights[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out

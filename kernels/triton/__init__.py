@@ -67,7 +67,7 @@ if importlib.util.find_spec("triton") is not None:
     register(
         "moe_experts",
         "triton",
-        Capabilities(features=frozenset({"fp32", "limit"}), **(_any | {"priority": 20})),
+        Capabilities(features=OPS.get("moe_experts").features, **(_any | {"priority": 20})),
     )(moe.moe_experts)
     # above the batched sampler (priority 10), which it runs itself for any batch but all-greedy
     register(

@@ -6,8 +6,10 @@ row r, key position j < kv_lens[r], kv head g = h // (H / Hk):
     s[t, h, j] = scale * <q[t, h], K_r[j, g]>              (cap * tanh(s / cap) with a softcap)
     allowed iff j <= p_t, j's block is held (table >= 0), and j > p_t - window when windowed
     out[t, h] = sum_j softmax_j(s)[j] * V_r[j, g]
-in fp32 with an online softmax over key tiles; the probabilities are rounded to V's dtype
-before the V product, as the reference does.
+    (with sinks [H]: exp(sinks[h]) joins every softmax's denominator, a logit without a value)
+in fp32 with an online softmax over key tiles; a sink enters the first key split's running max
+and sum once (m = sinks[h], l = 1 before its first tile), so the merge counts it once; the
+probabilities are rounded to V's dtype before the V product, as the reference does.
 
 A program takes one kv head, BM (query, head) pairs of one row (BQ queries x the G query heads
 sharing that kv head, so every key tile is loaded once for all of them) and one split of the
@@ -39,6 +41,7 @@ def _paged_attention(
     v_ptr,
     o_ptr,  # [T, H, S, D] fp32: each split's normalised output
     lse_ptr,  # [T, H, S] fp32: each split's log-sum-exp (-inf: no key allowed)
+    sinks_ptr,  # [H]: per-head sink logits (read when SINKS)
     qs_ptr,
     kv_lens_ptr,
     table_ptr,
@@ -64,6 +67,7 @@ def _paged_attention(
     BN: tl.constexpr,
     SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr,
+    SINKS: tl.constexpr,
     IEEE: tl.constexpr,
     MIN_TILES: tl.constexpr,
 ):
@@ -101,6 +105,11 @@ def _paged_attention(
     q = tl.load(q_ptr + tok[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
     m_i = tl.full((BM,), float("-inf"), tl.float32)
     l_i = tl.zeros((BM,), tl.float32)
+    if SINKS:  # the sink's logit: the running max and sum start at it, in split 0 only
+        sink = tl.load(sinks_ptr + h, mask=valid, other=0.0).to(tl.float32)
+        first_split = (tl.zeros((BM,), tl.int32) + split) == 0
+        m_i = tl.where(first_split, sink, m_i)
+        l_i = tl.where(first_split, 1.0, l_i)
     acc = tl.zeros((BM, BD), tl.float32)
     for j0 in range(start, stop, BN):
         j = j0 + tl.arange(0, BN)
@@ -199,13 +208,15 @@ def gqa_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     splits: int | None = None,
     min_split_tiles: int = MIN_SPLIT_TILES,
     key_tile: int | None = None,
     warps: int | None = None,
     stages: int = 2,
 ) -> torch.Tensor:
-    """q [T, H, D], caches [N, Hk, D] (views of the paged pool; rows may be strided) -> [T, H, D].
+    """q [T, H, D], caches [N, Hk, D] (views of the paged pool; rows may be strided), sinks [H]
+    (or None) -> [T, H, D].
     `splits`: key splits per row (default: by the GPU's size for decode steps, else 1), each of
     at least `min_split_tiles` key tiles; `key_tile` (keys a tile), `warps`, `stages`: the
     geometry (the tuning script's knobs)."""
@@ -231,11 +242,12 @@ def gqa_attention(
     lse = torch.empty(t, h, splits, dtype=torch.float32, device=q.device)
     table = meta.block_table
     _paged_attention[(rows * q_tiles, hk, splits)](
-        q, k_cache, v_cache, o, lse, meta.query_start, meta.kv_lens, table,
+        q, k_cache, v_cache, o, lse, lse if sinks is None else sinks, meta.query_start, meta.kv_lens, table,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         table.stride(0), scale, softcap or 1.0, window or 0, q_tiles, meta.block_size,
         H=h, S=splits, G=g, D=dh, BD=bd, BQ=bq, BM=bm, BN=bn,
-        SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=q.dtype == torch.float32,
+        SOFTCAP=softcap is not None, WINDOW=window is not None, SINKS=sinks is not None,
+        IEEE=q.dtype == torch.float32,
         MIN_TILES=min_split_tiles if splits > 1 else 1, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return _merge(o, lse, q.dtype)

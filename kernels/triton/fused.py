@@ -10,7 +10,8 @@ the unfused ops round them:
                 j + R/2, else 2j with 2j + 1; (a, b) -> (a cos - b sin, b cos + a sin); channels
                 past R pass through
   sigmoid_gate  o * sigmoid(g (+ b[h]))                                           [T, H, D]
-  swiglu        silu(min(g, limit)) * clamp(u, -limit, limit)  (fp32: rounded once)  [T, I]
+  swiglu        act(min(g, limit)) * clamp(u, -limit, limit)  (fp32: rounded once)  [T, I];
+                act: silu, gelu (tanh approximation), or g sigmoid(alpha g) with u + 1 (clamped_swiglu)
   kv_write      k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]      [T, Hk, D] each
   qk_norm_rope_write  q' = norm_rope(q) (with its log scaling), k' = norm_rope(k), kv_write(k', v)
 
@@ -291,8 +292,8 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None 
 
 @triton.jit
 def _swiglu(
-    g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, limit,
-    BN: tl.constexpr, FP32: tl.constexpr, LIMIT: tl.constexpr,
+    g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, limit, alpha,
+    BN: tl.constexpr, FP32: tl.constexpr, LIMIT: tl.constexpr, ACT: tl.constexpr,
 ):  # fmt: skip
     t, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
     n = pid * BN + tl.arange(0, BN)
@@ -303,24 +304,41 @@ def _swiglu(
     if LIMIT:
         g = tl.minimum(g, limit).to(dt).to(tl.float32)
         u = tl.minimum(tl.maximum(u, -limit), limit).to(dt).to(tl.float32)
-    act = g / (1.0 + tl.exp(-g))
+    if ACT == 0:  # silu
+        act = g / (1.0 + tl.exp(-g))
+    elif ACT == 1:  # gelu, tanh approximation: tanh(z) = 1 - 2 / (exp(2z) + 1)
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        act = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+    else:  # clamped_swiglu: g sigmoid(alpha g) (u + 1)
+        act = g / (1.0 + tl.exp(-alpha * g))
+        u = u + 1.0
+        if not FP32:
+            u = u.to(dt).to(tl.float32)
     if not FP32:
         act = act.to(dt).to(tl.float32)
     tl.store(y_ptr + t * N + n, (act * u).to(dt), mask=m)
 
 
+_ACT_CODES = {"silu": 0, "gelu_pytorch_tanh": 1, "clamped_swiglu": 2}
+
+
 def swiglu(
-    gate: torch.Tensor, up: torch.Tensor, fp32: bool = False, limit: float | None = None
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    fp32: bool = False,
+    limit: float | None = None,
+    act: str = "silu",
+    alpha: float = 1.702,
 ) -> torch.Tensor:
     if gate.dim() != 2 or up.shape != gate.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
-        return basic.swiglu(gate, up, fp32, limit)
+        return basic.swiglu(gate, up, fp32, limit, act, alpha)
     t, n = gate.shape
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if t:
         bn = min(1024, triton.next_power_of_2(n))
         _swiglu[(t, triton.cdiv(n, bn))](
-            gate, up, y, n, gate.stride(0), up.stride(0), limit or 0.0,
-            BN=bn, FP32=fp32, LIMIT=limit is not None,
+            gate, up, y, n, gate.stride(0), up.stride(0), limit or 0.0, alpha,
+            BN=bn, FP32=fp32, LIMIT=limit is not None, ACT=_ACT_CODES[act],
         )  # fmt: skip
     return y
 

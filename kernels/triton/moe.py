@@ -1,4 +1,4 @@
-"""Stacked SwiGLU experts (bf16 / fp16 / fp32 weights) in Triton, reading the picked experts'
+"""Stacked gated experts (bf16 / fp16 / fp32 weights) in Triton, reading the picked experts'
 weights in place.
 
 Decode shapes (few (token, slot) pairs a step): one pair a program and one tile of output rows,
@@ -6,8 +6,10 @@ on the CUDA cores, the expert found by id (no sorting, no copy of any expert's w
     h[p] = swiglu(W_gate[e_p] x[t_p], W_up[e_p] x[t_p])     (`_gate_up_swiglu`, fused)
     y[p] = W_down[e_p] h[p]                                  (`_down`)
     out[t] = sum_k weights[t, k] y[t * k + slot]             (fp32)
-Each projection's output is rounded to x's dtype before the activation, as the reference's
-linear outputs are. Many pairs (prefill, large decode batches): the pairs sorted by expert on the
+swiglu is the block's activation (silu, gelu tanh, or clamped_swiglu: g sigmoid(alpha g) (u + 1));
+optional biases (gate_up [E, 2I], down [E, Dm]) are added to the fp32 sums before the output
+rounding. Each projection's output is rounded to x's dtype before the activation, as the
+reference's linear outputs are. Many pairs (prefill, large decode batches): the pairs sorted by expert on the
 device, then tensor-core tiles of one expert's block of pairs (`_grouped`, gate/up + SwiGLU
 fused, then down); in bf16 from GROUPED_MM_PAIRS pairs an expert (prefill), torch's grouped
 GEMM over the same sorted pairs. No path syncs with the host or copies an expert's weights.
@@ -25,10 +27,26 @@ from dayzero.kernels.triton.packed import _align, _rows_tile, _sms, combine
 
 
 @triton.jit
+def _act(g, u, alpha, ACT: tl.constexpr):
+    """a(g) u in fp32: silu (0), gelu with the tanh approximation (1), g sigmoid(alpha g) (u + 1) (2)."""
+    if ACT == 0:
+        return g / (1.0 + tl.exp(-g)) * u
+    elif ACT == 1:  # tanh(z) = 1 - 2 / (exp(2z) + 1)
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        return 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * u
+    else:
+        return g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+
+
+ACT_CODES = {"silu": 0, "gelu_pytorch_tanh": 1, "clamped_swiglu": 2}
+
+
+@triton.jit
 def _gate_up_swiglu(
     x_ptr,
     h_ptr,
     w_ptr,  # [E, 2I, K]: gate rows [0, I), up rows [I, 2I)
+    b_ptr,  # [E, 2I] bias (read when BIAS)
     ids_ptr,
     n_inter,
     K: tl.constexpr,
@@ -36,9 +54,13 @@ def _gate_up_swiglu(
     stride_hm,
     stride_we,
     stride_wn,
+    stride_be,
     x_row_div,
     limit,
+    alpha,
     LIMIT: tl.constexpr,
+    BIAS: tl.constexpr,
+    ACT: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
@@ -59,12 +81,15 @@ def _gate_up_swiglu(
         acc_g += tl.load(gbase + offs_k[None, :], mask=wm, other=0.0).to(tl.float32) * x[None, :]
         acc_u += tl.load(ubase + offs_k[None, :], mask=wm, other=0.0).to(tl.float32) * x[None, :]
     dt = h_ptr.dtype.element_ty
-    g = tl.sum(acc_g, 1).to(dt).to(tl.float32)
-    u = tl.sum(acc_u, 1).to(dt).to(tl.float32)
+    g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+    if BIAS:
+        g += tl.load(b_ptr + e * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        u += tl.load(b_ptr + e * stride_be + n_inter + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    g, u = g.to(dt).to(tl.float32), u.to(dt).to(tl.float32)
     if LIMIT:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
-    act = g / (1.0 + tl.exp(-g)) * u
+    act = _act(g, u, alpha, ACT)
     tl.store(h_ptr + p.to(tl.int64) * stride_hm + offs_n, act.to(dt), mask=n_ok)
 
 
@@ -73,6 +98,7 @@ def _down(
     h_ptr,
     y_ptr,
     w_ptr,  # [E, N, K]
+    b_ptr,  # [E, N] bias (read when BIAS)
     ids_ptr,
     N,
     K: tl.constexpr,
@@ -80,6 +106,8 @@ def _down(
     stride_ym,
     stride_we,
     stride_wn,
+    stride_be,
+    BIAS: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
@@ -98,7 +126,10 @@ def _down(
             tl.load(wbase + offs_k[None, :], mask=n_ok[:, None] & km[None, :], other=0.0).to(tl.float32)
             * h[None, :]
         )
-    y = tl.sum(acc, 1).to(h_ptr.dtype.element_ty).to(tl.float32)  # rounded as a linear's output
+    y = tl.sum(acc, 1)
+    if BIAS:
+        y += tl.load(b_ptr + e * stride_be + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    y = y.to(h_ptr.dtype.element_ty).to(tl.float32)  # rounded as a linear's output
     tl.store(y_ptr + p.to(tl.int64) * stride_ym + offs_n, y, mask=n_ok)
 
 
@@ -107,6 +138,7 @@ def _grouped(
     x_ptr,
     y_ptr,
     w_ptr,  # [E, N, K], or [E, 2N, K] with SWIGLU (gate rows [0, N), up rows [N, 2N))
+    b_ptr,  # [E, N] or [E, 2N] bias (read when BIAS)
     rows_ptr,  # [S] pair ids sorted by expert, each expert's run padded to BM with M
     expert_ptr,  # [S / BM] the expert of each block of BM rows, -1 past the last
     M,
@@ -116,10 +148,14 @@ def _grouped(
     stride_ym,
     stride_we,
     stride_wn,
+    stride_be,
     x_row_div,
     limit,
+    alpha,
     SWIGLU: tl.constexpr,
     LIMIT: tl.constexpr,
+    BIAS: tl.constexpr,
+    ACT: tl.constexpr,
     IEEE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -127,7 +163,7 @@ def _grouped(
 ):
     """Tensor-core tiles over one block of BM pairs of one expert and BN output columns:
     y[p, n] = sum_k W_e[n, k] x[p // x_row_div, k] (with SWIGLU: swiglu(gate, up) of the two
-    halves), each output rounded to y's dtype as a linear's is."""
+    halves; + the bias when BIAS, in fp32), each output rounded to y's dtype as a linear's is."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + pid_m)
     if e < 0:
@@ -161,13 +197,18 @@ def _grouped(
             else:
                 acc_u += tl.dot(x, tl.trans(wu))
     dt = y_ptr.dtype.element_ty if SWIGLU else x_ptr.dtype.element_ty
+    if BIAS:
+        bias = b_ptr + e.to(tl.int64) * stride_be + offs_n
+        acc += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if SWIGLU:
+            acc_u += tl.load(bias + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = acc.to(dt).to(tl.float32)
     if SWIGLU:
         u = acc_u.to(dt).to(tl.float32)
         if LIMIT:
             out = tl.minimum(out, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
-        out = out / (1.0 + tl.exp(-out)) * u
+        out = _act(out, u, alpha, ACT)
     dst = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(dst, out.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -200,32 +241,40 @@ def moe_experts(
     ids: torch.Tensor,
     fp32: bool = False,
     limit: float | None = None,
+    act: str = "silu",
+    alpha: float = 1.702,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference's math (kernels/reference/moe.py): x [T, Dm], gate_up [E, 2I, Dm],
-    down [E, Dm, I], weights / ids [T, k] -> [T, Dm]. The activation runs in fp32 (`fp32` asks
-    for no more than that)."""
+    down [E, Dm, I], weights / ids [T, k], optional biases [E, 2I] / [E, Dm] -> [T, Dm]. The
+    activation runs in fp32 (`fp32` asks for no more than that)."""
     t, k = ids.shape
     e, two_i, dm = gate_up.shape
+    more = (act, alpha, gate_up_bias, down_bias)
     if gate_up.stride(-1) != 1 or down.stride(-1) != 1:  # rows must be contiguous (never so far)
-        return expert_loop(x, gate_up, down, weights, ids, fp32, limit)
+        return expert_loop(x, gate_up, down, weights, ids, fp32, limit, *more)
     if t * k >= GROUPED_MM_PAIRS * e and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        return grouped_mm_experts(x, gate_up, down, weights, ids, fp32, limit)
+        return grouped_mm_experts(x, gate_up, down, weights, ids, fp32, limit, *more)
     if t * k > GEMV_PAIRS * e:
-        return _grouped_experts(x, gate_up, down, weights, ids, limit)
+        return _grouped_experts(x, gate_up, down, weights, ids, limit, *more)
     x = x.contiguous()
     flat = ids.reshape(-1).contiguous()
     p, i = t * k, two_i // 2
     h = torch.empty(p, i, dtype=x.dtype, device=x.device)
     bn = _tile(p, i, x.device)
+    gub = gate_up if gate_up_bias is None else gate_up_bias.contiguous()
     _gate_up_swiglu[(p, triton.cdiv(i, bn))](
-        x, h, gate_up, flat, i, dm, x.stride(0), h.stride(0), gate_up.stride(0), gate_up.stride(1), k,
-        limit or 0.0, LIMIT=limit is not None, BN=bn, BK=GEMV["bk"], num_warps=GEMV["warps"],
+        x, h, gate_up, gub, flat, i, dm, x.stride(0), h.stride(0), gate_up.stride(0), gate_up.stride(1),
+        gub.stride(0), k, limit or 0.0, alpha, LIMIT=limit is not None, BIAS=gate_up_bias is not None,
+        ACT=ACT_CODES[act], BN=bn, BK=GEMV["bk"], num_warps=GEMV["warps"],
     )  # fmt: skip
     y = torch.empty(p, dm, dtype=torch.float32, device=x.device)
     bn = _tile(p, dm, x.device)
+    db = down if down_bias is None else down_bias.contiguous()
     _down[(p, triton.cdiv(dm, bn))](
-        h, y, down, flat, dm, i, h.stride(0), y.stride(0), down.stride(0), down.stride(1),
-        BN=bn, BK=GEMV["bk"], num_warps=GEMV["warps"],
+        h, y, down, db, flat, dm, i, h.stride(0), y.stride(0), down.stride(0), down.stride(1), db.stride(0),
+        BIAS=down_bias is not None, BN=bn, BK=GEMV["bk"], num_warps=GEMV["warps"],
     )  # fmt: skip
     return combine(y, weights, x.dtype)
 
@@ -237,6 +286,10 @@ def _grouped_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     limit,
+    act: str = "silu",
+    alpha: float = 1.702,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Many pairs: sorted by expert on the device (`_align`, no host sync), tensor-core tiles."""
     t, k = ids.shape
@@ -247,13 +300,17 @@ def _grouped_experts(
     rows, blocks = _align(ids, e, bm)
     ieee = x.dtype == torch.float32
     h = torch.empty(p, i, dtype=x.dtype, device=x.device)
+    gub = gate_up if gate_up_bias is None else gate_up_bias.contiguous()
     _grouped[(blocks.shape[0], triton.cdiv(i, 64))](
-        x, h, gate_up, rows, blocks, p, i, dm, x.stride(0), h.stride(0), gate_up.stride(0), gate_up.stride(1),
-        k, limit or 0.0, SWIGLU=True, LIMIT=limit is not None, IEEE=ieee, BM=bm, BN=64, BK=64, num_warps=4,
+        x, h, gate_up, gub, rows, blocks, p, i, dm, x.stride(0), h.stride(0), gate_up.stride(0),
+        gate_up.stride(1), gub.stride(0), k, limit or 0.0, alpha, SWIGLU=True, LIMIT=limit is not None,
+        BIAS=gate_up_bias is not None, ACT=ACT_CODES[act], IEEE=ieee, BM=bm, BN=64, BK=64, num_warps=4,
     )  # fmt: skip
     y = torch.empty(p, dm, dtype=torch.float32, device=x.device)
+    db = down if down_bias is None else down_bias.contiguous()
     _grouped[(blocks.shape[0], triton.cdiv(dm, 64))](
-        h, y, down, rows, blocks, p, dm, i, h.stride(0), y.stride(0), down.stride(0), down.stride(1),
-        1, 0.0, SWIGLU=False, LIMIT=False, IEEE=ieee, BM=bm, BN=64, BK=64, num_warps=4,
+        h, y, down, db, rows, blocks, p, dm, i, h.stride(0), y.stride(0), down.stride(0), down.stride(1),
+        db.stride(0), 1, 0.0, 1.0, SWIGLU=False, LIMIT=False, BIAS=down_bias is not None, ACT=0, IEEE=ieee,
+        BM=bm, BN=64, BK=64, num_warps=4,
     )  # fmt: skip
     return combine(y, weights, x.dtype)

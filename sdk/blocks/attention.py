@@ -12,6 +12,7 @@ from torch import nn
 from dayzero.kernels.ops import HeadPrep
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl, StaticCache
+from dayzero.sdk.blocks.norm import zero_centred
 from dayzero.sdk.blocks.rope import ROPE_TYPES, rope_kind, rope_table
 from dayzero.sdk.config.model import ONE_RANK, Parallel, Slice
 from dayzero.sdk.config.options import BoolV, FloatV, IntV, Ref, Strict
@@ -35,19 +36,31 @@ class QueryScalingOpts(Strict):
     exponent: FloatV
 
 
+class QkNormOpts(Strict):
+    """q / k RMSNorm. over `head`: each head's D channels (Qwen3, Gemma3; weights [D]); `all`:
+    the whole q [H D] and k [Hk D] projections before the head split (OLMo2; weights [H D] and
+    [Hk D]). zero_centred: the weights apply as (1 + w) in fp32 (Gemma3). enabled: a flag or a
+    $symbol (a config field that turns the norm on)."""
+
+    enabled: BoolV = True
+    over: Literal["head", "all"] = "head"
+    zero_centred: bool = False
+
+
 class GqaOpts(Strict):
     kind: Literal["gqa"]
     heads: IntV
     kv_heads: IntV
     head_dim: IntV
     bias: BoolV = False  # q/k/v and output projection biases
-    qk_norm: bool = False
+    qk_norm: BoolV | QkNormOpts = False  # true: per head, as the spec's norm order
     rope: RopeOpts | None = None  # None: NoPE
     window: IntV | None = None  # sliding window (tokens a query sees, itself included)
     output_gate: Literal["none", "sigmoid", "sigmoid_head_bias"] = "none"
     query_scaling: QueryScalingOpts | None = None
     softcap: FloatV | None = None
     scale: FloatV | None = None  # default head_dim ** -0.5
+    sinks: BoolV = False  # a learned logit per query head joins each softmax (gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,9 @@ class GqaCfg:
     query_scaling: tuple[float, float] | None  # (base, exponent)
     softcap: float | None
     scale: float
+    qk_norm_over: Literal["head", "all"] = "head"
+    qk_norm_zero_centred: bool = False
+    sinks: bool = False
     par: Parallel = ONE_RANK  # tensor parallel: heads / kv_heads above are this rank's
     kv_total: int = 0  # the model's KV heads (sharded configs)
 
@@ -78,17 +94,21 @@ class GqaAttention(nn.Module):
     """Grouped-query attention over the paged KV cache.
 
     [q; k; v; g] = x W_in (+ b on q, k, v)             q, g [T, H, D]; k, v [T, Hk, D]
-    q, k <- rmsnorm_D(q), rmsnorm_D(k)                  (qk_norm)
+    q, k <- rmsnorm_D(q), rmsnorm_D(k)                  (qk_norm; over `all`: rmsnorm_{H D} of
+                                                         q and rmsnorm_{Hk D} of k before the
+                                                         split; zero-centred: weights (1 + w))
     q, k <- a rope(q, p), a rope(k, p)                  (rope; NoPE when absent; frequencies and
                                                          attention factor a: sdk/blocks/rope.py)
     q <- q * (1 + (p + 1) / base) ** exponent           (query_scaling)
     o[t, h] = sum_{j <= p_t, j > p_t - W} softmax_j(scale * q[t, h] . k[j, h // (H/Hk)]) v[j, ...]
+              (sinks: exp(s_h) joins each softmax's denominator, s [H] learned, no value)
     o <- o * sigmoid(g (+ b_gate[h]))                   (output_gate)
     y = o W_o (+ b_o)                                   [T, Dm]
 
     Tensor parallel over P ranks: each rank holds H / P query heads (and their gates) and their
     KV heads (Hk / P, or, with Hk < P, the one KV head its query heads read: replicated), its
-    columns of W_o; y = sum over ranks of o_r W_o,r (all-reduce), + b_o once.
+    columns of W_o; y = sum over ranks of o_r W_o,r (all-reduce), + b_o once; sinks split by
+    head. A q/k norm over all heads is not sharded (its statistic spans the ranks).
     """
 
     linear_weights = ("in_proj", "o_proj")  # may be packed
@@ -103,8 +123,10 @@ class GqaAttention(nn.Module):
         self.qkv_bias = nn.Parameter(torch.empty(sum(self.split[:3]))) if cfg.bias else None
         self.o_proj = nn.Parameter(torch.empty(cfg.hidden, h * d))
         self.o_bias = nn.Parameter(torch.empty(cfg.hidden)) if cfg.bias else None
-        self.q_norm = nn.Parameter(torch.empty(d)) if cfg.qk_norm else None
-        self.k_norm = nn.Parameter(torch.empty(d)) if cfg.qk_norm else None
+        every = cfg.qk_norm_over == "all"
+        self.q_norm = nn.Parameter(torch.empty(h * d if every else d)) if cfg.qk_norm else None
+        self.k_norm = nn.Parameter(torch.empty(hk * d if every else d)) if cfg.qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(h)) if cfg.sinks else None
         self.gate_bias = nn.Parameter(torch.empty(h)) if cfg.output_gate == "sigmoid_head_bias" else None
         inv, self.rope_factor = None, 1.0
         if cfg.rope_theta is not None:
@@ -136,7 +158,15 @@ class GqaAttention(nn.Module):
             }
         if cfg.output_gate == "sigmoid_head_bias":
             out["gate_bias"] = {"": Slice(-1, p.rank * h, h)}
+        if cfg.sinks:
+            out["sinks"] = {"": Slice(-1, p.rank * h, h)}
         return out
+
+    def _norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The q / k norm weights as the ops multiply by them: w, or 1 + w in fp32 (zero-centred)."""
+        if self.q_norm is None or not self.cfg.qk_norm_zero_centred:
+            return self.q_norm, self.k_norm
+        return zero_centred(self.q_norm), zero_centred(self.k_norm)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         c, ops, t = self.cfg, self.ops, x.shape[0]
@@ -145,21 +175,29 @@ class GqaAttention(nn.Module):
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
         q, k, v = qkv.split(self.split[:3], dim=-1)
+        qw, kw = self._norm_weights()
+        if c.qk_norm_over == "all" and qw is not None:  # over H D / Hk D, before the head split
+            q = ops.rms_norm(q, qw, c.norm_eps, c.norm_weight_in_fp32)
+            k = ops.rms_norm(k, kw, c.norm_eps, c.norm_weight_in_fp32)
+            qw = kw = None
         q = q.reshape(t, c.heads, c.head_dim)
         k = k.reshape(t, c.kv_heads, c.head_dim)
         v = v.reshape(t, c.kv_heads, c.head_dim)
         kv = ctx.caches[self.group][:, self.offset : self.offset + 2 * c.kv_heads * c.head_dim]
         kv = kv.view(-1, 2, c.kv_heads, c.head_dim)  # [N, 2, Hk, D]
         meta = ctx.paged[self.group]
-        if self.q_norm is not None or self.inv_freq is not None or c.query_scaling is not None:
+        if qw is not None or self.inv_freq is not None or c.query_scaling is not None:
             prep = HeadPrep(
-                self.q_norm, self.k_norm, c.norm_eps, c.norm_weight_in_fp32, self.inv_freq, c.neox,
+                qw, kw, c.norm_eps, c.norm_weight_in_fp32, self.inv_freq, c.neox,
                 c.query_scaling, self.rope_factor,
             )  # fmt: skip
             q = ops.qk_norm_rope_write(q, k, v, ctx.positions, prep, kv[:, 0], kv[:, 1], meta.slots)
         else:
             ops.kv_write(k, v, kv[:, 0], kv[:, 1], meta.slots)
-        o = ops.gqa_attention(q, kv[:, 0], kv[:, 1], meta, c.scale, c.window, c.softcap)  # [T, H, D]
+        if self.sinks is None:
+            o = ops.gqa_attention(q, kv[:, 0], kv[:, 1], meta, c.scale, c.window, c.softcap)  # [T, H, D]
+        else:
+            o = ops.gqa_attention(q, kv[:, 0], kv[:, 1], meta, c.scale, c.window, c.softcap, self.sinks)
         if c.output_gate != "none":
             o = ops.sigmoid_gate(o, gate.reshape(t, c.heads, c.head_dim), self.gate_bias)
         if c.par.size == 1:
@@ -189,6 +227,11 @@ def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
     if rope is not None:
         rope_table(float(val(rope.theta)), rot, params, max_pos)  # bad parameters fail here, named
     qs = o.query_scaling
+    qk = o.qk_norm if isinstance(o.qk_norm, QkNormOpts) else QkNormOpts(enabled=o.qk_norm)
+    if qk.zero_centred and not bool(val("$norm_weight_in_fp32")):
+        raise ValueError(
+            "qk_norm.zero_centred multiplies by (1 + w) in fp32: needs norm.weight_in_fp32: true"
+        )
     heads, kv_heads = int(val(o.heads)), int(val(o.kv_heads))
     if kv_heads <= 0 or heads % kv_heads:
         raise ValueError(f"{heads} query heads do not split into groups over {kv_heads} KV heads")
@@ -198,7 +241,7 @@ def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
         kv_heads=kv_heads,
         head_dim=d,
         bias=bool(val(o.bias)),
-        qk_norm=o.qk_norm,
+        qk_norm=bool(val(qk.enabled)),
         norm_eps=float(val("$norm_eps")),
         norm_weight_in_fp32=bool(val("$norm_weight_in_fp32")),
         rope_theta=None if rope is None else float(val(rope.theta)),
@@ -211,10 +254,15 @@ def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
         query_scaling=None if qs is None else (float(val(qs.base)), float(val(qs.exponent))),
         softcap=None if o.softcap is None or val(o.softcap) is None else float(val(o.softcap)),
         scale=d**-0.5 if o.scale is None else float(val(o.scale)),
+        qk_norm_over=qk.over,
+        qk_norm_zero_centred=qk.zero_centred,
+        sinks=bool(val(o.sinks)),
     )
 
 
 def _shard_gqa(c: GqaCfg, par: Parallel) -> GqaCfg:
+    if c.qk_norm and c.qk_norm_over == "all":
+        raise ValueError("a q/k norm over all heads (qk_norm.over: all) is not tensor-parallel yet")
     h = par.even(c.heads, "query heads")
     if c.kv_heads % par.size and par.size % c.kv_heads:
         raise ValueError(
@@ -232,11 +280,16 @@ def _frozen(v: Any) -> Any:
 
 def _gqa_needs(c: GqaCfg):
     attn = {"causal"} | ({"sliding_window"} if c.window else set()) | ({"softcap"} if c.softcap else set())
+    attn |= {"sinks"} if c.sinks else set()
     needs = [
         ("linear", frozenset({"bias"}) if c.bias else frozenset(), None),
         ("gqa_attention", frozenset(attn), c.head_dim),
     ]
-    prep = ({"norm"} | ({"weight_in_fp32"} if c.norm_weight_in_fp32 else set())) if c.qk_norm else set()
+    fp32 = {"weight_in_fp32"} if c.norm_weight_in_fp32 else set()
+    per_head = c.qk_norm and c.qk_norm_over == "head"
+    prep = {"norm"} | fp32 if per_head else set()
+    if c.qk_norm and not per_head:
+        needs.append(("rms_norm", frozenset(fp32), None))
     if c.rope_theta is not None:
         prep |= (
             {"rope"} | ({"partial"} if c.rotary_dim < c.head_dim else set()) | ({"neox"} if c.neox else set())

@@ -9,10 +9,15 @@ from typing import Literal
 import torch
 from torch import nn
 
+from dayzero.kernels.ops import ACTIVATIONS
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef
 from dayzero.sdk.config.model import ONE_RANK, Parallel, Slice
-from dayzero.sdk.config.options import BoolV, FloatV, IntV, Strict
+from dayzero.sdk.config.options import BoolV, FloatV, IntV, Ref, Strict
+
+# the gated MLPs' activations: a(g) u with a = silu (SwiGLU), gelu_pytorch_tanh (GeGLU), or
+# clamped_swiglu: g sigmoid(alpha g) (u + 1) (gpt-oss; with its limit)
+Activation = Literal["silu", "gelu_pytorch_tanh", "clamped_swiglu"]
 
 
 class SwigluOpts(Strict):
@@ -20,6 +25,9 @@ class SwigluOpts(Strict):
     intermediate: IntV
     fp32: BoolV = False  # activation and product in fp32
     limit: FloatV | None = None  # clamp: gate <= limit, |up| <= limit
+    # the activation, or a $symbol reading it from the config (hidden_act / hidden_activation)
+    activation: Activation | Ref = "silu"
+    alpha: FloatV = 1.702  # clamped_swiglu's sigmoid slope
 
 
 @dataclass(frozen=True)
@@ -30,10 +38,18 @@ class SwigluCfg:
     limit: float | None = None
     par: Parallel = ONE_RANK
     reduce: bool = True  # sum the ranks' outputs here (False: the enclosing block does)
+    act: str = "silu"
+    alpha: float = 1.702
+
+
+def act_args(c: SwigluCfg | MoeCfg) -> tuple:
+    """The swiglu op's trailing (activation, alpha), passed only past the default silu."""
+    return () if c.act == "silu" else (c.act, c.alpha)
 
 
 class SwiGLU(nn.Module):
-    """y = W_down (silu(g) * u), g = x W_gate, u = x W_up; [gate; up] is one fused projection.
+    """y = W_down (a(g) * u), g = x W_gate, u = x W_up; [gate; up] is one fused projection;
+    a = silu (SwiGLU), gelu_tanh (GeGLU), or clamped_swiglu: a(g) u = g sigmoid(alpha g) (u + 1).
     With a limit: g <- min(g, limit), u <- clamp(u, -limit, limit) before the product.
     Tensor parallel over P ranks: each holds I / P of the intermediate (rows of W_gate, W_up,
     columns of W_down); y = sum over ranks of its partial product (all-reduce)."""
@@ -59,7 +75,9 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.ops.linear(x, self.gate_up).chunk(2, dim=-1)  # [T, I] each
-        y = self.ops.linear(self.ops.swiglu(gate, up, self.cfg.fp32, self.cfg.limit), self.down)
+        y = self.ops.linear(
+            self.ops.swiglu(gate, up, self.cfg.fp32, self.cfg.limit, *act_args(self.cfg)), self.down
+        )
         return self.ops.tp.all_reduce(y) if self.cfg.reduce and self.cfg.par.size > 1 else y
 
 
@@ -78,6 +96,10 @@ class MoeOpts(Strict):
     shared_gate: bool = False  # sigmoid(x w_g) scales the shared expert
     fp32: BoolV = False  # expert activations in fp32
     limit: FloatV | None = None  # SwiGLU clamp of routed and shared experts (see swiglu)
+    activation: Activation | Ref = "silu"  # of routed and shared experts (see swiglu)
+    alpha: FloatV = 1.702
+    router_bias: BoolV = False  # a bias [E] added to the router logits before top-k (gpt-oss)
+    expert_bias: BoolV = False  # gate_up [E, 2I] and down [E, Dm] biases of the routed experts
 
 
 @dataclass(frozen=True)
@@ -96,6 +118,10 @@ class MoeCfg:
     shared_gate: bool
     fp32: bool
     limit: float | None = None
+    act: str = "silu"
+    alpha: float = 1.702
+    router_bias: bool = False
+    expert_bias: bool = False
     par: Parallel = ONE_RANK  # sharded: `experts` (expert parallel) or the intermediates are this rank's
     experts_total: int = 0  # the model's routed experts (sharded configs)
 
@@ -103,20 +129,22 @@ class MoeCfg:
 class MoE(nn.Module):
     """Routed experts (+ shared expert).
 
-    s = score(x W_r^T) (fp32; sigmoid or softmax over E experts)
+    s = score(x W_r^T + b_r) (fp32; sigmoid or softmax over E experts; b_r: router_bias)
     pick top_k by s + b_corr (bias only selects), within the topk_groups best of `groups`
     groups (group score = sum of its top-2); w = s[picked] (/ sum when renormalize)
     y = routed_scale * sum_k w_k SwiGLU_{e_k}(x)  (+ [sigmoid(x w_g)] SwiGLU_shared(x))
     (sigmoid + correction bias + groups is DeepSeek's `noaux_tc` selection; every SwiGLU takes
-    the block's limit)
+    the block's limit and activation; expert_bias: SwiGLU_e(x) = W_down,e a([g; u] + b_gu,e) + b_d,e;
+    softmax + renormalize over the top-k is softmax over the top-k logits, gpt-oss's router)
 
     Over P ranks the router (and routing) is replicated; expert parallel: rank r holds experts
     [r E / P, (r + 1) E / P) whole and weighs the others' picks 0; tensor parallel: every rank
     holds I / P of every expert's intermediate; the shared expert is split by its intermediate
-    either way; y = sum over ranks (one all-reduce).
+    either way; y = sum over ranks (one all-reduce). Expert biases need expert parallel (a
+    down bias split over intermediates would be added once per rank).
     """
 
-    fp32_params = ("router", "correction_bias")  # routing stays fp32 in every model dtype
+    fp32_params = ("router", "correction_bias", "router_bias")  # routing stays fp32 in every model dtype
     linear_weights = ("router", "gate_up", "down", "shared_gate")  # may be packed
 
     def __init__(self, cfg: MoeCfg, ops: OpTable) -> None:
@@ -127,10 +155,13 @@ class MoE(nn.Module):
         self.first = cfg.par.rank * e if cfg.par.experts else 0  # this rank's first expert
         self.router = nn.Parameter(torch.empty(total, h))
         self.correction_bias = nn.Parameter(torch.empty(total)) if cfg.correction_bias else None
+        self.router_bias = nn.Parameter(torch.empty(total)) if cfg.router_bias else None
         self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down = nn.Parameter(torch.empty(e, h, i))
+        self.gate_up_bias = nn.Parameter(torch.empty(e, 2 * i)) if cfg.expert_bias else None
+        self.down_bias = nn.Parameter(torch.empty(e, h)) if cfg.expert_bias else None
         si = cfg.shared_intermediate
-        shared = SwigluCfg(h, si, cfg.fp32, cfg.limit, cfg.par, reduce=False)
+        shared = SwigluCfg(h, si, cfg.fp32, cfg.limit, cfg.par, reduce=False, act=cfg.act, alpha=cfg.alpha)
         self.shared = SwiGLU(shared, ops) if si else None
         self.shared_gate = nn.Parameter(torch.empty(1, h)) if si and cfg.shared_gate else None
 
@@ -140,7 +171,8 @@ class MoE(nn.Module):
 
     @staticmethod
     def parts(cfg: MoeCfg) -> dict[str, dict[str, int]]:
-        return {"gate_up": {"gate": cfg.intermediate, "up": cfg.intermediate}} | {
+        halves = {"gate": cfg.intermediate, "up": cfg.intermediate}
+        return {"gate_up": halves, "gate_up_bias": halves} | {
             "shared.gate_up": {"gate": cfg.shared_intermediate, "up": cfg.shared_intermediate}
         }
 
@@ -153,13 +185,17 @@ class MoE(nn.Module):
             return {}
         if p.experts:
             mine = Slice(-3, p.rank * cfg.experts, cfg.experts)  # [e]: the expert index
-            return {"gate_up": {"[e]": mine}, "down": {"[e]": mine}}
+            out = {"gate_up": {"[e]": mine}, "down": {"[e]": mine}}
+            if cfg.expert_bias:  # [E, N]: the expert index is the second dim from the end
+                mine = Slice(-2, mine.start, mine.length)
+                out |= {"gate_up_bias": {"[e]": mine}, "down_bias": {"[e]": mine}}
+            return out
         cols = Slice(-2, p.rank * cfg.intermediate, cfg.intermediate)
         return {"gate_up": {"gate": cols, "up": cols}, "down": {"": Slice(-1, cols.start, cols.length)}}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, ops = self.cfg, self.ops
-        logits = ops.linear(x.float(), self.router)  # [T, E] fp32
+        logits = ops.linear(x.float(), self.router, self.router_bias)  # [T, E] fp32
         w, ids = ops.moe_route(  # w [T, k] fp32, the routed scale folded in
             logits,
             c.top_k,
@@ -174,7 +210,10 @@ class MoE(nn.Module):
             local = ids - self.first
             mine = (local >= 0) & (local < c.experts)
             w, ids = torch.where(mine, w, 0.0), torch.where(mine, local, 0)
-        y = ops.moe_experts(x, self.gate_up, self.down, w, ids, c.fp32, c.limit)
+        extra = (
+            act_args(c) if self.gate_up_bias is None else (c.act, c.alpha, self.gate_up_bias, self.down_bias)
+        )
+        y = ops.moe_experts(x, self.gate_up, self.down, w, ids, c.fp32, c.limit, *extra)
         if self.shared is not None:
             s = self.shared(x)
             if self.shared_gate is not None:
@@ -190,11 +229,24 @@ def _limit(o, val) -> float | None:
     return None if v is None else float(v)
 
 
+def _activation(o, val) -> tuple[str, float]:
+    """(activation, alpha); an activation the blocks do not implement is refused by name."""
+    act = val(o.activation)
+    if act not in ACTIVATIONS:
+        raise ValueError(
+            f"activation {act!r} is not implemented by the gated MLPs; known: {', '.join(ACTIVATIONS)}"
+        )
+    return str(act), float(val(o.alpha))
+
+
 def _resolve_swiglu(o: SwigluOpts, val) -> SwigluCfg:
-    return SwigluCfg(int(val("$hidden")), int(val(o.intermediate)), bool(val(o.fp32)), _limit(o, val))
+    act, alpha = _activation(o, val)
+    h, i = int(val("$hidden")), int(val(o.intermediate))
+    return SwigluCfg(h, i, bool(val(o.fp32)), _limit(o, val), act=act, alpha=alpha)
 
 
 def _resolve_moe(o: MoeOpts, val) -> MoeCfg:
+    act, alpha = _activation(o, val)
     c = MoeCfg(
         hidden=int(val("$hidden")),
         experts=int(val(o.experts)),
@@ -210,6 +262,10 @@ def _resolve_moe(o: MoeOpts, val) -> MoeCfg:
         shared_gate=o.shared_gate,
         fp32=bool(val(o.fp32)),
         limit=_limit(o, val),
+        act=act,
+        alpha=alpha,
+        router_bias=bool(val(o.router_bias)),
+        expert_bias=bool(val(o.expert_bias)),
     )
     if c.experts % c.groups or c.topk_groups > c.groups:
         raise ValueError(f"{c.experts} experts do not split into {c.groups} groups with top {c.topk_groups}")
@@ -231,6 +287,8 @@ def _shard_moe(c: MoeCfg, par: Parallel) -> MoeCfg:
         return dataclasses.replace(
             c, experts=experts, shared_intermediate=shared, par=par, experts_total=c.experts
         )
+    if c.expert_bias:
+        raise ValueError("expert biases are not split over intermediates: use expert parallel")
     inter = par.even(c.intermediate, "the expert intermediate")
     return dataclasses.replace(
         c, intermediate=inter, shared_intermediate=shared, par=par, experts_total=c.experts
@@ -238,7 +296,8 @@ def _shard_moe(c: MoeCfg, par: Parallel) -> MoeCfg:
 
 
 def _act_features(c) -> frozenset[str]:
-    return frozenset(({"fp32"} if c.fp32 else set()) | ({"limit"} if c.limit is not None else set()))
+    act = {c.act} if c.act != "silu" else set()
+    return frozenset(({"fp32"} if c.fp32 else set()) | ({"limit"} if c.limit is not None else set()) | act)
 
 
 def _swiglu_needs(c: SwigluCfg):
@@ -249,11 +308,11 @@ def _moe_needs(c: MoeCfg):
     route = {c.score} | ({"correction_bias"} if c.correction_bias else set())
     route |= ({"grouped"} if c.groups > 1 else set()) | ({"renormalize"} if c.renormalize else set())
     needs = [
-        ("linear", frozenset(), None),
+        ("linear", frozenset({"bias"}) if c.router_bias else frozenset(), None),
         ("moe_route", frozenset(route), None),
-        ("moe_experts", _act_features(c), None),
+        ("moe_experts", _act_features(c) | ({"bias"} if c.expert_bias else set()), None),
     ]
-    shared = SwigluCfg(c.hidden, c.shared_intermediate, c.fp32, c.limit)
+    shared = SwigluCfg(c.hidden, c.shared_intermediate, c.fp32, c.limit, act=c.act, alpha=c.alpha)
     return needs + (_swiglu_needs(shared) if c.shared_intermediate else [])
 
 

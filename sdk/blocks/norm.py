@@ -12,13 +12,25 @@ from dayzero.sdk.config.model import EmbeddingCfg, HeadCfg, NormCfg, ResidualCfg
 
 
 class RMSNorm(nn.Module):
+    """y = x / rms(x) * w, or * (1 + w) in fp32 when zero-centred (Gemma: the checkpoint stores
+    w - 1, and (1 + w) is formed in fp32 before the product, never rounded to the model dtype)."""
+
     def __init__(self, cfg: NormCfg, ops: OpTable) -> None:
         super().__init__()
         self.cfg, self.ops = cfg, ops
         self.weight = nn.Parameter(torch.empty(cfg.dim))
 
+    def scale(self) -> torch.Tensor:
+        """The weight the norm multiplies by: w, or 1 + w in fp32 (zero-centred)."""
+        return zero_centred(self.weight) if self.cfg.zero_centred else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.cfg.eps, self.cfg.weight_in_fp32)
+        return self.ops.rms_norm(x, self.scale(), self.cfg.eps, self.cfg.weight_in_fp32)
+
+
+def zero_centred(w: torch.Tensor) -> torch.Tensor:
+    """1 + w in fp32: a zero-centred norm weight as the ops multiply by it (with weight_in_fp32)."""
+    return w.float() + 1.0
 
 
 class Residual(nn.Module):
@@ -50,8 +62,8 @@ class Residual(nn.Module):
             x = self.post(x, y, carry)
             return (x, *nxt.pre(x))
         n = self.cfg.norm
-        post = None if self.post_norm is None else self.post_norm.weight
-        x, h = self.ops.add_rms_norm(x, y, nxt.norm.weight, n.eps, n.weight_in_fp32, post, self.scales)
+        post = None if self.post_norm is None else self.post_norm.scale()
+        x, h = self.ops.add_rms_norm(x, y, nxt.norm.scale(), n.eps, n.weight_in_fp32, post, self.scales)
         return x, h, None
 
 
@@ -129,8 +141,10 @@ class Streams(nn.Module):
 
 
 class Embedding(nn.Module):
-    """x = W[ids]; vocab-parallel over P ranks: rank r holds rows [r V / P, (r + 1) V / P), looks
-    up the ids in its range (the others give 0) and the ranks' rows are summed."""
+    """x = W[ids] (* s: the scale, e.g. sqrt(Dm) for Gemma, rounded to the model dtype first as
+    transformers rounds its fp32 `embed_scale`); vocab-parallel over P ranks: rank r holds rows
+    [r V / P, (r + 1) V / P), looks up the ids in its range (the others give 0) and the ranks'
+    rows are summed."""
 
     def __init__(self, cfg: EmbeddingCfg, ops: OpTable) -> None:
         super().__init__()
@@ -138,13 +152,19 @@ class Embedding(nn.Module):
         self.rows = cfg.par.even(cfg.vocab, "the vocabulary")  # [V / P, Dm] on each rank
         self.start = cfg.par.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, cfg.dim))
+        scale = None if cfg.scale is None else torch.tensor(cfg.scale, dtype=torch.float32)
+        self.register_buffer("scale", scale, persistent=False)  # fp32; rounded to x's dtype when used
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self._lookup(ids)  # [T, Dm]
+        return x if self.scale is None else x * self.scale.to(x.dtype)
 
     @staticmethod
     def shards(cfg: EmbeddingCfg) -> dict[str, dict[str, Slice]]:
         rows = cfg.vocab // cfg.par.size
         return {"weight": {"": Slice(-2, cfg.par.rank * rows, rows)}} if cfg.par.size > 1 else {}
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.cfg.par.size == 1:
             return self.ops.embedding(ids, self.weight)  # [T, Dm]
         local = ids - self.start

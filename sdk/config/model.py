@@ -45,6 +45,7 @@ class NormCfg:
     dim: int
     eps: float
     weight_in_fp32: bool
+    zero_centred: bool = False  # the weight is applied as (1 + w) in fp32 (Gemma)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class EmbeddingCfg:
     vocab: int
     dim: int
     par: Parallel = ONE_RANK  # vocab-parallel over par.size ranks: rows [rank V / size, ...)
+    scale: float | None = None  # x = W[ids] * scale (Gemma: sqrt(dim))
 
 
 @dataclass(frozen=True)

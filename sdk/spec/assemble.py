@@ -242,7 +242,12 @@ def resolve(
     spec, r = loaded.spec, Resolver(loaded, hf, source)
     spath = str(loaded.path)
     hidden = r.number(spec.embedding.dim, int, "embedding.dim")
-    norm = NormCfg(hidden, r.number(spec.norm.eps, float, "norm.eps"), spec.norm.weight_in_fp32)
+    zero = bool(r.value(spec.norm.zero_centred))
+    if zero and not spec.norm.weight_in_fp32:
+        raise SpecError(
+            spath, "norm.zero_centred", "multiplies by (1 + w) in fp32: set weight_in_fp32: true"
+        )
+    norm = NormCfg(hidden, r.number(spec.norm.eps, float, "norm.eps"), spec.norm.weight_in_fp32, zero)
     plan = layer_plan(spec, r)
     n = len(plan)
     attn_types, mlp_types = [a for a, _ in plan], [m for _, m in plan]
@@ -331,7 +336,9 @@ def resolve(
     return ModelConfig(
         family=spec.family,
         spec_hash=loaded.hash,
-        embedding=EmbeddingCfg(vocab, hidden, par),
+        embedding=EmbeddingCfg(
+            vocab, hidden, par, None if spec.embedding.scale is None else float(r.value(spec.embedding.scale))
+        ),
         layers=tuple(layers),
         final_norm=norm,
         streams=hyper.streams if hyper else 1,

@@ -152,14 +152,29 @@ class Residual(Strict):
 
 
 class Norm(Strict):
+    """The residual and final RMSNorms. weight_in_fp32: the weight multiplies the fp32 normed
+    value before it is rounded (Gemma / OLMo2 order; else rounded first, Llama order);
+    zero_centred: the weight is applied as (1 + w), formed in fp32 (Gemma; needs weight_in_fp32)."""
+
     kind: Literal["rms"] = "rms"
     eps: FloatV
     weight_in_fp32: bool = False
+    zero_centred: BoolV = False
+
+    @model_validator(mode="after")
+    def _fp32_product(self) -> Norm:
+        if self.zero_centred is True and not self.weight_in_fp32:
+            raise ValueError("zero_centred multiplies by (1 + w) in fp32: set weight_in_fp32: true")
+        return self
 
 
 class Embedding(Strict):
+    """x = W[ids], times `scale` when given (Gemma: `= hidden ** 0.5`), the scale rounded to the
+    model dtype before the product as transformers rounds its fp32 `embed_scale`."""
+
     vocab: IntV
     dim: IntV  # the model width; blocks read it as $hidden
+    scale: FloatV | None = None
 
 
 class Head(Strict):
