@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # GPU bring-up on the lent H200 (see docs/benchmarks.md): build dayzero against the machine's
 # torch, run GPU tests, parity on CUDA for medium random checkpoints, then `dayzero bench decode`.
-#   TESTS: pytest files run first (e.g. "tests/test_triton_packed.py tests/test_triton_cuda.py")
+#   TESTS: pytest files run first (e.g. "tests/test_triton_packed.py tests/test_triton_cuda.py
+#   tests/test_mla_kernels.py tests/test_fla_bindings.py"; the last needs fla-core's wheel (and
+#   einops') on PYTHONPATH: keep it out of .whl/, where it would also switch transformers' linear-
+#   attention references to fla's kernels)
 #   PARITY: "family:dtype ..." (dtype fp32 | bf16); QPARITY: "folder:dtype ..." for checkpoints
 #   carried in (quantized ones are made here by ModelOpt: `dayzero tiny F OUT --quantization Q`)
 #   BENCH: "family ..."; QUANT: the weight formats to bench, "bf16 nvfp4 ..."; empty skips a part.
