@@ -244,9 +244,7 @@ def resolve(
     hidden = r.number(spec.embedding.dim, int, "embedding.dim")
     zero = bool(r.value(spec.norm.zero_centred))
     if zero and not spec.norm.weight_in_fp32:
-        raise SpecError(
-            spath, "norm.zero_centred", "multiplies by (1 + w) in fp32: set weight_in_fp32: true"
-        )
+        raise SpecError(spath, "norm.zero_centred", "multiplies by (1 + w) in fp32: set weight_in_fp32: true")
     norm = NormCfg(hidden, r.number(spec.norm.eps, float, "norm.eps"), spec.norm.weight_in_fp32, zero)
     plan = layer_plan(spec, r)
     n = len(plan)
