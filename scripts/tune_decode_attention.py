@@ -96,10 +96,11 @@ def geometry(ctx: int, b: int, g: torch.Generator) -> str:
                 rates[tile, warps, stages] = us
                 rate = nbytes / us / 1e3
                 print(f"ctx {ctx:>6} batch {b:>2} {kw}: {us:8.1f} us {rate:7.0f} GB/s", flush=True)
-    default = rates[64, 4, 2]
+    key = (attention.DECODE_TILE, attention.DECODE_WARPS, 2)  # the decode default
+    default = rates[key]
     best = min(rates, key=rates.get)
     return (
-        f"ctx {ctx} batch {b}: default (64, 4, 2) {default:.1f} us ({nbytes / default / 1e3:.0f} GB/s), "
+        f"ctx {ctx} batch {b}: default {key} {default:.1f} us ({nbytes / default / 1e3:.0f} GB/s), "
         f"best (tile, warps, stages) {best} {rates[best]:.1f} us ({nbytes / rates[best] / 1e3:.0f} GB/s)"
     )
 

@@ -211,9 +211,8 @@ def mla_attention(
     `splits`: key splits per token (default: by the GPU's size), each of at least
     `min_split_tiles` key tiles."""
     t, h = q_nope.shape[:2]
-    out = q_nope.new_zeros(t, h, w_v.shape[1])
     if t == 0:
-        return out
+        return q_nope.new_zeros(t, h, w_v.shape[1])
     args = (q_nope, q_rope, cache, w_k, meta, scale)
     decode = all(b - a <= 1 for a, b in itertools.pairwise(meta.query_start_cpu))
     if select is not None or decode:  # every token one program
@@ -221,6 +220,7 @@ def mla_attention(
         sel = None if select is None else _distinct(select)
         o = _latent(*args, toks, sel, splits, min_split_tiles)
         return torch.einsum("thl,hvl->thv", o, w_v)
+    out = q_nope.new_zeros(t, h, w_v.shape[1])
     layout = batched.dense_layout(meta)  # a dense step with prefill rows: those through SDPA
     if layout["dec"] is not None:
         toks = layout["dec"][0]
