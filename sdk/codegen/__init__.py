@@ -28,7 +28,6 @@ from dayzero.sdk.spec.reference import reference_config
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 OUTPUTS = ("__init__.py", "model.py", "cache.py", "README.md", "test_parity.py")
-PARITY_SEEDS_PER_SHAPE = 2
 
 
 def _env() -> jinja2.Environment:
@@ -169,7 +168,7 @@ def render(fam: Family) -> dict[str, str]:
         "model_types": spec.model_types,
         "groups": groups,
         "shapes": repr([{}, *spec.shapes]),
-        "seeds_per_shape": PARITY_SEEDS_PER_SHAPE,
+        "parity": spec.parity,
         "blocks": [
             {"role": BLOCKS.get(o.kind).role, "name": n, "kind": o.kind, "options": _describe(o)}
             for n, o in loaded.blocks.items()

@@ -71,6 +71,7 @@ def render() -> str:
         schema.WeightFormat,
         schema.WeightRule,
         schema.Transform,
+        schema.Parity,
         schema.Mtp,
     ]
     for m in models:

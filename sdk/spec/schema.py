@@ -242,6 +242,17 @@ class Release(Strict):
     format: Literal["bf16", "fp8_block", "mxfp4", "nvfp4"] = "bf16"
 
 
+class Parity(Strict):
+    """What the generated parity test runs: `seeds` per shape (1..4), the quantized layouts
+    (every ModelOpt format and convention) or not, and `new_tokens` greedy tokens per prompt.
+    Every check of `run_parity` runs either way; a light test (`seeds: 1, quantized: false`,
+    no `shapes`) keeps a coverage family's CI time to seconds."""
+
+    seeds: Annotated[int, Field(ge=1, le=4)] = 2
+    quantized: bool = True
+    new_tokens: Annotated[int, Field(ge=1)] = 32
+
+
 class Mtp(Strict):
     kind: Literal["nextn", "qwen_mtp"]
     layers: IntV = 1
@@ -257,6 +268,7 @@ class Spec(Strict):
     reference_modules: dict[Literal["layer", "attention", "mlp"], str] = {}  # for the layer diff
     tiny: dict[str, Any]
     shapes: list[dict[str, Any]] = []  # extra HF-config overrides the parity test also runs
+    parity: Parity = Parity()  # what the generated parity test runs
     symbols: dict[str, str | Symbol]
     layers: Layers
     blocks: dict[str, Any]  # validated against the block library (`dayzero.sdk.blocks`)
