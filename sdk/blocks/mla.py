@@ -43,9 +43,12 @@ class MlaOpts(Strict):
     q_lora: IntV | None = None  # None or 0: q = x W_q (no low-rank query path)
     kv_lora: IntV
     nope_dim: IntV
-    rope_dim: IntV = 0  # 0: NoPE
+    rope_dim: IntV = 0  # 0: NoPE, no shared key part
     v_dim: IntV
     rope: MlaRopeOpts | None = None
+    # true: NoPE with the rope_dim part kept: q_r and the shared key k_r are never rotated (Kimi
+    # Linear's MLA); the `rope` section, if any, is unused. A $symbol lets the config say so
+    nope: BoolV = False
     latent_norm_eps: FloatV = 1e-6  # the q and kv latent RMS norms
     bias: BoolV = False  # biases on the down projections and the output projection
     indexer: IndexerOpts | None = None
@@ -73,6 +76,7 @@ class MlaCfg:
     nope_dim: int
     rope_dim: int
     v_dim: int
+    nope: bool  # the rope_dim channels stay unrotated (a position-free shared key)
     rope_theta: float | None
     rope_params: tuple[tuple[str, Any], ...]  # the HF rope_parameters (sorted items), or ()
     interleaved: bool
@@ -88,7 +92,8 @@ class MlaAttention(nn.Module):
 
     q = W_qb rmsnorm(x W_qa) (or x W_q)                 [T, H, Dn + Dr] = [q_n ; q_r]
     [c ; k_r] = x W_kva;  c <- rmsnorm(c)                c [T, L] latent, k_r [T, Dr] shared key
-    q_r, k_r <- a * rope(q_r, p), a * rope(k_r, p)       (a: the rope table's attention factor)
+    q_r, k_r <- a * rope(q_r, p), a * rope(k_r, p)       (a: the rope table's attention factor;
+                                                         `nope`: q_r, k_r unrotated, a = 1)
     k[j, h] = [W_k[h] c_j ; k_r[j]],  v[j, h] = W_v[h] c_j   ([W_k; W_v] = W_kvb per head)
     o[t, h] = sum_{j in S(t)} softmax_j(scale <q[t, h], k[j, h]>) v[j, h];  y = o W_o
     S(t) = all j <= p_t, or the indexer's selection (sparse attention):
@@ -96,7 +101,7 @@ class MlaAttention(nn.Module):
       kpool: the same over pooled groups of P keys (softmax(gate + ape)-weighted), the top
              k / P groups ending at or before p_t, plus the query's incomplete group
     q_i = W_iq rmsnorm(x W_qa), k_i = layernorm(x W_ik) (both roped on the first Dr channels,
-    paired as the MLA's RoPE unless the indexer says otherwise),
+    paired as the MLA's RoPE unless the indexer says otherwise; unrotated with `nope`),
     w = x W_iw / sqrt(Hi). A `reuse` layer attends to the last indexer layer's S(t).
 
     Tensor parallel over P ranks: each rank holds H / P heads (its rows of W_qb, or of W_q, and
@@ -139,7 +144,7 @@ class MlaAttention(nn.Module):
         self.pool_ape = nn.Parameter(torch.empty(ix.pool, di)) if pooled else None
         self.pool_gate = nn.Parameter(torch.empty(di, cfg.hidden)) if pooled else None
         inv, self.rope_factor = (None, 1.0)
-        if cfg.rope_dim:
+        if cfg.rope_dim and not cfg.nope:
             inv, self.rope_factor = rope_table(cfg.rope_theta, cfg.rope_dim, dict(cfg.rope_params))
         self.register_buffer("inv_freq", inv, persistent=False)
         self._kv_b_dense: torch.Tensor | None = None  # a packed kv_b, dequantized on first use
@@ -199,7 +204,7 @@ class MlaAttention(nn.Module):
         lat = ops.rms_norm(latent[:, : c.kv_lora], self.kv_norm, c.latent_norm_eps)  # [T, L]
         k_r = latent[:, c.kv_lora :]  # [T, Dr]
         q_n, q_r = q[..., :dn], q[..., dn:]
-        if dr:
+        if dr and not c.nope:
             q_r = self._rope(q_r, ctx.positions, c.interleaved)
             k_r = self._rope(k_r[:, None, :], ctx.positions, c.interleaved)[:, 0]
         g, off = self.latent_cache
@@ -238,7 +243,7 @@ class MlaAttention(nn.Module):
         t, di = x.shape[0], ix.head_dim
         qi = ops.linear(q_res, self.index_q).reshape(t, ix.heads, di)
         ki = ops.layer_norm(ops.linear(x, self.index_k), self.index_k_norm, self.index_k_bias, ix.norm_eps)
-        if self.cfg.rope_dim:
+        if self.cfg.rope_dim and not self.cfg.nope:
             qi = self._rope(qi, ctx.positions, ix.rope_interleaved)
             ki = self._rope(ki[:, None, :], ctx.positions, ix.rope_interleaved)[:, 0]
         p = self.cfg.par
@@ -267,15 +272,17 @@ class MlaAttention(nn.Module):
 
 
 def _resolve(o: MlaOpts, val) -> MlaCfg:
-    rope_dim, nope = int(val(o.rope_dim) or 0), int(val(o.nope_dim))
-    if rope_dim and o.rope is None:
-        raise ValueError(f"rope_dim {rope_dim} needs a `rope` section")
-    if rope_dim % 2:
+    rope_dim, nope_dim = int(val(o.rope_dim) or 0), int(val(o.nope_dim))
+    no_rotation = bool(val(o.nope))
+    rotated = rope_dim if not no_rotation else 0  # the channels RoPE rotates
+    if rotated and o.rope is None:
+        raise ValueError(f"rope_dim {rope_dim} needs a `rope` section (or `nope: true`)")
+    if rotated % 2:
         raise ValueError(f"rope_dim must be even, got {rope_dim}")
-    params = val(o.rope.parameters) if o.rope and o.rope.parameters else None
+    params = val(o.rope.parameters) if rotated and o.rope.parameters else None
     if params is not None and not isinstance(params, dict):
         raise ValueError(f"rope.parameters must name a mapping (HF rope_parameters), got {params!r}")
-    if rope_dim:
+    if rotated:
         rope_table(float(val(o.rope.theta)), rope_dim, params)  # an unknown rope type fails here
     q_lora = int(val(o.q_lora) or 0)
     ix = None
@@ -298,22 +305,23 @@ def _resolve(o: MlaOpts, val) -> MlaCfg:
             raise ValueError(
                 f"indexer topk {ix.topk} must be > 0 (and a multiple of pool {ix.pool} for kpool)"
             )
-        if rope_dim > ix.head_dim:
+        if rotated > ix.head_dim:
             raise ValueError(f"rope_dim {rope_dim} exceeds the indexer head_dim {ix.head_dim}")
     return MlaCfg(
         hidden=int(val("$hidden")),
         heads=int(val(o.heads)),
         q_lora=q_lora,
         kv_lora=int(val(o.kv_lora)),
-        nope_dim=nope,
+        nope_dim=nope_dim,
         rope_dim=rope_dim,
         v_dim=int(val(o.v_dim)),
-        rope_theta=float(val(o.rope.theta)) if rope_dim else None,
+        nope=no_rotation,
+        rope_theta=float(val(o.rope.theta)) if rotated else None,
         rope_params=tuple(sorted((params or {}).items())),
         interleaved=o.rope.interleaved if o.rope else True,
         latent_norm_eps=float(val(o.latent_norm_eps)),
         bias=bool(val(o.bias)),
-        scale=(nope + rope_dim) ** -0.5 * softmax_mscale(params),
+        scale=(nope_dim + rope_dim) ** -0.5 * softmax_mscale(params),
         indexer=ix,
     )
 
@@ -333,7 +341,7 @@ def _needs(c: MlaCfg):
         ("cache_write", frozenset(), None),
         ("mla_attention", frozenset({"causal"} | ({"select"} if ix else set())), None),
     ]
-    if c.rope_dim:
+    if c.rope_dim and not c.nope:
         neox = not c.interleaved or (ix is not None and not ix.reuse and not ix.rope_interleaved)
         out.append(("rope", frozenset({"neox"}) if neox else frozenset(), None))
     if ix and not ix.reuse:
