@@ -58,6 +58,7 @@ def render() -> str:
     lines += [inspect.getdoc(schema) or "", ""]
     models = [
         schema.Spec,
+        schema.ReferenceModules,
         schema.Symbol,
         schema.Layers,
         schema.RuleAll,

@@ -12,8 +12,9 @@ Checks (each a row of the report):
   retraction recompute  the same with no host memory: retracted requests recompute
 The retraction checks size the KV memory from the model (`retraction_budget`): the longest
 request fits alone, never all of them together, so retraction happens at every model size.
-On failure, a layer-by-layer diff names the first block that diverges. A column a check does not
-measure reads `-`; `progress` gets a line as each check starts and ends.
+On failure, a layer-by-layer diff (`layer_diff.py`) names the embedding or the first block that
+diverges. A column a check does not measure reads `-`; `progress` gets a line as each check
+starts and ends.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, Sampl
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import Checkpoint, load_weights, open_checkpoint
 from dayzero.sdk.parity.dequant import write_dequantized
+from dayzero.sdk.parity.layer_diff import layer_diff
 from dayzero.sdk.scheduler import CacheGroup, Scheduler, make_config
 from dayzero.sdk.spec.reference import reference_class
 
@@ -195,56 +197,6 @@ def _compare(outs: list[RequestOutput], exp: Expected, tol: Tolerance, name: str
     return Row(name, ok, logprob_err=lp_err, agreement=a, note=note)
 
 
-def _layer_diff(ours: Ours, ref: Reference, prompt: list[int], tol: float, spec) -> list[str]:
-    """Hook every layer's attention, mlp and output on both sides; name the first that diverges."""
-    mods = spec.reference_modules
-    if not mods:
-        return ["(the spec names no reference_modules; no layer diff)"]
-    got: dict[str, torch.Tensor] = {}
-    hooks = []
-
-    def keep(key: str):
-        def hook(_m, _i, out):
-            t = out[0] if isinstance(out, tuple) else out
-            got[key] = t.detach().float().reshape(-1, t.shape[-1])
-
-        return hook
-
-    n = len(ours.cfg.layers)
-    parts = [("attention", "attn"), ("mlp", "mlp"), ("layer", None)]
-    for i in range(n):
-        for role, ours_name in parts:
-            if role in mods:
-                hooks.append(
-                    ref.model.get_submodule(mods[role].replace("{i}", str(i))).register_forward_hook(
-                        keep(f"ref.{i}.{role}")
-                    )
-                )
-            sub = ours.model.layers[i] if ours_name is None else getattr(ours.model.layers[i], ours_name)
-            hooks.append(sub.register_forward_hook(keep(f"ours.{i}.{role}")))
-    try:
-        ref.logits(prompt)
-        ours.prefill_logits([prompt])
-    finally:
-        for h in hooks:
-            h.remove()
-    lines = []
-    for i in range(n):
-        layer = ours.cfg.layers[i]
-        for role, _ in parts:
-            a, b = got.get(f"ours.{i}.{role}"), got.get(f"ref.{i}.{role}")
-            if a is None or b is None:
-                continue
-            err = (a - b).abs().max().item()
-            kind = {"attention": layer.attn_kind, "mlp": layer.mlp_kind}.get(role, "decoder layer")
-            lines.append(f"  layer {i:>3} {role:<9} ({kind}) max|diff| {err:.3e}")
-            if err > tol * max(1.0, b.abs().max().item()):
-                lines.append(f"  first divergence: layer {i} {role} ({kind} block)")
-                return lines
-    lines.append("  no layer exceeds the tolerance: the divergence is in the final norm or head")
-    return lines
-
-
 RETRACTION = {"block_size": 8, "max_tokens_per_step": 64, "chunk_size": 16}  # the checks' engine
 
 
@@ -395,5 +347,13 @@ def run_parity(
     if not report.ok:
         failing = prompts[worst]
         layer_tol = tol.logits if tol.exact else 0.1  # low precision: 10% of the layer's scale
-        report.layer_diff = _layer_diff(ours, ref, failing, layer_tol, ckpt.family.spec.spec)
+        report.layer_diff = layer_diff(
+            ours.model,
+            ref.model,
+            lambda: (ref.logits(failing), ours.prefill_logits([failing])),
+            ckpt.family.spec.spec.reference_modules,
+            ckpt.mapping.layers,
+            [(layer.attn_kind, layer.mlp_kind) for layer in ours.cfg.layers],
+            layer_tol,
+        )
     return report

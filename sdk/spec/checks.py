@@ -148,6 +148,25 @@ def check_weight_scopes(source: str, spec: Spec) -> None:
                 )
 
 
+def check_reference_modules(source: str, spec: Spec) -> None:
+    """A per-block `reference_modules` path names exactly the blocks the layer rules use for
+    that role (a layer whose block had no path would go unchecked by the layer diff)."""
+    for role in ("attention", "mlp"):
+        paths = getattr(spec.reference_modules, role)
+        if not isinstance(paths, dict):
+            continue
+        used = {b for _, b in rule_blocks(getattr(spec.layers, role))}
+        where = f"reference_modules.{role}"
+        if extra := sorted(set(paths) - used):
+            raise SpecError(
+                source,
+                f"{where}.{extra[0]}",
+                f"{extra[0]!r} is not a block of the {role} layer rules (they use {', '.join(sorted(used))})",
+            )
+        if missing := sorted(used - set(paths)):
+            raise SpecError(source, where, f"no path for block(s) {', '.join(missing)} of the layer rules")
+
+
 def check_layers(source: str, spec: Spec, blocks: dict[str, BaseModel]) -> None:
     for role in ("attention", "mlp"):
         for where, name in rule_blocks(getattr(spec.layers, role)):

@@ -14,7 +14,13 @@ from pydantic import BaseModel, ValidationError
 from dayzero.kernels.registry import UnknownKeyError
 from dayzero.sdk.blocks import BLOCKS
 from dayzero.sdk.errors import SpecError
-from dayzero.sdk.spec.checks import check_layers, check_symbols, check_transforms, check_weight_scopes
+from dayzero.sdk.spec.checks import (
+    check_layers,
+    check_reference_modules,
+    check_symbols,
+    check_transforms,
+    check_weight_scopes,
+)
 from dayzero.sdk.spec.schema import Spec
 
 
@@ -89,5 +95,6 @@ def load_spec(path: str | Path) -> LoadedSpec:
     check_layers(source, spec, blocks)
     check_transforms(source, spec)
     check_weight_scopes(source, spec)
+    check_reference_modules(source, spec)
     check_symbols(source, spec, raw)
     return LoadedSpec(spec, blocks, path, hashlib.sha256(raw_bytes).hexdigest()[:12])

@@ -233,6 +233,25 @@ class WeightFormat(Strict):
     config: dict[str, str] = {}  # gguf: HF field -> metadata key ({arch} expands)
 
 
+class ReferenceModules(Strict):
+    """Where `dayzero parity`'s layer diff hooks the reference model (`{i}`: the layer index); a
+    role left out is not compared (the embedding needs no path: `get_input_embeddings()`).
+    `attention` / `mlp`: one path for every layer, or a path per block of that role, by the
+    spec's block names (a hybrid keeps its linear-attention layers under `linear_attn`, its
+    attention layers under `self_attn`); such a mapping names every block the layer rules use."""
+
+    layer: str | None = None
+    attention: str | dict[str, str] | None = None
+    mlp: str | dict[str, str] | None = None
+
+    def path(self, role: str, block: str, i: int) -> str | None:
+        """The reference module of layer i's `role` ("layer", "attention", "mlp"), whose block
+        (of that role) is `block`; None: not compared."""
+        p = getattr(self, role)
+        p = p.get(block) if isinstance(p, dict) else p
+        return None if p is None else p.replace("{i}", str(i))
+
+
 class Release(Strict):
     """The real checkpoint a model card's launch command serves: its hub id, the HF-config
     fields that differ from the reference config class's defaults, and its weight format."""
@@ -265,7 +284,7 @@ class Spec(Strict):
     architectures: list[str] = Field(min_length=1)
     model_types: list[str] = Field(min_length=1)
     reference: Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][\w.]*\.[A-Za-z_]\w*$")]
-    reference_modules: dict[Literal["layer", "attention", "mlp"], str] = {}  # for the layer diff
+    reference_modules: ReferenceModules = ReferenceModules()  # for the layer diff
     tiny: dict[str, Any]
     shapes: list[dict[str, Any]] = []  # extra HF-config overrides the parity test also runs
     parity: Parity = Parity()  # what the generated parity test runs
