@@ -98,3 +98,20 @@ def test_a_per_block_mapping_names_exactly_the_layer_rules_blocks(tmp_path) -> N
     raw["reference_modules"]["attention"] = "model.layers.{i}.self_attn"
     e = spec_error(write_spec(tmp_path, raw))
     assert "reference_modules.mlp" in str(e) and "no path for block(s) mlp of the layer rules" in str(e)
+
+
+def test_parity_on_a_family_without_generated_code_is_one_clear_line(tmp_path, monkeypatch, capsys) -> None:
+    """A valid spec in models/ whose codegen failed (no model.py / cache.py): `dayzero parity`
+    names the family and the fix on one line, no ModuleNotFoundError traceback."""
+    from dayzero.sdk.cli import main
+    from dayzero.sdk.families import FAMILIES, MODELS_DIR, Family
+    from dayzero.sdk.spec.read import load_spec
+
+    raw = llama_raw() | {"family": "zz_no_codegen"}
+    fam = Family("zz_no_codegen", MODELS_DIR / "zz_no_codegen" / "spec.yaml")  # never written
+    fam.__dict__["spec"] = load_spec(write_spec(tmp_path, raw))  # the spec itself is valid
+    monkeypatch.setitem(FAMILIES._items, fam.name, fam)
+    assert main(["parity", "zz_no_codegen", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("dayzero parity: family zz_no_codegen has no generated code that imports (")
+    assert err.endswith("run `dayzero codegen zz_no_codegen`") and "dayzero.models.zz_no_codegen" in err

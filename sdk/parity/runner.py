@@ -31,7 +31,7 @@ import torch
 
 from dayzero.sdk.api import default_device, parse_dtype
 from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, SamplingParams
-from dayzero.sdk.families import build
+from dayzero.sdk.families import Family, build
 from dayzero.sdk.loader import Checkpoint, load_weights, open_checkpoint
 from dayzero.sdk.parity.dequant import write_dequantized
 from dayzero.sdk.parity.layer_diff import layer_diff
@@ -244,6 +244,18 @@ CHECKS = (
 )
 
 
+def require_generated(fam: Family) -> None:
+    """The family's generated modules import: a codegen that failed (or never ran) is one error
+    naming the family and the fix, not an import traceback."""
+    try:
+        for part in ("cache", "model"):
+            fam.module(part)
+    except ImportError as e:
+        raise RuntimeError(
+            f"family {fam.name} has no generated code that imports ({e}): run `dayzero codegen {fam.name}`"
+        ) from None
+
+
 def run_parity(
     checkpoint: str | Path,
     device: str | None = None,
@@ -255,6 +267,7 @@ def run_parity(
 ) -> Report:
     say = progress or (lambda _line: None)
     ckpt = open_checkpoint(checkpoint, family)
+    require_generated(ckpt.family)
     dev = torch.device(device or default_device())
     dt = parse_dtype(dtype, dev)
     tol = Tolerance.for_dtype(dt)
