@@ -100,7 +100,12 @@ class SamplingBatch:
 
 
 declare_op("embedding", "ids [T] -> weight[ids] [T, Dm]")
-declare_op("linear", "x [.., K] @ w[N, K]^T (+ b) -> [.., N]", features={"bias"}, packed="linear_packed")
+declare_op(
+    "linear",
+    "x [.., K] @ w[N, K]^T (+ b) -> [.., N] in w's dtype, x read in it (fp32 routers: fp32 logits)",
+    features={"bias"},
+    packed="linear_packed",
+)
 PACKED_FORMATS = ("nvfp4", "mxfp4", "fp8_block")  # kernels/packed.py
 declare_op(
     "linear_packed",

@@ -165,7 +165,7 @@ def check_norm(g: torch.Generator) -> list[str]:
 def check_linear(g: torch.Generator) -> list[str]:
     """The dense decode GEMV (kernels/triton/linear.py): 1-2 rows, with and without a bias, at
     the default geometry and at one row / a 16-wide reduction tile a program (K = 100: ragged
-    tiles); 3 rows take F.linear."""
+    tiles), and a bf16 x against fp32 weights (exact: x widened); 3 rows take F.linear."""
     from dayzero.kernels.triton import linear
 
     out = []
@@ -177,6 +177,11 @@ def check_linear(g: torch.Generator) -> list[str]:
             for tiles in (None, (1, 16)):
                 err = _rel(linear.linear(x, w, bias, tiles=tiles), want)
                 out.append(f"linear m={m} bias={bias is not None} tiles={tiles} {err:.2e}")
+        # a bf16 x against fp32 weights (a router): widened inside the GEMV, fp32 out
+        xb = x.bfloat16()
+        got = linear.linear(xb, w, b)
+        assert got.dtype == torch.float32
+        out.append(f"linear bf16-x m={m} {_rel(got, torch.nn.functional.linear(xb.float(), w, b)):.2e}")
     return out
 
 
@@ -353,7 +358,7 @@ def test_triton_kernels_in_the_interpreter(seed: int) -> None:
     fixed = (
         3 * 9 + 2 * 4 * 2 + 2 * 2 * 2 + 6 + 1 + 3 * 2 + 3 * 2 + 2 + 4 + 6 + 1 + 4 + 6 + 2 + 2 + 4 + 1 + 2 + 2
     )
-    assert len(lines) == fixed + 3 * 2 * 2, r.stdout  # + check_linear
+    assert len(lines) == fixed + 3 * (2 * 2 + 1), r.stdout  # + check_linear
     for ln in lines:  # bf16 rows: a few bf16 ulps of the output's scale
         assert float(ln.split()[-1]) <= (2e-2 if " bf16 " in ln else 1e-5), ln
 

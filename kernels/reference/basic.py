@@ -18,7 +18,7 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @register("linear", "reference", graphs=True)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+    return F.linear(x.to(weight.dtype), weight, bias)  # x read in w's dtype
 
 
 @register("layer_norm", "reference", graphs=True)

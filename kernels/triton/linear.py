@@ -4,7 +4,10 @@ second launch; everything else runs torch's F.linear (cuBLAS), which reads the w
 of a decode step at least as fast (scripts/tune_dense_gemv.py on the H200: [14336, 5120] 48.2 us
 against 50.8 for the best GEMV geometry, [64, 5120] fp32 9.4 against 7.7).
 
-    y[m, n] = sum_k x[m, k] W[n, k] (+ b[n])      fp32 sums, rounded to y's dtype (x's)
+    y[m, n] = sum_k x[m, k] W[n, k] (+ b[n])      fp32 sums, rounded to y's dtype (W's)
+
+x is read in W's dtype (ops.linear's contract); a bf16 x against an fp32 W (a router) is widened
+inside the GEMV, so the router's cast costs no launch of its own.
 
 A program takes BN output rows and every row of x (at most GEMV_ROWS), so W's tile is read once
 for all of them; the grid depends only on the shapes (graph-safe, no host sync).
@@ -69,18 +72,20 @@ def linear(
     tiles: tuple[int, int] | None = None,
     warps: int | None = None,
 ) -> torch.Tensor:
-    """x [.., K] @ weight[N, K]^T (+ bias) -> [.., N] in x's dtype (x and weight of one dtype, as
-    F.linear asks). `tiles` (BN, BK) and `warps` override the geometry (the tuning script)."""
+    """x [.., K] @ weight[N, K]^T (+ bias) -> [.., N] in weight's dtype, x read in it (widened in
+    the GEMV when the weight is fp32, else cast first). `tiles` (BN, BK) and `warps` override the
+    geometry (the tuning script)."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     n = weight.shape[0]
     thin = 0 < m <= GEMV_ROWS and n <= GEMV_MAX_N
-    if not thin or weight.stride(-1) != 1 or x.dtype != weight.dtype:
-        return F.linear(x, weight, bias)
+    widen = x.dtype == weight.dtype or weight.dtype == torch.float32  # exact inside the GEMV
+    if not thin or weight.stride(-1) != 1 or not widen:
+        return F.linear(x.to(weight.dtype), weight, bias)
     x2 = x.reshape(m, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=weight.dtype, device=x.device)
     bn, bk = tiles or geometry(n, k, x.device)
     _gemv[(triton.cdiv(n, bn),)](
         x2, weight, weight if bias is None else bias, y, n, m, x2.stride(0), y.stride(0), weight.stride(0),

@@ -195,7 +195,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c, ops = self.cfg, self.ops
-        logits = ops.linear(x.float(), self.router, self.router_bias)  # [T, E] fp32
+        logits = ops.linear(x, self.router, self.router_bias).float()  # [T, E] fp32 (x read in fp32)
         w, ids = ops.moe_route(  # w [T, k] fp32, the routed scale folded in
             logits,
             c.top_k,
