@@ -17,7 +17,18 @@ if TYPE_CHECKING:
     from dayzero.sdk.families import Family
 
 
+def _use_spec(args: argparse.Namespace) -> None:
+    """`--spec PATH`: that spec's family is registered for this process (and the processes it
+    starts) and is the verb's family."""
+    if args.spec is not None:
+        from dayzero.sdk.families import spec_family
+
+        args.family = spec_family(args.spec, args.family)
+
+
 def _bench(args: argparse.Namespace) -> int:
+    _use_spec(args)
+    args.family = args.family or "beam"
     if args.part == "scheduler":
         from dayzero.sdk.bench import scheduler
 
@@ -36,7 +47,7 @@ def _generate(args: argparse.Namespace) -> int:
     from dayzero.sdk.api import LLM
     from dayzero.sdk.engine.engine import SamplingParams
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, family=args.family)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, family=args.family, spec=args.spec)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -52,12 +63,14 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from dayzero.sdk.server.serve import serve
 
+    _use_spec(args)
     return serve(args)
 
 
 def _specs(args: argparse.Namespace) -> int:
     from dayzero.sdk.families import FAMILIES
 
+    _use_spec(args)
     rows, broken = specs_table(FAMILIES)
     print("\n".join(rows))
     for line in broken:
@@ -70,7 +83,7 @@ def specs_table(families: Registry[Family]) -> tuple[list[str], list[str]]:
     not): one invalid spec under models/ leaves the others listed."""
     from dayzero.sdk.codegen.support import device_support
 
-    rows = [f"{'family':<12} {'serves':<34} {'blocks':<34} {'mtp':<12} {'cpu':<26} cuda"]
+    rows = [f"{'family':<12} {'serves':<34} {'blocks':<34} {'mtp':<12} {'cpu':<26} {'cuda':<26} origin"]
     broken = []
     for name, fam in families.items():
         try:
@@ -82,7 +95,8 @@ def specs_table(families: Registry[Family]) -> tuple[list[str], list[str]]:
             continue
         rows.append(
             f"{name:<12} {'/'.join(s.architectures):<34} {blocks:<34} "
-            f"{s.mtp.kind + ' (soon)' if s.mtp else '-':<12} {dev['cpu']:<26} {dev['cuda']}"
+            f"{s.mtp.kind + ' (soon)' if s.mtp else '-':<12} {dev['cpu']:<26} {dev['cuda']:<26} "
+            f"{fam.origin if fam.in_tree else f'{fam.origin}: {fam.spec_path}'}"
         )
     return rows, broken
 
@@ -100,9 +114,15 @@ def _new(args: argparse.Namespace) -> int:
 
 def _codegen(args: argparse.Namespace) -> int:
     from dayzero.sdk import codegen
-    from dayzero.sdk.families import FAMILIES
+    from dayzero.sdk.families import FAMILIES, register_spec
 
-    names = [args.family] if args.family else FAMILIES.keys()
+    if args.spec and args.family:
+        print("dayzero codegen: give FAMILY or --spec, not both", file=sys.stderr)
+        return 2
+    if args.spec:  # out-of-tree specs: their files, written next to each
+        names = [register_spec(p).name for p in args.spec]
+    else:  # installed packages' families are written by name or --spec, never all at once
+        names = [args.family] if args.family else [n for n, f in FAMILIES.items() if f.in_tree]
     stale = []
     for name in names:
         fam = FAMILIES.get(name)
@@ -111,13 +131,14 @@ def _codegen(args: argparse.Namespace) -> int:
         else:
             changed = codegen.write(fam)
             print(f"codegen {name}: spec.yaml@{fam.spec.hash} -> {len(changed)} file(s) written")
-    if args.family is None:
+    if args.family is None and not args.spec:
         stale += codegen.stale_docs() if args.check else []
         if not args.check and codegen.write_docs():
             print(f"codegen: {codegen.SPEC_DOC} written")
     if args.check:
         for p in stale:
-            print(f"stale: {p} (run `dayzero codegen`)", file=sys.stderr)
+            fix = f" --spec {p.parent / 'spec.yaml'}" if args.spec else ""
+            print(f"stale: {p} (run `dayzero codegen{fix}`)", file=sys.stderr)
         print(f"codegen --check: {len(stale)} stale file(s) in {len(names)} family spec(s)")
         return 1 if stale else 0
     return 0
@@ -127,6 +148,10 @@ def _tiny(args: argparse.Namespace) -> int:
     from dayzero.sdk.parity.quantized_tiny import write_quantized_tiny
     from dayzero.sdk.parity.tiny import write_tiny
 
+    _use_spec(args)
+    if args.family is None:
+        print("dayzero tiny: give FAMILY or --spec", file=sys.stderr)
+        return 2
     overrides = json.loads(args.set) if args.set else None
     if args.quantization is None:
         print(write_tiny(args.family, args.out, seed=args.seed, overrides=overrides))
@@ -140,8 +165,9 @@ def _parity(args: argparse.Namespace) -> int:
     from dayzero.sdk.parity.runner import run_parity
     from dayzero.sdk.parity.tiny import write_tiny
 
+    _use_spec(args)
     if args.checkpoint is None and args.family is None:
-        print("dayzero parity: give FAMILY, --checkpoint DIR, or both", file=sys.stderr)
+        print("dayzero parity: give FAMILY, --spec PATH, --checkpoint DIR, or both", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.checkpoint or write_tiny(args.family, Path(tmp) / "tiny", seed=args.seed)
@@ -205,6 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
 
+    def spec_flag(q: argparse.ArgumentParser) -> None:
+        q.add_argument(
+            "--spec",
+            default=None,
+            metavar="PATH",
+            help="a spec.yaml outside models/ (or its folder): its family, generated next to it by "
+            "`dayzero codegen --spec PATH`, is this run's family",
+        )
+
     def device_flags(q: argparse.ArgumentParser) -> None:
         q.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
         q.add_argument(
@@ -220,8 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sizes", default="32,256,1024", help="scheduler: live request counts (comma separated)")
     b.add_argument("--steps", type=int, default=1000, help="scheduler: timed decode steps per size")
     b.add_argument(
-        "--family", default="beam", help="decode, agentic --random-weights: the family (its bench config)"
+        "--family",
+        default=None,
+        help="decode, agentic --random-weights: the family (its bench config; default beam)",
     )
+    spec_flag(b)
     b.add_argument(
         "--set", default=None, help="decode, agentic --random-weights: JSON overrides of the bench config"
     )
@@ -289,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="force a family instead of detecting it (also a config.json whose architectures is wrong)",
     )
     g.add_argument("--show-prompt", action="store_true", help="print the prompt before the continuation")
+    spec_flag(g)
     device_flags(g)
     g.set_defaults(fn=_generate)
 
@@ -298,9 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
     from dayzero.sdk.server.serve import add_arguments
 
     add_arguments(sv)
+    spec_flag(sv)
     sv.set_defaults(fn=_serve)
 
     s = sub.add_parser("specs", help="list the model families and what they support")
+    spec_flag(s)
     s.set_defaults(fn=_specs)
 
     n = sub.add_parser("new", help="draft models/NAME/spec.yaml from an HF config.json")
@@ -312,6 +353,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("codegen", help="render templates/ into models/<family>/ from each spec")
     c.add_argument("family", nargs="?", default=None)
     c.add_argument(
+        "--spec",
+        action="append",
+        metavar="PATH",
+        help="a spec.yaml outside models/ (repeatable): its files are written (or checked) next to it",
+    )
+    c.add_argument(
         "--check", action="store_true", help="exit 1 when a generated file is stale; write nothing"
     )
     c.set_defaults(fn=_codegen)
@@ -319,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser(
         "tiny", help="write a small random HF checkpoint of FAMILY through its reference class"
     )
-    t.add_argument("family")
+    t.add_argument("family", nargs="?", default=None, help="family (or --spec)")
     t.add_argument("out")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--set", default=None, help="JSON object of HF config overrides")
@@ -333,10 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="modelopt",
         help="checkpoint convention: modelopt; fp8 also deepseek; mxfp4 also gpt_oss, compressed_tensors",
     )
+    spec_flag(t)
     t.set_defaults(fn=_tiny)
 
     q = sub.add_parser("parity", help="compare dayzero with the reference implementation on one checkpoint")
-    q.add_argument("family", nargs="?", default=None, help="family (optional with --checkpoint)")
+    q.add_argument("family", nargs="?", default=None, help="family (optional with --checkpoint or --spec)")
+    spec_flag(q)
     q.add_argument("--checkpoint", default=None, help="checkpoint folder (default: a tiny random one)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument(

@@ -1,4 +1,6 @@
-"""The family registry: one entry per `models/<family>/spec.yaml`, and model construction.
+"""The family registry: one entry per `models/<family>/spec.yaml`, plus the specs outside
+models/ (`sdk/out_of_tree.py`: `--spec PATH`, DAYZERO_SPECS, the `dayzero.families` entry
+points), and model construction.
 
 `build` turns (family, HF config) into the generated model on a device, with its kernels
 selected: an op this device cannot run fails here, before any weight is read.
@@ -20,6 +22,16 @@ from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks import BLOCKS
 from dayzero.sdk.config.model import ONE_RANK, ModelConfig, Parallel
 from dayzero.sdk.errors import SpecError
+from dayzero.sdk.out_of_tree import (
+    OutOfTreeError,
+    Source,
+    check_generated,
+    entry_point_sources,
+    env_sources,
+    import_generated,
+    remember,
+    spec_file,
+)
 from dayzero.sdk.quant.materialize import materialize
 from dayzero.sdk.quant.packing import PackedParam
 from dayzero.sdk.spec.assemble import resolve
@@ -31,10 +43,17 @@ MODELS_DIR = Path(importlib.import_module("dayzero.models").__path__[0])
 @dataclass
 class Family:
     """A spec and its generated package: `models/<f>/` is family `<f>`; a variant architecture
-    of a family lives in `models/<f>/<v>/` as family `<f>_<v>`."""
+    of a family lives in `models/<f>/<v>/` as family `<f>_<v>`. A spec outside models/ names
+    its family itself (`family:`), its generated files next to it; `origin` says where it was
+    declared."""
 
     name: str
     spec_path: Path
+    origin: str = "models/"
+
+    @property
+    def in_tree(self) -> bool:
+        return self.spec_path.parent.is_relative_to(MODELS_DIR)
 
     @cached_property
     def spec(self) -> LoadedSpec:
@@ -51,7 +70,11 @@ class Family:
         return parent.relative_to(MODELS_DIR).as_posix() if parent.is_relative_to(MODELS_DIR) else parent.name
 
     def module(self, part: str = "model"):
-        return importlib.import_module(f"dayzero.models.{self.folder.replace('/', '.')}.{part}")
+        if self.in_tree:
+            return importlib.import_module(f"dayzero.models.{self.folder.replace('/', '.')}.{part}")
+        folder = self.spec_path.parent
+        check_generated(folder, self.spec.hash, f"dayzero codegen --spec {self.spec_path}")
+        return import_generated(f"dayzero_family_{self.name}", folder, part)
 
     def config(self, hf: dict, source: str = "config.json", par: Parallel = ONE_RANK) -> ModelConfig:
         return resolve(self.spec, hf, self.module("cache").CACHE_GROUPS, source, par)
@@ -62,10 +85,74 @@ def _discover() -> Registry[Family]:
     for spec in sorted([*MODELS_DIR.glob("*/spec.yaml"), *MODELS_DIR.glob("*/*/spec.yaml")]):
         name = spec.parent.relative_to(MODELS_DIR).as_posix().replace("/", "_")
         reg.add(name, Family(name, spec))
+    for source in [*entry_point_sources(), *env_sources()]:
+        _admit(reg, source)
     return reg
 
 
+def _admit(reg: Registry[Family], source: Source) -> Family:
+    """The family of a spec outside models/, added to reg: its spec is read and validated now;
+    a family name already taken, or an architecture or model_type another family serves (the
+    detection would be ambiguous), is refused naming the other family and where it came from.
+    The same spec file a second time is the family already there."""
+    try:
+        loaded = load_spec(source.spec_path)
+    except SpecError as e:
+        raise OutOfTreeError(f"{source.origin}: {e}") from None
+    name = loaded.spec.family
+    if name in reg and reg.get(name).spec_path.resolve() == source.spec_path:
+        return reg.get(name)
+    fam = Family(name, source.spec_path, source.origin)
+    fam.spec = loaded  # the cached_property's value: validated above
+    for other_name, other in reg.items():
+        if clash := _shared(fam, other):
+            raise SpecError(
+                str(source.spec_path),
+                "family" if other_name == name else "architectures",
+                f"({source.origin}) {clash} is already family {other_name}'s "
+                f"({other.origin}: {other.spec_path}); give this spec its own",
+            )
+    reg.add(name, fam)
+    return fam
+
+
+def _shared(fam: Family, other: Family) -> str | None:
+    """What fam's spec claims that other's already does: the name, an architecture, a model_type
+    (a spec that does not load serves nothing: `dayzero specs` reports it)."""
+    if fam.name == other.name:
+        return f"the family name {fam.name!r}"
+    try:
+        theirs = other.spec.spec
+    except ValueError:
+        return None
+    mine = fam.spec.spec
+    for what, ours, their in (
+        ("architecture", mine.architectures, theirs.architectures),
+        ("model_type", mine.model_types, theirs.model_types),
+    ):
+        if shared := [v for v in ours if v in their]:
+            return f"{what} {shared[0]!r}"
+    return None
+
+
 FAMILIES = _discover()
+
+
+def register_spec(path: str | Path, origin: str = "--spec") -> Family:
+    """The family of the spec at path (a spec.yaml or its folder), registered for this process
+    and, through DAYZERO_SPECS, the processes it starts; see `_admit` for what is refused."""
+    fam = _admit(FAMILIES, Source(spec_file(path), origin))
+    if not fam.in_tree:  # models/ is discovered anyway
+        remember(fam.spec_path)
+    return fam
+
+
+def spec_family(spec: str | Path, family: str | None = None) -> str:
+    """The family a verb's `--spec` names (registered), checked against its `--family`."""
+    fam = register_spec(spec)
+    if family not in (None, fam.name):
+        raise ValueError(f"--family {family} and --spec {spec} (family {fam.name}) disagree: give one")
+    return fam.name
 
 
 def family_for(hf: dict, source: str = "config.json") -> Family:

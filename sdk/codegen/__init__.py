@@ -1,4 +1,5 @@
-"""Codegen: render `templates/` (jinja2) from each family's spec into `models/<family>/`.
+"""Codegen: render `templates/` (jinja2) from each family's spec into its folder, `models/<family>/`
+(a spec outside models/, `dayzero codegen --spec PATH`: the spec's own folder).
 
 Outputs per family: `model.py` (composition of blocks), `cache.py` (cache geometry),
 `README.md` (model card), `test_parity.py` (the family's parity test), `__init__.py`.
@@ -139,12 +140,12 @@ def _variants(fam: Family, env: jinja2.Environment) -> list[dict]:
     """Families in sub-folders of this one (other architectures of the same model family)."""
     out = []
     for _, v in FAMILIES.items():
-        if v.folder.startswith(fam.folder + "/"):
+        if v.spec_path.parent.parent == fam.spec_path.parent:
             rel = _release(v, _groups(v), _model_py(v, env, ""))
             out.append(
                 {
                     "title": v.spec.spec.title,
-                    "card": f"{v.folder.removeprefix(fam.folder + '/')}/README.md",
+                    "card": f"{v.spec_path.parent.name}/README.md",
                     "release": rel,
                 }
             )
@@ -162,6 +163,7 @@ def render(fam: Family) -> dict[str, str]:
         "header_md": f"<!-- generated from spec.yaml@{loaded.hash}, do not edit -->",
         "family": spec.family,
         "folder": fam.folder,
+        "out_of_tree": not fam.in_tree,  # its parity test registers its spec
         "title": spec.title,
         "reference": spec.reference,
         "architectures": spec.architectures,
