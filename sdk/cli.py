@@ -108,7 +108,12 @@ def _new(args: argparse.Namespace) -> int:
     hf = json.loads(Path(args.from_config).read_text())
     out = Path(args.out) if args.out else MODELS_DIR / args.name
     path = write_draft(args.name, hf, out)
-    print(f"wrote {path} (validated); review the '# check:' lines, then run `dayzero codegen {args.name}`")
+    then = (
+        f"dayzero codegen {args.name}"
+        if out.resolve().is_relative_to(MODELS_DIR)
+        else f"dayzero codegen --spec {path}"
+    )
+    print(f"wrote {path} (validated); review the '# check:' lines, then run `{then}`")
     return 0
 
 

@@ -15,7 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
+from server_fixture import Server
 
 from dayzero.sdk.errors import SpecError
 from dayzero.sdk.families import FAMILIES, MODELS_DIR, register_spec
@@ -115,10 +117,24 @@ def test_generate_with_spec_and_llm_spec_agree(lab):
     assert got.rstrip("\n") == text
 
 
+def test_serve_with_spec_answers_a_completion(lab):
+    spec, ckpt = lab
+    server = Server(str(ckpt), "--spec", str(spec))
+    try:
+        body = {"prompt": "the cat", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        assert "family labllama" in server.output()
+    finally:
+        server.stop()
+
+
 def test_an_installed_package_declares_its_family_by_entry_point(lab, tmp_path):
     """A dist-info on sys.path (what pip would install) whose entry point names the lab's
-    generated package: `dayzero specs` lists it with its origin, and a checkpoint naming its
-    architecture is detected as it (no --spec, no --family)."""
+    generated package: `dayzero specs` lists it with its origin. Declared instead as a list of
+    spec paths (`module:attribute`), a checkpoint naming its architecture is detected as it (no
+    --spec, no --family). An entry point that does not load is named with its package."""
     spec, ckpt = lab
     dist = tmp_path / "site" / "labmodels-0.1.dist-info"
     dist.mkdir(parents=True)
@@ -128,11 +144,13 @@ def test_an_installed_package_declares_its_family_by_entry_point(lab, tmp_path):
     r = dayzero("specs", env=env)
     row = next((ln for ln in r.stdout.splitlines() if ln.startswith("labllama ")), r.stdout + r.stderr)
     assert row.endswith(f"entry point labllama = labllama of package labmodels: {spec}"), row
+    (dist.parent / "labspecs.py").write_text(f"SPECS = [{str(spec)!r}]\n")
+    (dist / "entry_points.txt").write_text("[dayzero.families]\nlab = labspecs:SPECS\n")
     code = f"from dayzero.sdk.loader import open_checkpoint; print(open_checkpoint({str(ckpt)!r}).family)"
     r = python("-c", code, env=env)
     assert r.stdout.strip() == (
         f"Family(name='labllama', spec_path={spec!r}, "
-        "origin='entry point labllama = labllama of package labmodels')"
+        "origin='entry point lab = labspecs:SPECS of package labmodels')"
     ), r.stderr[-3000:]
     (dist / "entry_points.txt").write_text("[dayzero.families]\nlabllama = labmodels_gone\n")
     r = dayzero("specs", env=env)
@@ -155,6 +173,8 @@ def test_a_spec_claiming_a_built_in_name_or_architecture_is_refused(tmp_path):
     with pytest.raises(SpecError, match=served):
         register_spec(same_arch)
     assert FAMILIES.keys() == known and "DAYZERO_SPECS" not in os.environ
+    r = dayzero("bench", "decode", "--spec", str(clash))  # refused before the GPU is looked for
+    assert r.returncode == 2 and "the family name 'llama' is already family llama's" in r.stderr, r.stderr
     assert register_spec(MODELS_DIR / "llama") is FAMILIES.get("llama")  # the built-in spec itself
 
 

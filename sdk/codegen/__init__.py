@@ -164,6 +164,7 @@ def render(fam: Family) -> dict[str, str]:
         "family": spec.family,
         "folder": fam.folder,
         "out_of_tree": not fam.in_tree,  # its parity test registers its spec
+        "parity_test": f"models/{fam.folder}/test_parity.py" if fam.in_tree else "test_parity.py",
         "title": spec.title,
         "reference": spec.reference,
         "architectures": spec.architectures,
