@@ -224,6 +224,12 @@ class WeightRule(Strict):
 
 
 class WeightFormat(Strict):
+    """One checkpoint format's weight rules. gguf's `config` reads the HF config from the file's
+    metadata, per HF field: `{arch}.key` (a metadata key, `{arch}` the file's architecture),
+    `len:key` (the length of a tokenizer array: `vocab_size: "len:tokenizer.ggml.tokens"` for a
+    file without `{arch}.vocab_size`, as llama.cpp counts the vocabulary) or `tensor_absent:name`
+    (true when the file has no such tensor, e.g. a tied head); a missing key leaves the field unset."""
+
     format: Literal["safetensors", "gguf"]
     rules: list[WeightRule]
     ignore: list[str] = []
