@@ -53,6 +53,7 @@ class GqaOpts(Strict):
     kv_heads: IntV
     head_dim: IntV
     bias: BoolV = False  # q/k/v and output projection biases
+    o_bias: BoolV | None = None  # the output projection's bias alone (Qwen2: q/k/v only); None: as bias
     qk_norm: BoolV | QkNormOpts = False  # true: per head, as the spec's norm order
     rope: RopeOpts | None = None  # None: NoPE
     window: IntV | None = None  # sliding window (tokens a query sees, itself included)
@@ -86,6 +87,7 @@ class GqaCfg:
     qk_norm_over: Literal["head", "all"] = "head"
     qk_norm_zero_centred: bool = False
     sinks: bool = False
+    o_bias: bool = False  # the output projection's bias (b_o)
     par: Parallel = ONE_RANK  # tensor parallel: heads / kv_heads above are this rank's
     kv_total: int = 0  # the model's KV heads (sharded configs)
 
@@ -93,7 +95,7 @@ class GqaCfg:
 class GqaAttention(nn.Module):
     """Grouped-query attention over the paged KV cache.
 
-    [q; k; v; g] = x W_in (+ b on q, k, v)             q, g [T, H, D]; k, v [T, Hk, D]
+    [q; k; v; g] = x W_in (+ b on q, k, v: bias)       q, g [T, H, D]; k, v [T, Hk, D]
     q, k <- rmsnorm_D(q), rmsnorm_D(k)                  (qk_norm; over `all`: rmsnorm_{H D} of
                                                          q and rmsnorm_{Hk D} of k before the
                                                          split; zero-centred: weights (1 + w))
@@ -103,7 +105,7 @@ class GqaAttention(nn.Module):
     o[t, h] = sum_{j <= p_t, j > p_t - W} softmax_j(scale * q[t, h] . k[j, h // (H/Hk)]) v[j, ...]
               (sinks: exp(s_h) joins each softmax's denominator, s [H] learned, no value)
     o <- o * sigmoid(g (+ b_gate[h]))                   (output_gate)
-    y = o W_o (+ b_o)                                   [T, Dm]
+    y = o W_o (+ b_o: o_bias, by default as bias)      [T, Dm]
 
     Tensor parallel over P ranks: each rank holds H / P query heads (and their gates) and their
     KV heads (Hk / P, or, with Hk < P, the one KV head its query heads read: replicated), its
@@ -122,7 +124,7 @@ class GqaAttention(nn.Module):
         self.in_proj = nn.Parameter(torch.empty(sum(self.split), cfg.hidden))
         self.qkv_bias = nn.Parameter(torch.empty(sum(self.split[:3]))) if cfg.bias else None
         self.o_proj = nn.Parameter(torch.empty(cfg.hidden, h * d))
-        self.o_bias = nn.Parameter(torch.empty(cfg.hidden)) if cfg.bias else None
+        self.o_bias = nn.Parameter(torch.empty(cfg.hidden)) if cfg.o_bias else None
         every = cfg.qk_norm_over == "all"
         self.q_norm = nn.Parameter(torch.empty(h * d if every else d)) if cfg.qk_norm else None
         self.k_norm = nn.Parameter(torch.empty(hk * d if every else d)) if cfg.qk_norm else None
@@ -257,6 +259,7 @@ def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
         qk_norm_over=qk.over,
         qk_norm_zero_centred=qk.zero_centred,
         sinks=bool(val(o.sinks)),
+        o_bias=bool(val(o.bias if o.o_bias is None else o.o_bias)),
     )
 
 
@@ -282,7 +285,7 @@ def _gqa_needs(c: GqaCfg):
     attn = {"causal"} | ({"sliding_window"} if c.window else set()) | ({"softcap"} if c.softcap else set())
     attn |= {"sinks"} if c.sinks else set()
     needs = [
-        ("linear", frozenset({"bias"}) if c.bias else frozenset(), None),
+        ("linear", frozenset({"bias"}) if c.bias or c.o_bias else frozenset(), None),
         ("gqa_attention", frozenset(attn), c.head_dim),
     ]
     fp32 = {"weight_in_fp32"} if c.norm_weight_in_fp32 else set()
