@@ -43,6 +43,8 @@ def test_a_wrong_embedding_is_blamed_on_the_embedding(tmp_path, seed: int) -> No
     clean = _diff(ckpt, ours, ref, mods, seed)
     assert clean[0].startswith("  embedding") and clean[-1].endswith("in the final norm or head")
     assert float(clean[0].split()[-1]) == 0.0  # the same rows looked up
+    bare = _diff(ckpt, ours, ref, ReferenceModules(), seed)  # no paths: the embedding alone
+    assert bare[1:] == ["  (the spec names no reference_modules: the layers are not compared)"]
     with torch.no_grad():
         ours.model.embed.weight.mul_(1.01)  # every row 1% off
     lines = _diff(ckpt, ours, ref, mods, seed)
