@@ -7,6 +7,8 @@ count x width, Qwen2-MoE's gated one) are drafted, flagged, and their tensors ma
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,19 +43,26 @@ def _resolved(spec: Path, hf: dict, block: str):
 
 
 @pytest.fixture(scope="module")
-def drafted_dsv3(tmp_path_factory) -> tuple[str, str]:
+def drafted_dsv3(tmp_path_factory) -> Iterator[tuple[str, str]]:
     """DeepSeek-V3's draft (its full-size default config, 2 shared experts), generated out of tree:
     (family name, the draft's text). Only its identity is renamed (a family of models/ may serve
-    DeepseekV3ForCausalLM too); the reference, the symbols, blocks and rules are the draft's."""
+    DeepseekV3ForCausalLM too); the reference, the symbols, blocks and rules are the draft's. The
+    family is registered for these tests only (the registry and DAYZERO_SPECS restored after)."""
     from transformers import DeepseekV3Config
+
+    from dayzero.sdk.families import FAMILIES
 
     name = "drafted_dsv3"
     spec, text = _draft(tmp_path_factory.mktemp("draft"), name, DeepseekV3Config(n_shared_experts=2))
     raw = yaml.safe_load(text) | {"architectures": ["DraftedDeepseekV3"], "model_types": [name]}
     assert raw["reference"] == "transformers.DeepseekV3ForCausalLM"
     spec.write_text(yaml.safe_dump(raw, sort_keys=False))
-    assert main(["codegen", "--spec", str(spec)]) == 0  # registers the family in this process
-    return name, text
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FAMILIES, "_items", dict(FAMILIES._items))
+        # recorded as it is (absent: deleted again on exit); codegen --spec appends the spec
+        mp.setitem(os.environ, "DAYZERO_SPECS", os.environ.get("DAYZERO_SPECS", ""))
+        assert main(["codegen", "--spec", str(spec)]) == 0  # registers the family
+        yield name, text
 
 
 @pytest.mark.parametrize("seed", SEEDS[:2])
