@@ -155,3 +155,30 @@ def test_a_gated_shared_expert_is_drafted_and_its_tensors_mapped(tmp_path) -> No
     assert got["model.layers.1.mlp.shared_expert_gate.weight"] == "layers.1.mlp.shared_gate"
     assert got["model.layers.0.mlp.shared_expert.down_proj.weight"] == "layers.0.mlp.shared.down"
     assert got["model.layers.0.mlp.shared_expert.gate_proj.weight"] == "layers.0.mlp.shared.gate_up"
+
+
+def test_an_mla_config_without_a_q_latent_drafts_plain_q(tmp_path) -> None:
+    """DeepSeek-V2-Lite's form (q_lora_rank null): q = x W_q (q_lora 0, the `q_proj` rule) and a
+    tiny config that keeps q_lora_rank null (the config class's default is 1536)."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Attention
+
+    cfg = DeepseekV2Config(q_lora_rank=None, hidden_size=64, num_attention_heads=4, num_key_value_heads=4)
+    spec, text = _draft(tmp_path, "lite", cfg)
+    raw = yaml.safe_load(text)
+    assert raw["tiny"]["q_lora_rank"] is None
+    assert {"from": "model.layers.{i}.self_attn.q_proj.weight", "to": "layers.{i}.attn.a_proj[q]"} in raw[
+        "weights"
+    ][0]["rules"]
+    mla = _resolved(spec, cfg.to_dict(), "attn")
+    cfg._attn_implementation = "eager"
+    ref = DeepseekV2Attention(cfg, 0)
+    assert mla.q_lora == 0 and ref.q_lora_rank is None
+    assert (mla.heads, mla.kv_lora, mla.nope_dim, mla.rope_dim, mla.v_dim) == (
+        ref.num_heads,
+        ref.kv_lora_rank,
+        ref.qk_nope_head_dim,
+        ref.qk_rope_head_dim,
+        ref.v_head_dim,
+    )
+    assert abs(mla.scale - ref.scaling) < 1e-12

@@ -118,8 +118,7 @@ def _tiny(hf: dict, mla: bool, experts: str | None, shared: str | None) -> dict:
     tiny |= {"num_attention_heads": 4, "num_key_value_heads": 4 if mla else 2}
     if mla:
         tiny |= {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}
-        if hf.get("q_lora_rank"):
-            tiny["q_lora_rank"] = 24
+        tiny["q_lora_rank"] = 24 if hf.get("q_lora_rank") else None  # null: q = x W_q
     if experts:
         tiny |= {experts: 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
         if "n_group" in hf:
