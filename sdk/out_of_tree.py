@@ -92,8 +92,8 @@ def entry_point_sources() -> list[Source]:
         origin = f"entry point {ep.name} = {ep.value} of package {_package_of(ep)}"
         try:
             paths = [spec_file(p) for p in _paths_of(ep, ep.load())]
-        except (ImportError, AttributeError, TypeError, FileNotFoundError) as e:
-            raise OutOfTreeError(f"{origin}: {type(e).__name__}: {e}") from None
+        except Exception as e:  # third-party code: whatever it raises is named with its package
+            raise OutOfTreeError(f"{origin}: {type(e).__name__}: {e}") from e
         out += [Source(p, origin) for p in paths]
     return out
 

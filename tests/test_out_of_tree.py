@@ -119,6 +119,9 @@ def test_generate_with_spec_and_llm_spec_agree(lab):
     head, got = r.stdout.split("\n", 1)
     assert head == f"labllama 6 {spec}"
     assert got.rstrip("\n") == text
+    code = "from dayzero.sdk.families import FAMILIES; print(FAMILIES.get('labllama').origin)"
+    r = python("-c", code, env={"DAYZERO_SPECS": str(spec)})  # what a rank this LLM starts sees
+    assert r.stdout.strip() == "DAYZERO_SPECS", r.stderr[-3000:]
 
 
 def test_serve_with_spec_answers_a_completion(lab):
