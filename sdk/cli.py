@@ -37,6 +37,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.part == "agentic":
         from dayzero.sdk.bench import agentic
 
+        if args.spec is not None:  # the server it starts serves that family too
+            args.serve_flags = f"{args.serve_flags} --spec {args.spec}"
         return agentic.main(args)
     from dayzero.sdk.bench import decode
 
