@@ -39,3 +39,18 @@ class TpGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
+
+    def gather_rows(self, x: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+        """[counts[rank], ...] on each rank -> [sum(counts), ...], rank r's rows after those of
+        the ranks before it (data-parallel attention: each rank's tokens before the MoE). The
+        rows travel padded to the largest count (all_gather takes equal shapes)."""
+        if self.size == 1:
+            return x
+        top = max(counts)
+        if top == 0:
+            return x
+        pad = x.new_zeros((top, *x.shape[1:]))
+        pad[: x.shape[0]] = x
+        parts = [torch.empty_like(pad) for _ in range(self.size)]
+        dist.all_gather(parts, pad, group=self.group)
+        return torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)])

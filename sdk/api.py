@@ -187,6 +187,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
         launch: Launch | None = None,
+        enable_dp_attention: bool = False,
     ) -> None:
         """quantization: the format the checkpoint must hold (checked, see sdk.quant);
         quantize_activations: NVFP4 activation quantization with the checkpoint's input scales
@@ -204,7 +205,11 @@ class LLM:
         `engine` function runs on each, with its shard's config: it must pickle) and every pool,
         rank 0's scheduler with it, holds the pages of the smallest one. `launch`: several hosts
         or torchrun (see Launch); on a rank other than 0, `follow()` runs rank 0's plans until it
-        stops."""
+        stops. enable_dp_attention (SGLang's --enable-dp-attention; with tensor_parallel_size >
+        1): every rank attends with the whole attention block for its own requests (its KV pool
+        holds only theirs: N times the requests in all), the MoE experts split over the ranks
+        (expert parallel), dense MLPs, embedding and LM head tensor-parallel over every rank's
+        tokens (sdk/engine/dp.py)."""
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {load_format!r}: known {', '.join(LOAD_FORMATS)}")
         t0 = time.perf_counter()
@@ -218,6 +223,11 @@ class LLM:
         if load_format == "dummy":
             refuse_dummy(ckpt)  # before the packing is read from tensor headers
         size = tensor_parallel_size
+        if enable_dp_attention and size < 2:
+            raise ValueError(
+                "enable_dp_attention splits the batch over tensor-parallel ranks: it needs "
+                f"tensor_parallel_size >= 2, got {size}"
+            )
         launch = launch or Launch(size)
         if launch.size != size:
             raise ValueError(f"tensor_parallel_size {size} against a launch of {launch.size} ranks")
@@ -231,12 +241,13 @@ class LLM:
                 kwargs = dict(model=str(self.path), device=device, dtype=dtype, family=family)
                 kwargs |= dict(quantization=quantization, quantize_activations=quantize_activations)
                 kwargs |= dict(load_format=load_format, enable_expert_parallel=enable_expert_parallel)
+                kwargs |= dict(enable_dp_attention=enable_dp_attention)
                 kwargs |= dict(engine=rank_engine(engine))  # each rank sizes its own KV memory
                 self.followers = Followers(follow_rank, launch.local_ranks(), (launch.of(rank, port), kwargs))
                 self.followers.watch(self._rank_failed)
             self.tp = init_group(size, rank, launch.addr, port, self.device.type)
             self.ctrl = control_group()
-        parallel = Parallel(size, rank, enable_expert_parallel)
+        parallel = Parallel(size, rank, enable_expert_parallel or enable_dp_attention, enable_dp_attention)
         self.config = ckpt.family.config(ckpt.hf, str(ckpt.path), parallel)
         log.info("family %s (%s); reading the tokenizer", ckpt.family.name, ckpt.format)
         self.tokenizer = load_tokenizer(ckpt.path, ckpt.format)  # before the weights: fail fast

@@ -24,7 +24,9 @@ class Layer(nn.Module):
     """x <- post(x, attn(h), carry) with (h, carry) = pre(x), then the same around the MLP;
     pre/post are the spec's residual topology (prenorm, sandwich, depth-scaled, hyper). A layer
     takes its first block's input already normed (h, carry) and hands the next layer's on: each
-    residual's post and the next one's pre run as one fused add + norm."""
+    residual's post and the next one's pre run as one fused add + norm. With data-parallel
+    attention the layer attends for this rank's rows; the MLP gets every rank's rows gathered
+    (all-gather) and hands back this rank's."""
 
     def __init__(self, cfg: LayerCfg, ops: OpTable, attention: dict[str, type], mlp: dict[str, type]) -> None:
         super().__init__()
@@ -32,12 +34,19 @@ class Layer(nn.Module):
         self.attn = attention[cfg.attn_kind](cfg.attn, ops, cfg.caches)
         self.mlp_res = residual(cfg.mlp_res, ops)
         self.mlp = mlp[cfg.mlp_kind](cfg.mlp, ops)
+        self.tp = ops.tp
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, carry, ctx: StepContext, nxt: nn.Module | None):
         """x: [T, Dm], or [T, N, Dm] with N residual streams; h [T, Dm] = attn_res.pre(x);
         nxt: the next layer's attention residual (None: last layer) -> (x', h', carry')."""
-        x, h, carry = self.attn_res.post_pre(x, self.attn(h, ctx), carry, self.mlp_res)
-        y = self.mlp(h)
+        if ctx.dp is None:
+            x, h, carry = self.attn_res.post_pre(x, self.attn(h, ctx), carry, self.mlp_res)
+            y = self.mlp(h)
+        else:  # data-parallel attention: the MLP (split over the ranks) sees every rank's tokens
+            a = self.attn(h, ctx) if h.shape[0] else torch.zeros_like(h)  # a rank with no rows now
+            x, h, carry = self.attn_res.post_pre(x, a, carry, self.mlp_res)
+            d = ctx.dp
+            y = self.mlp(self.tp.gather_rows(h, d.tokens))[d.start : d.start + h.shape[0]]  # [T_r, Dm]
         if nxt is None:
             return self.mlp_res.post(x, y, carry), None, None
         return self.mlp_res.post_pre(x, y, carry, nxt)
@@ -54,11 +63,24 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Layer(layer, ops, self.ATTENTION, self.MLP) for layer in cfg.layers)
         self.norm = RMSNorm(cfg.final_norm, ops)
         self.head = LMHead(cfg.head, ops, self.embed)
+        self.tp, self.attention_dp = ops.tp, cfg.parallel.attention_dp and cfg.parallel.size > 1
 
     def forward(self, ctx: StepContext) -> torch.Tensor:
-        x = self.streams.open(self.embed(ctx.input_ids))  # [T, Dm] or [T, N, Dm]
+        """[S, V] fp32 logits of the sampling rows; with data-parallel attention (ctx.dp) those
+        of every rank's sampling rows, rank by rank (the same on every rank)."""
+        d = ctx.dp
+        if d is None and self.attention_dp:
+            raise RuntimeError("a data-parallel-attention model runs on steps split over its ranks (ctx.dp)")
+        if d is None:
+            x = self.embed(ctx.input_ids)  # [T, Dm]
+        else:  # the vocab-parallel lookup of every rank's tokens, then this rank's rows
+            x = self.embed(d.input_ids)[d.start : d.start + ctx.input_ids.shape[0]]
+        x = self.streams.open(x)  # [T, Dm] or [T, N, Dm]
         h, carry = self.layers[0].attn_res.pre(x)
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].attn_res if i + 1 < len(self.layers) else None
             x, h, carry = layer(x, h, carry, ctx, nxt)
-        return self.head(self.norm(self.streams.close(x[ctx.sample_index])))  # [S, V] fp32
+        z = self.norm(self.streams.close(x[ctx.sample_index]))  # [S, Dm]
+        if d is not None:
+            z = self.tp.gather_rows(z, d.sampled)  # every rank's sampling rows
+        return self.head(z)  # [S, V] fp32

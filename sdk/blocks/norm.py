@@ -93,7 +93,7 @@ class HyperResidual(nn.Module):
 
     def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         hc, n = self.hc, self.hc.streams
-        flat = x.reshape(x.shape[0], -1).float()  # [T, N D]
+        flat = x.flatten(1).float()  # [T, N D]
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + hc.norm_eps)
         z = self.ops.linear(flat, self.fn.float())  # [T, (2 + N) N]
         zp, zq, zc = z.split([n, n, n * n], dim=-1)

@@ -13,11 +13,15 @@ from typing import Any, Literal
 @dataclass(frozen=True)
 class Parallel:
     """This process's place in tensor parallelism: `size` ranks, this one `rank`; `experts`:
-    whole experts placed on ranks (expert parallel) rather than every expert split."""
+    whole experts placed on ranks (expert parallel) rather than every expert split;
+    `attention_dp`: data-parallel attention (SGLang's --enable-dp-attention): the attention
+    blocks are whole on every rank, each attending for its own requests (sdk/engine/dp.py);
+    MLPs, embedding and LM head are split as above over the whole batch's tokens."""
 
     size: int = 1
     rank: int = 0
     experts: bool = False
+    attention_dp: bool = False
 
     def even(self, n: int, what: str) -> int:
         """n / size, refused by name when it does not divide."""

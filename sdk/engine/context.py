@@ -25,6 +25,23 @@ class StateMeta:
     query_start_cpu: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class DpStep:
+    """Data-parallel attention (sdk/engine/dp.py): this step's rows are split by request over
+    the ranks, each attending for its own; the MLPs (and the vocab-parallel embedding and LM
+    head) run on every rank's tokens, gathered in rank order."""
+
+    rank: int
+    tokens: tuple[int, ...]  # [P] tokens of each rank's rows
+    sampled: tuple[int, ...]  # [P] sampling rows of each rank (the logits come back in rank order)
+    input_ids: torch.Tensor  # [sum(tokens)] int64: every rank's input tokens, rank by rank
+
+    @property
+    def start(self) -> int:
+        """This rank's first token among all ranks' tokens."""
+        return sum(self.tokens[: self.rank])
+
+
 @dataclass
 class StepContext:
     input_ids: torch.Tensor  # [T] int64
@@ -36,6 +53,7 @@ class StepContext:
     # step-scoped values one layer hands to a later one (e.g. a sparse-attention selection
     # that following layers reuse); cleared with the context
     shared: dict = field(default_factory=dict)
+    dp: DpStep | None = None  # data-parallel attention: this rank's share of the batch
 
 
 def build_context(

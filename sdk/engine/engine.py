@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from dayzero.sdk.config.model import ModelConfig
-from dayzero.sdk.engine.context import build_context, fill_tokens
+from dayzero.sdk.engine.context import StepContext, build_context, fill_tokens
+from dayzero.sdk.engine.dp import DpScheduler, dp_context
 from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.grammar import Matchers
 from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
@@ -141,11 +142,20 @@ def agree_kv(own: EngineConfig, cfg: ModelConfig, itemsize: int, group) -> Engin
             or f"tensor-parallel rank {rank}'s KV memory holds {pages} pages of {mine.block_size} tokens; "
             "at least 2 are needed (that rank's error says why)"
         )
-    log.info(
-        "KV blocks: %d of %d tokens on every rank (tensor-parallel rank %d's memory is the smallest; "
-        "this rank's holds %d), host %d",
-        pages, mine.block_size, rank, cap.pages, host_pages,
-    )  # fmt: skip
+    if cfg.parallel.attention_dp:  # each rank's pool holds its own requests' KV alone
+        log.info(
+            "KV blocks: %d of %d tokens per rank, for that rank's own requests (data-parallel "
+            "attention over %d ranks: %d blocks in all; rank %d's memory is the smallest; this "
+            "rank's holds %d), host %d per rank",
+            pages, mine.block_size, cfg.parallel.size, pages * cfg.parallel.size, rank, cap.pages,
+            host_pages,
+        )  # fmt: skip
+    else:
+        log.info(
+            "KV blocks: %d of %d tokens on every rank (tensor-parallel rank %d's memory is the "
+            "smallest; this rank's holds %d), host %d",
+            pages, mine.block_size, rank, cap.pages, host_pages,
+        )  # fmt: skip
     return cap.budgets(mine, pages, host_pages)
 
 
@@ -188,7 +198,12 @@ class Engine:
         fields["overlap"] = self.overlap
         # the prefix cache's key chain starts from a secret of this engine (see SchedulerConfig)
         fields["cache_salt_hi"], fields["cache_salt_lo"] = secrets.randbits(64), secrets.randbits(64)
-        self.scheduler = Scheduler(make_config(self.groups, **fields))
+        par = cfg.parallel
+        self.dp = par.attention_dp and par.size > 1  # one scheduler per attention rank (dp.py)
+        if self.dp and self.overlap:
+            raise ValueError("data-parallel attention runs without overlap (yet)")
+        sched = make_config(self.groups, **fields)
+        self.scheduler = DpScheduler(sched, par.size, par.rank) if self.dp else Scheduler(sched)
         self.pool = KvPool(self.scheduler.layout, config.block_size, self.dtype, self.device)
         self.max_model_len = config.max_model_len or cfg.max_position
         self.requests: dict[int, RequestOutput] = {}
@@ -224,11 +239,24 @@ class Engine:
         there ends them all (Leader.lockstep); nothing on one rank."""
         return self.leader.lockstep() if self.leader is not None else contextlib.nullcontext()
 
+    def _context(self, plan, every_token: bool = False) -> StepContext:
+        """The plan's batch context on this rank (with data-parallel attention: its part's rows,
+        and the split); every_token: logits at every token, not the plan's sampling rows."""
+        if self.dp:
+            views, block, slots = self.pool.views, self.config.block_size, self.pool.slots
+            return dp_context(plan, self.cfg.parallel.rank, views, block, self.device, slots, every_token)
+        ctx = build_context(plan, self.pool.views, self.config.block_size, self.device, self.pool.slots)
+        if every_token:
+            ctx.sample_index = torch.arange(plan.num_input_tokens, device=self.device)
+        return ctx
+
     def _decode_graphs(self) -> DecodeGraphs | None:
         mode, cfg = self.config.decode_graphs, self.cfg
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
             return None
         why = []
+        if cfg.parallel.attention_dp and cfg.parallel.size > 1:
+            why.append("data-parallel attention")
         if any(g.kind == "state" for g in cfg.cache_groups):
             why.append("a State cache group")
         if not self.max_model_len:
@@ -375,9 +403,7 @@ class Engine:
             self.stats["graph_steps"] += 1
         else:
             with self._lockstep():
-                ctx = build_context(
-                    plan, self.pool.views, self.config.block_size, self.device, self.pool.slots
-                )
+                ctx = self._context(plan)
                 if fill is not None:
                     fill_tokens(ctx.input_ids, *fill)
                 logits = self.model(ctx)  # [S, V] fp32
@@ -526,18 +552,14 @@ class Engine:
                 if plan.rows == 0:
                     self.pool.apply_after(plan.copies)
                     continue
-                ctx = build_context(
-                    plan, self.pool.views, self.config.block_size, self.device, self.pool.slots
-                )
-                ctx.sample_index = torch.arange(plan.num_input_tokens, device=self.device)
-                logits = self.model(ctx)  # [T, V]
+                logits = self.model(self._context(plan, every_token=True))  # [T, V]
                 self.pool.apply_after(plan.copies)
                 qs = plan.query_start.tolist()
                 for r, rid in enumerate(plan.req_ids.tolist()):
                     got[rid].append(logits[qs[r] : qs[r + 1]])
                     left[rid] -= qs[r + 1] - qs[r]
                 sample = np.asarray(plan.sample, dtype=bool)
-                last = ctx.sample_index.new_tensor(np.asarray(qs[1:], dtype=np.int64)[sample] - 1)
+                last = torch.from_numpy(np.asarray(qs[1:], dtype=np.int64)[sample] - 1).to(self.device)
                 self.scheduler.feed(
                     plan.req_ids, plan.sample.astype(np.int32), logits[last].argmax(-1).int().cpu().numpy()
                 )

@@ -6,11 +6,15 @@ model's collectives line up. Only rank 0 samples; the others' logits are dropped
 The wire: one int64 tensor a message, sent as its length then its words:
   [kind, number of block tables, (ndim, dims...) per array, the arrays' values...]
 the arrays in FIELDS' order, then the plan's copies in COPIES' order, then the block tables.
+With data-parallel attention (dp.py) a step is every attention rank's plan:
+  [PARTS, P, the length of each part's message..., each part's message]
+and each rank runs its own part, knowing the others' sizes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
@@ -19,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from dayzero.sdk.engine.context import build_context
+from dayzero.sdk.engine.dp import dp_context
 
-STEP, STOP = 1, 2
+STEP, STOP, PARTS = 1, 2, 3
 FIELDS = ("num_tokens", "query_start", "positions", "kv_lens", "input_ids", "sample", "state_slots")
 COPIES = (
     "to_host_group", "to_host_src", "to_host_dst", "to_device_group", "to_device_src", "to_device_dst",
@@ -33,6 +38,10 @@ def encode(kind: int, plan=None) -> torch.Tensor:
     """The message of a plan (or of `kind` alone) as one int64 tensor."""
     if plan is None:
         return torch.tensor([kind, 0], dtype=torch.int64)
+    if hasattr(plan, "parts"):  # data-parallel attention: every rank's plan
+        msgs = [encode(kind, p) for p in plan.parts]
+        head = torch.tensor([PARTS, len(msgs), *(m.numel() for m in msgs)], dtype=torch.int64)
+        return torch.cat([head, *msgs])
     arrays = [np.asarray(getattr(plan, f)) for f in FIELDS]
     arrays += [np.asarray(getattr(plan.copies, f)) for f in COPIES]
     tables = [np.asarray(t) for t in plan.block_tables]
@@ -47,6 +56,10 @@ def decode(words: torch.Tensor) -> tuple[int, SimpleNamespace | None]:
     """(kind, a plan with the arrays build_context and the KV pool read) of a message."""
     w = words.numpy()
     kind, n_tables = int(w[0]), int(w[1])
+    if kind == PARTS:
+        ends = np.cumsum([2 + n_tables, *w[2 : 2 + n_tables]])
+        parts = [decode(words[a:b])[1] for a, b in itertools.pairwise(ends)]
+        return STEP, SimpleNamespace(parts=parts, rows=sum(p.rows for p in parts))
     if kind != STEP:
         return kind, None
     at, shapes = 2, []
@@ -157,13 +170,17 @@ def follow(engine, group) -> int:
         if kind == STOP:
             return steps
         try:
-            engine.pool.apply(plan.copies)
-            if plan.rows:
-                ctx = build_context(
-                    plan, engine.pool.views, engine.config.block_size, engine.device, engine.pool.slots
-                )
+            rank = dist.get_rank(group)
+            mine = plan.parts[rank] if hasattr(plan, "parts") else plan  # data-parallel attention
+            engine.pool.apply(mine.copies)
+            if plan.rows:  # every rank runs a step with rows somewhere (the MLPs gather them all)
+                views, block, slots = engine.pool.views, engine.config.block_size, engine.pool.slots
+                if mine is plan:
+                    ctx = build_context(plan, views, block, engine.device, slots)
+                else:
+                    ctx = dp_context(plan, rank, views, block, engine.device, slots)
                 engine.model(ctx)  # the collectives of rank 0's forward; the logits are rank 0's to use
-            engine.pool.apply_after(plan.copies)
+            engine.pool.apply_after(mine.copies)
         except Exception as e:
             why = f"{type(e).__name__}: {e}".splitlines()[0]
             rank = dist.get_rank(group)

@@ -112,6 +112,7 @@ def load(args: argparse.Namespace, template: str | None = None, launch=None):
         load_format=args.load_format,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        enable_dp_attention=args.enable_dp_attention,
         launch=launch,
     )
     if llm.rank != 0:
@@ -382,6 +383,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--enable-expert-parallel",
         action="store_true",
         help="with --tensor-parallel-size: whole experts a rank",
+    )
+    p.add_argument(
+        "--enable-dp-attention",
+        action="store_true",
+        help="with --tensor-parallel-size: data-parallel attention (each rank attends for its own "
+        "requests, its KV cache holds only theirs), MoE experts split over the ranks",
     )
     p.add_argument(
         "--nnodes", type=int, default=1, help="hosts the ranks span (tensor-parallel-size / nnodes a host)"

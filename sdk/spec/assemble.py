@@ -255,7 +255,7 @@ def resolve(
             block = BLOCKS.get(opts.kind)
             try:
                 resolved[name] = block.resolve(opts, r.value)
-                if par.size > 1:
+                if par.size > 1 and not (par.attention_dp and block.role == "attention"):
                     if block.shard is None:
                         raise ValueError(f"block kind {opts.kind!r} has no tensor-parallel sharding yet")
                     resolved[name] = block.shard(resolved[name], par)

@@ -1,0 +1,166 @@
+"""Data-parallel attention (`enable_dp_attention`, sdk/engine/dp.py) on 2 CPU ranks (gloo):
+GLM-5.3 (MLA + DSA, MoE) and GLM-5.3-Flash (MLA + KPool, KDA, hyper-connections) give one
+rank's logits (fp32, within 1e-5 of the largest |logit|) and its greedy tokens through the
+whole engine: 16-token prefill chunks, prefix-cache hits (the first prompt alone, then all),
+retraction (each rank's pool of 96 tokens holds its own requests only). Each rank runs the
+engine with its one scheduler per attention rank, so the plans agree; the LLM test drives the
+follower from rank 0's plans instead. Unsupported combinations are refused by name.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dayzero.kernels.collective import TpGroup
+from dayzero.sdk.api import LLM
+from dayzero.sdk.config.model import Parallel
+from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
+from dayzero.sdk.engine.geometry import scheduler_groups
+from dayzero.sdk.engine.parallel import init_group, run_ranks
+from dayzero.sdk.families import build
+from dayzero.sdk.loader import load_weights, open_checkpoint
+from dayzero.sdk.parity.parallel import check_prompts
+from dayzero.sdk.parity.tiny import write_tiny
+
+TOL = 1e-5  # relative to the largest |logit|
+SEEDS = (3, 4)
+# top-k past the longest sequence (63 + 12 tokens): every visible key selected. A pruning top-k
+# breaks the ReLU scores' exact-zero ties by position, differently for other batch shapes
+# (docs/architecture.md, "Sparse attention and ties"), and DP attention batches the requests
+# otherwise than one rank does; tests/test_tensor_parallel.py prunes, on identical plans.
+PRUNING = {
+    "glm53": {"index_topk": 128},
+    "glm53_flash": {"text_config": {"index_topk": 128, "index_kpool": 4}},
+}
+ENGINE = dict(block_size=4, chunk_size=16, max_tokens_per_step=48, max_batch_size=4, host_cache_bytes=0)
+KV_TOKENS = 96  # a rank's pool: too few for its share of the prompts at once (retraction)
+
+
+def outputs(
+    rank: int, size: int, port: int, paths: list[str], prompts: list[list[list[int]]], out: str
+) -> None:
+    """Rank `rank` of `size` (run_ranks' signature; size 1: in this process, no group): for each
+    checkpoint and prompt set, every position's logits (one prefill) and greedy tokens through
+    the engine."""
+    tp = init_group(size, rank, port=port, timeout_s=60) if size > 1 else TpGroup()
+    try:
+        got = [r for path in paths for r in one(rank, size, tp, path, prompts)]
+        if rank == 0:
+            torch.save(got, out)
+    finally:
+        if size > 1:
+            dist.destroy_process_group()
+
+
+def one(rank: int, size: int, tp: TpGroup, path: str, prompts: list[list[list[int]]]) -> list[dict]:
+    """One checkpoint on this rank, per prompt set: prompt logits, then greedy tokens through
+    the engine."""
+    ckpt = open_checkpoint(Path(path))
+    cfg = ckpt.family.config(ckpt.hf, str(ckpt.path), Parallel(size, rank, size > 1, size > 1))
+    model, ops = build(ckpt.family, cfg, ckpt.hf, torch.device("cpu"), torch.float32, tp=tp)
+    load_weights(model, ckpt, progress=False)
+    groups = scheduler_groups(cfg, 4)
+    states = 2 * ENGINE["max_batch_size"] * sum(g.state_bytes for g in groups)
+    kv = KV_TOKENS * sum(g.bytes_per_token for g in groups) + states
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got = []
+    for ps in prompts:
+        with torch.inference_mode():
+            whole = EngineConfig(max_tokens_per_step=max(map(len, ps)) * len(ps))
+            logits = Engine(model, cfg, ops, whole).prompt_logits(ps)
+            eng = Engine(model, cfg, ops, EngineConfig(kv_cache_bytes=kv, **ENGINE))
+            outs = eng.generate(ps[:1], greedy) + eng.generate(ps, greedy)  # then: prefix hits
+        got.append(
+            {
+                "logits": logits,
+                "tokens": [o.token_ids for o in outs],
+                "logprobs": [o.logprobs for o in outs],
+                "cached": [o.cached_tokens for o in outs],
+                "stats": dict(eng.stats),
+            }
+        )
+    return got
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    base = tmp_path_factory.mktemp("dp")
+    return {f: write_tiny(f, base / f, seed=13, overrides=PRUNING[f]) for f in PRUNING}
+
+
+def test_dp_attention_gives_the_logits_and_tokens_of_one_rank(tmp_path, checkpoints):
+    """Both families, both seeds, in one launch of the 2 ranks (and one run of one rank here)."""
+    paths = [str(checkpoints[f]) for f in PRUNING]
+    prompts = [check_prompts(512, s) for s in SEEDS]
+    outputs(0, 1, 0, paths, prompts, str(tmp_path / "one.pt"))
+    run_ranks(outputs, 2, (paths, prompts, str(tmp_path / "two.pt")), timeout_s=300)
+    one, two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    cases = [(f, s) for f in PRUNING for s in SEEDS]
+    for (family, seed), a, b in zip(cases, one, two, strict=True):
+        scale = max(t.abs().max().item() for t in a["logits"])
+        err = max((x - y).abs().max().item() for x, y in zip(a["logits"], b["logits"], strict=True))
+        lp = max(
+            abs(x - y)
+            for p, q in zip(a["logprobs"], b["logprobs"], strict=True)
+            for x, y in zip(p, q, strict=True)
+        )
+        print(f"{family} seed {seed}, DP attention x2: logits {err:.2e} of {scale:.2f}, logprobs {lp:.2e}")
+        assert err <= TOL * scale, (err, scale)
+        assert b["tokens"] == a["tokens"] and lp <= 1e-4
+        assert b["stats"]["retracted"] > 0 and max(b["cached"]) > 0  # the paths under test ran
+
+
+def test_llm_with_dp_attention_answers_as_one_rank(checkpoints, caplog):
+    """Rank 0 plans both ranks' parts and sends them (ranks.py's PARTS message); the follower
+    runs its own; the KV report says per rank."""
+    path = str(checkpoints["glm53"])
+    ps = [{"prompt_token_ids": p} for p in check_prompts(512, 5)[:3]]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = [
+        c.outputs[0].token_ids
+        for c in LLM(path, device="cpu", dtype="float32", progress=False).generate(ps, greedy)
+    ]
+    with caplog.at_level(logging.INFO, logger="dayzero.sdk.engine.engine"):
+        llm = LLM(
+            path,
+            device="cpu",
+            dtype="float32",
+            progress=False,
+            tensor_parallel_size=2,
+            enable_dp_attention=True,
+        )
+    try:
+        got = [c.outputs[0].token_ids for c in llm.generate(ps, greedy)]
+        looked_up = [s.prefix_stats()["lookup_tokens"] for s in llm.engine.scheduler.parts]
+    finally:
+        llm.close()
+    assert got == want and min(looked_up) > 0  # both ranks' schedulers admitted requests
+    assert (
+        "tokens per rank, for that rank's own requests (data-parallel attention over 2 ranks" in caplog.text
+    )
+
+
+def test_dp_attention_needs_several_ranks(checkpoints):
+    with pytest.raises(ValueError, match=r"enable_dp_attention .* needs tensor_parallel_size >= 2, got 1"):
+        LLM(
+            str(checkpoints["glm53"]), device="cpu", dtype="float32", progress=False, enable_dp_attention=True
+        )
+
+
+def test_dp_attention_keeps_attention_whole_and_refuses_overlap(checkpoints):
+    """Rank 0 of 2 with DP attention: every MLA and indexer head (no all-reduce in attention),
+    the experts split; its engine refuses overlap (device-filled inputs are not sent yet)."""
+    ckpt = open_checkpoint(checkpoints["glm53"])
+    whole = ckpt.family.config(ckpt.hf)
+    cfg = ckpt.family.config(ckpt.hf, par=Parallel(2, 0, True, True))
+    attn, moe = cfg.layers[-1].attn, cfg.layers[-1].mlp
+    assert attn == whole.layers[-1].attn and attn.par.size == 1
+    assert moe.experts * 2 == whole.layers[-1].mlp.experts and moe.par.experts
+    model, ops = build(ckpt.family, cfg, ckpt.hf, torch.device("cpu"), torch.float32, tp=TpGroup(2, 0))
+    with pytest.raises(ValueError, match="data-parallel attention runs without overlap"):
+        Engine(model, cfg, ops, EngineConfig(overlap="on"))
