@@ -74,7 +74,7 @@ class Family:
             return importlib.import_module(f"dayzero.models.{self.folder.replace('/', '.')}.{part}")
         folder = self.spec_path.parent
         check_generated(folder, self.spec.hash, f"dayzero codegen --spec {self.spec_path}")
-        return import_generated(f"dayzero_family_{self.name}", folder, part)
+        return import_generated(self.name, folder, part)
 
     def config(self, hf: dict, source: str = "config.json", par: Parallel = ONE_RANK) -> ModelConfig:
         return resolve(self.spec, hf, self.module("cache").CACHE_GROUPS, source, par)

@@ -13,12 +13,13 @@ A spec outside models/ comes from one of three sources, each named in the family
 
 `dayzero codegen --spec PATH` writes the generated files next to the spec (model.py, cache.py,
 `__init__.py`, README.md, test_parity.py). They are imported by file path, as the package
-`dayzero_family_<family>` bound to that folder: nothing is added to sys.path, and the folder
-need not be importable under a name of its own.
+`dayzero_family_<family>_<hash of the folder>` bound to that folder: nothing is added to
+sys.path, and the folder need not be importable under a name of its own.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -111,8 +112,10 @@ def check_generated(folder: Path, spec_hash: str, fix: str) -> None:
             raise OutOfTreeError(f"{path}: stale ({first.strip()!r}; spec.yaml is @{spec_hash}): run `{fix}`")
 
 
-def import_generated(package: str, folder: Path, part: str) -> ModuleType:
-    """`<package>.<part>` from folder/<part>.py; the package is bound to the folder on first use."""
+def import_generated(family: str, folder: Path, part: str) -> ModuleType:
+    """The family's generated module `part` from folder/<part>.py, in a package bound to the
+    folder on first use (named after the folder too: two folders never share one)."""
+    package = f"dayzero_family_{family}_{hashlib.sha256(str(folder).encode()).hexdigest()[:8]}"
     if package not in sys.modules:
         spec = importlib.util.spec_from_file_location(
             package, folder / "__init__.py", submodule_search_locations=[str(folder)]
