@@ -19,7 +19,7 @@ from dayzero.sdk.parity.tiny import write_tiny
 LOGPROB_TOL = 1e-5
 
 
-@pytest.fixture(scope="module", params=["llama", "beam"])
+@pytest.fixture(scope="module", params=["llama", "beam", "glm53"])
 def checkpoint(request, tmp_path_factory):
     return write_tiny(request.param, tmp_path_factory.mktemp(request.param) / "ckpt", seed=3)
 
@@ -31,6 +31,8 @@ def _llm(path, mode: str) -> LLM:
 
 @pytest.mark.parametrize("seed", SEEDS[:2])
 def test_buffered_decode_equals_the_plain_path(checkpoint, seed: int) -> None:
+    if "glm53" in str(checkpoint) and seed != SEEDS[0]:  # MLA + the DSA indexer: the slowest engine
+        pytest.skip("GLM-5.3 runs on the first seed only (CI time)")
     rng = np.random.default_rng(seed)
     vocab = 100
     prompts = [rng.integers(1, vocab, n).tolist() for n in (3, 9, 17, 6, 25)]  # 5 rows: bucket 6

@@ -136,7 +136,7 @@ def kpool_scores(
     return out
 
 
-@register("index_topk", "reference")
+@register("index_topk", "reference", graphs=True)  # shapes from the tensors, no host sync
 def index_topk(
     scores: torch.Tensor, positions: torch.Tensor, topk: int, pool: int = 1, tail: bool = False
 ) -> torch.Tensor:

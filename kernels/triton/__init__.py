@@ -1,8 +1,9 @@
 """Triton backend (CUDA): packed-weight GEMMs (`packed`), dense decode GEMVs (`linear`), paged GQA
 attention reading the cache in place (`attention`), absorbed-MLA decode and sparse attention over
-the latent cache in place (`mla`), stacked experts read in place (`moe`), MoE routing
-(`routing`), RMSNorm (`norm`), the fused small ops (`fused`: residual add + norm, head norm +
-RoPE, output gate, SwiGLU, the K/V cache write), the greedy sampler (`sampling`).
+the latent cache in place (`mla`), the DSA lightning indexer's scores (`indexer`), stacked
+experts read in place (`moe`), MoE routing (`routing`), RMSNorm (`norm`), the fused small ops
+(`fused`: residual add + norm, head norm + RoPE, output gate, SwiGLU, the K/V cache write), the
+greedy sampler (`sampling`).
 Registered only where `triton` imports (CUDA builds of torch bring it); every kernel is checked
 against the reference backend in Triton's CPU interpreter in CI (tests/test_triton_interpreter.py,
 tests/test_mla_kernels.py) and on the GPU (scripts/gpu_bringup.sh runs tests/test_triton_packed.py,
@@ -16,7 +17,18 @@ from dayzero.kernels.ops import PACKED_FORMATS
 from dayzero.kernels.registry import OPS, Capabilities, register
 
 if importlib.util.find_spec("triton") is not None:
-    from dayzero.kernels.triton import attention, fused, linear, mla, moe, norm, packed, routing, sampling
+    from dayzero.kernels.triton import (
+        attention,
+        fused,
+        indexer,
+        linear,
+        mla,
+        moe,
+        norm,
+        packed,
+        routing,
+        sampling,
+    )
 
     _half = dict(  # the packed GEMMs: shapes from the tensors alone, no host sync (graph-safe)
         devices=frozenset({"cuda"}),
@@ -48,6 +60,9 @@ if importlib.util.find_spec("triton") is not None:
     register("mla_attention", "triton", Capabilities(features=frozenset({"causal", "select"}), **_any))(
         mla.mla_attention
     )
+    # the lightning indexer's scores over the paged index keys in place, its top-k in torch
+    register("dsa_scores", "triton", Capabilities(**_any))(indexer.dsa_scores)
+    register("dsa_index", "triton", Capabilities(**_any))(indexer.dsa_index)
     # decode-sized dense linears as a GEMV (F.linear past linear.GEMV_ROWS rows)
     register("linear", "triton", Capabilities(features=frozenset({"bias"}), **_any))(linear.linear)
     register("rms_norm", "triton", Capabilities(features=frozenset({"weight_in_fp32"}), **_any))(

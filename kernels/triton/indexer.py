@@ -1,0 +1,111 @@
+"""The lightning indexer of DeepSeek sparse attention in Triton, reading the paged index-key cache
+in place; its top-k in torch. Graph-safe: the grid and every shape come from the tensors (the
+block table's width), never from a row's length read back to the host.
+
+Math (kernels/reference/mla.py `dsa_scores`): query token t at position p_t of row r, indexer
+heads h < Hi, cached index keys k_j [Di]:
+    I[t, j] = sum_h w[t, h] relu(scale <q[t, h], k_j>)      j <= p_t, j < kv_len[r] (fp32)
+and -inf elsewhere. The reference's scores are [T, L] with L the step's longest row; these are
+[T, W B] (W the block table's width, B the block size): the same columns, then -inf, so the
+top-k (ops `index_topk`) picks the same positions.
+
+A program takes one query token and BL key positions: the keys' block ids, the [BL, Di] key
+tile, [Hi, BL] dot products (tensor cores; fp32 inputs in IEEE fp32) and the weighted sum over
+heads. Positions past the row are written -inf without loading a key.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dayzero.kernels.ops import PagedMeta
+from dayzero.kernels.reference.mla import index_topk
+
+
+@triton.jit
+def _dsa_scores(
+    q_ptr,  # [T, Hi, Di] indexer queries
+    w_ptr,  # [T, Hi] fp32 head weights
+    k_ptr,  # [N, >= Di] index-key cache rows, strided
+    out_ptr,  # [T, WIDTH] fp32 scores
+    rows_ptr,  # [T] the token's row
+    pos_ptr,
+    kv_lens_ptr,
+    table_ptr,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_kn,
+    stride_tr,
+    stride_ot,
+    scale,
+    block_size,
+    width,
+    HI: tl.constexpr,
+    BHI: tl.constexpr,
+    DI: tl.constexpr,
+    BDI: tl.constexpr,
+    BL: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    t, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    r = tl.load(rows_ptr + t).to(tl.int64)
+    n_keys = tl.minimum(tl.load(pos_ptr + t) + 1, tl.load(kv_lens_ptr + r))
+    j = tile * BL + tl.arange(0, BL)
+    ok = j < n_keys
+    dst = out_ptr + t * stride_ot + j
+    if tile * BL >= n_keys:  # every position of the tile is past the query (or the row)
+        tl.store(dst, tl.full((BL,), float("-inf"), tl.float32), mask=j < width)
+        return
+    blk = tl.load(table_ptr + r * stride_tr + j // block_size, mask=ok, other=-1)
+    ok &= blk >= 0
+    slot = blk.to(tl.int64) * block_size + j % block_size
+    h = tl.arange(0, BHI)
+    d = tl.arange(0, BDI)
+    q = tl.load(
+        q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
+        mask=(h[:, None] < HI) & (d[None, :] < DI),
+        other=0.0,
+    )  # [BHI, BDI]
+    kmask = ok[:, None] & (d[None, :] < DI)
+    k = tl.load(k_ptr + slot[:, None] * stride_kn + d[None, :], mask=kmask, other=0.0).to(q.dtype)  # [BL, DI]
+    if IEEE:  # noqa: SIM108  (a compile-time branch in Triton)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BHI, BL] fp32
+    else:
+        s = tl.dot(q, tl.trans(k))
+    w = tl.load(w_ptr + t * stride_wt + h, mask=h < HI, other=0.0).to(tl.float32)  # [BHI]
+    score = tl.sum(w[:, None] * tl.maximum(s * scale, 0.0), 0)  # [BL]
+    tl.store(dst, tl.where(ok, score, float("-inf")), mask=j < width)
+
+
+def dsa_scores(
+    q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, meta: PagedMeta, scale: float
+) -> torch.Tensor:
+    """q [T, Hi, Di], weights [T, Hi] fp32, k_cache [N, Di] (a view of the paged pool) -> [T, W B]
+    fp32 scores by key position, -inf where a position is not visible."""
+    t, hi, di = q.shape
+    width = meta.block_table.shape[1] * meta.block_size
+    out = torch.empty(t, width, dtype=torch.float32, device=q.device)
+    if t == 0 or width == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    rows = torch.searchsorted(meta.query_start, torch.arange(t, device=q.device), right=True) - 1  # [T]
+    bl = 64
+    _dsa_scores[(t, triton.cdiv(width, bl))](
+        q, weights, k_cache, out, rows, meta.positions, meta.kv_lens, meta.block_table,
+        q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), meta.block_table.stride(0),
+        out.stride(0), scale, meta.block_size, width,
+        HI=hi, BHI=max(16, triton.next_power_of_2(hi)), DI=di, BDI=max(16, triton.next_power_of_2(di)),
+        BL=bl, IEEE=q.dtype == torch.float32, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def dsa_index(
+    q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, meta: PagedMeta, topk: int, scale: float
+) -> torch.Tensor:
+    """The lightning indexer's selection: the positions of each query's top-k scores [T, topk],
+    -1 where fewer are visible (the reference op's contract)."""
+    return index_topk(dsa_scores(q, weights, k_cache, meta, scale), meta.positions, topk)
