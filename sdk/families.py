@@ -106,32 +106,34 @@ def _admit(reg: Registry[Family], source: Source) -> Family:
     fam.spec = loaded  # the cached_property's value: validated above
     for other_name, other in reg.items():
         if clash := _shared(fam, other):
+            field, what = clash
             raise SpecError(
                 str(source.spec_path),
-                "family" if other_name == name else "architectures",
-                f"({source.origin}) {clash} is already family {other_name}'s "
+                field,
+                f"({source.origin}) {what} is already family {other_name}'s "
                 f"({other.origin}: {other.spec_path}); give this spec its own",
             )
     reg.add(name, fam)
     return fam
 
 
-def _shared(fam: Family, other: Family) -> str | None:
-    """What fam's spec claims that other's already does: the name, an architecture, a model_type
-    (a spec that does not load serves nothing: `dayzero specs` reports it)."""
+def _shared(fam: Family, other: Family) -> tuple[str, str] | None:
+    """(the spec field, what) fam's spec claims that other's already does: the name, an
+    architecture, a model_type (a spec that does not load serves nothing: `dayzero specs`
+    reports it)."""
     if fam.name == other.name:
-        return f"the family name {fam.name!r}"
+        return "family", f"the family name {fam.name!r}"
     try:
         theirs = other.spec.spec
     except ValueError:
         return None
     mine = fam.spec.spec
-    for what, ours, their in (
-        ("architecture", mine.architectures, theirs.architectures),
-        ("model_type", mine.model_types, theirs.model_types),
+    for field, what, ours, their in (
+        ("architectures", "architecture", mine.architectures, theirs.architectures),
+        ("model_types", "model_type", mine.model_types, theirs.model_types),
     ):
         if shared := [v for v in ours if v in their]:
-            return f"{what} {shared[0]!r}"
+            return field, f"{what} {shared[0]!r}"
     return None
 
 

@@ -42,13 +42,15 @@ def python(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
     )
 
 
-def lab_spec(folder: Path, family: str = "labllama", arch: str = "LabLlamaForCausalLM") -> Path:
-    """models/llama's spec as another family (folder/spec.yaml)."""
+def lab_spec(
+    folder: Path, family: str = "labllama", arch: str = "LabLlamaForCausalLM", model_type: str | None = None
+) -> Path:
+    """models/llama's spec as another family (folder/spec.yaml), its model_type the family's."""
     text = (MODELS_DIR / "llama" / "spec.yaml").read_text()
     for old, new in (
         ("family: llama", f"family: {family}"),
         ("architectures: [LlamaForCausalLM]", f"architectures: [{arch}]"),
-        ("model_types: [llama]", f"model_types: [{family}]"),
+        ("model_types: [llama]", f"model_types: [{model_type or family}]"),
     ):
         assert old in text, old
         text = text.replace(old, new, 1)
@@ -185,6 +187,11 @@ def test_a_spec_claiming_a_built_in_name_or_architecture_is_refused(tmp_path):
     invalid = f"{origin}: {broken}: blocks.attn.kind: unknown block kind 'nosuch'"
     with pytest.raises(OutOfTreeError, match=re.escape(invalid)):
         register_spec(broken, origin)
+    same_type = lab_spec(tmp_path / "typed", family="typedllama", arch="TypedForCausalLM", model_type="llama")
+    with pytest.raises(
+        SpecError, match=r"model_types: \(--spec\) model_type 'llama' is already family llama's"
+    ):
+        register_spec(same_type)
     assert FAMILIES.keys() == known and "DAYZERO_SPECS" not in os.environ
     r = dayzero("bench", "decode", "--spec", str(clash))  # refused before the GPU is looked for
     assert r.returncode == 2 and "the family name 'llama' is already family llama's" in r.stderr, r.stderr
