@@ -15,7 +15,7 @@ import logging
 import pickle
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -247,41 +247,80 @@ class LLM:
                 self.followers.watch(self._rank_failed)
             self.tp = init_group(size, rank, launch.addr, port, self.device.type)
             self.ctrl = control_group()
-        parallel = Parallel(size, rank, enable_expert_parallel or enable_dp_attention, enable_dp_attention)
-        self.config = ckpt.family.config(ckpt.hf, str(ckpt.path), parallel)
-        log.info("family %s (%s); reading the tokenizer", ckpt.family.name, ckpt.format)
-        self.tokenizer = load_tokenizer(ckpt.path, ckpt.format)  # before the weights: fail fast
-        self.sampling_defaults = generation_defaults(ckpt.folder) if ckpt.format == "safetensors" else {}
-        check_requested(ckpt.packing.formats if ckpt.packing else (), quantization)
-        if before_weights is not None:
-            before_weights(self)
-        log.info(
-            "building the model (%d layers) on %s/%s, then reading its weights",
-            len(self.config.layers),
-            self.device.type,
-            str(self.dtype).removeprefix("torch."),
-        )
-        packed = ckpt.packing.params if ckpt.packing else None
-        self.model, self.ops = build(
-            ckpt.family, self.config, ckpt.hf, self.device, self.dtype, packed, quantize_activations, self.tp
-        )
-        if load_format == "dummy":
-            log.warning("random weights (load format dummy): the answers mean nothing")
-            fill_dummy(self.model, ckpt)
-        else:
-            load_weights(self.model, ckpt, progress=progress)
-        if callable(engine):  # sized once the weights are resident (free device memory is known)
-            engine = engine(self.config)
-        engine = engine or EngineConfig()
-        if size > 1:  # rank 0's engine, KV pages the smallest rank holds; inputs whole on the host
-            engine = replace(engine, overlap="off", decode_graphs="off")
-            engine = agree_kv(engine, self.config, self.dtype.itemsize, self.ctrl)
-        self.engine = Engine(self.model, self.config, self.ops, engine)
-        if size > 1 and rank == 0:
-            self.engine.lead(Leader(self.ctrl, self._rank_failed))
+        with self._loading():  # a rank that fails from here is named to rank 0, with its error
+            parallel = Parallel(
+                size, rank, enable_expert_parallel or enable_dp_attention, enable_dp_attention
+            )
+            self.config = ckpt.family.config(ckpt.hf, str(ckpt.path), parallel)
+            log.info("family %s (%s); reading the tokenizer", ckpt.family.name, ckpt.format)
+            self.tokenizer = load_tokenizer(ckpt.path, ckpt.format)  # before the weights: fail fast
+            self.sampling_defaults = generation_defaults(ckpt.folder) if ckpt.format == "safetensors" else {}
+            check_requested(ckpt.packing.formats if ckpt.packing else (), quantization)
+            if before_weights is not None:
+                before_weights(self)
+            log.info(
+                "building the model (%d layers) on %s/%s, then reading its weights",
+                len(self.config.layers),
+                self.device.type,
+                str(self.dtype).removeprefix("torch."),
+            )
+            packed = ckpt.packing.params if ckpt.packing else None
+            self.model, self.ops = build(
+                ckpt.family,
+                self.config,
+                ckpt.hf,
+                self.device,
+                self.dtype,
+                packed,
+                quantize_activations,
+                self.tp,
+            )
+            if load_format == "dummy":
+                log.warning("random weights (load format dummy): the answers mean nothing")
+                fill_dummy(self.model, ckpt)
+            else:
+                load_weights(self.model, ckpt, progress=progress)
+            if callable(engine):  # sized once the weights are resident (free device memory is known)
+                engine = engine(self.config)
+            engine = engine or EngineConfig()
+            if size > 1:  # rank 0's engine, KV pages the smallest rank holds; inputs whole on the host
+                engine = replace(engine, overlap="off", decode_graphs="off")
+                engine = agree_kv(engine, self.config, self.dtype.itemsize, self.ctrl)
+            self.engine = Engine(self.model, self.config, self.ops, engine)
+            if size > 1 and rank == 0:
+                self.engine.lead(Leader(self.ctrl, self._rank_failed))
         if self.followers is not None:
             atexit.register(self.close)
         self.load_seconds = time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _loading(self) -> Iterator[None]:
+        """Around a tensor-parallel rank's load, once it joined the group. A rank other than 0
+        that fails leaves word in the group's store, `tensor-parallel rank R failed while
+        loading: <error>`, and exits (its peers' collectives then fail at once on gloo); rank 0,
+        failing with it (a collective whose peer is gone) or alone, raises RankError with the
+        first report it finds within 2 s (else its own error) and ends the ranks it started."""
+        try:
+            yield
+        except Exception as e:
+            if self.tp.size == 1:
+                raise
+            if self.rank != 0:
+                why = f"{type(e).__name__}: {e}".splitlines()[0]
+                report_failure(self.tp, f"tensor-parallel rank {self.rank} failed while loading: {why}")
+                raise
+            named = None
+            for _ in range(20):
+                if (named := reported_failure(self.tp)) is not None:
+                    break
+                time.sleep(0.1)
+            if self.followers is not None:
+                self.followers.terminate()
+            self.followers, self.ctrl = None, None
+            dist.destroy_process_group()
+            if named is None:
+                raise
+            raise RankError(named) from e
 
     def _rank_failed(self, why: str) -> str:
         """A rank is gone (the watcher), stopped answering (rank 0's send) or a step failed

@@ -155,3 +155,32 @@ def test_a_step_failing_on_one_rank_ends_the_ranks_naming_it(
     print(f"rank {rank}'s fault named in {took:.2f} s")
     assert took < 10, took
     assert follower is not None and follower.exitcode == exit_code
+
+
+def test_a_rank_that_fails_while_loading_is_named_with_its_error(checkpoints, tmp_path):
+    """A checkpoint whose slice for rank 1 is corrupt (NaN in the second half of layer 0's
+    query heads, which only rank 1 reads): rank 1's strict writer refuses it, rank 1 leaves
+    its error in the group's store and exits; rank 0 raises naming the rank and the error, in
+    seconds, and can start again (its group is gone)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoints["llama"], bad)
+    tensors = load_file(bad / "model.safetensors")
+    q = tensors["model.layers.0.self_attn.q_proj.weight"]
+    q[q.shape[0] // 2 :] = torch.nan  # rank 1's heads of 2
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    t0 = time.monotonic()
+    with pytest.raises(
+        RankError,
+        match=r"^tensor-parallel rank 1 failed while loading: WeightError: checkpoint tensor "
+        r"model\.layers\.0\.self_attn\.q_proj\.weight holds NaN or inf$",
+    ):
+        LLM(str(bad), device="cpu", dtype="float32", engine=ENGINE, progress=False, tensor_parallel_size=2)
+    took = time.monotonic() - t0
+    print(f"rank 1's load failure named in {took:.1f} s")
+    assert took < 60, took
+    assert not torch.distributed.is_initialized()  # rank 0 left the group: a new LLM may start
