@@ -164,3 +164,32 @@ def test_dp_attention_keeps_attention_whole_and_refuses_overlap(checkpoints):
     model, ops = build(ckpt.family, cfg, ckpt.hf, torch.device("cpu"), torch.float32, tp=TpGroup(2, 0))
     with pytest.raises(ValueError, match="data-parallel attention runs without overlap"):
         Engine(model, cfg, ops, EngineConfig(overlap="on"))
+
+
+def test_dp_scheduler_gives_each_rank_its_requests():
+    """One scheduler per attention rank: requests go to the rank with the fewest live ones and
+    stay there; a step's plan is the ranks' rows in rank order, its copies this rank's; the
+    sampled tokens feed each request's own scheduler; finished requests leave the map."""
+    import numpy as np
+
+    from dayzero.sdk.engine.dp import DpScheduler
+    from dayzero.sdk.scheduler import CacheGroup, GroupKind, SchedulerError, make_config
+
+    cfg = make_config(
+        [CacheGroup("kv", GroupKind.Paged, bytes_per_token=64)], device_bytes=1 << 16, block_size=4
+    )
+    dp = DpScheduler(cfg, 2, rank=1)
+    for rid, n in ((7, 5), (8, 3), (9, 6)):
+        dp.submit(rid, np.arange(n, dtype=np.int32), max_new_tokens=2)
+    assert dp.owner == {7: 0, 8: 1, 9: 0}
+    plan = dp.step()
+    assert plan.req_ids.tolist() == [7, 9, 8] and plan.query_start.tolist() == [0, 5, 11, 14]
+    assert plan.rows == 3 and plan.num_input_tokens == 14 and plan.copies is plan.parts[1].copies
+    dp.feed(plan.req_ids, plan.sample.astype(np.int32), np.asarray([70, 90, 80], dtype=np.int32))
+    assert dp.parts[0].tokens_of(9)[-1] == 90 and dp.parts[1].tokens_of(8)[-1] == 80
+    plan = dp.step()  # each decodes its token
+    assert plan.input_ids.tolist() == [70, 90, 80]
+    dp.feed(plan.req_ids, plan.sample.astype(np.int32), np.asarray([1, 2, 3], dtype=np.int32))
+    assert sorted(dp.step().finished_ids.tolist()) == [7, 8, 9] and dp.owner == {}
+    with pytest.raises(SchedulerError, match="unknown request 7"):
+        dp.abort(7)

@@ -132,6 +132,9 @@ class DpScheduler:
     def free_blocks(self, group: int = 0) -> int:
         return sum(s.free_blocks(group) for s in self.parts)
 
+    def flush_prefix_cache(self) -> int:
+        return sum(s.flush_prefix_cache() for s in self.parts)
+
     def prefix_stats(self) -> dict:
         stats = [s.prefix_stats() for s in self.parts]
         return {k: sum(st[k] for st in stats) for k in stats[0]}
