@@ -2,7 +2,8 @@
 on random inputs from the recorded seeds: the batched backend (kernels/batched/mla.py: absorbed
 decode, sparse selections, expanded prefill) in-process, the Triton kernel (kernels/triton/mla.py)
 in Triton's CPU interpreter in a fresh process (see check_triton), and the Triton lightning
-indexer (kernels/triton/indexer.py) against the reference `dsa_scores` / `dsa_index` there too.
+and pooled (KPool) indexers (kernels/triton/indexer.py) against the reference `dsa_scores` /
+`dsa_index` / `kpool_scores` / `kpool_index` there too.
 
 Each step mixes decode rows, prefill chunks with a cached prefix and fresh prompts, on shuffled
 blocks of a strided cache view (as the pool's rows are); with RoPE keys and fully NoPE (Dr = 0);
@@ -169,40 +170,58 @@ def check_triton(seed: int) -> list[str]:
     return out + check_indexer(g)
 
 
-def indexer_inputs(g: torch.Generator, rows, hi: int, di: int):
-    """(q [T, Hi, Di], weights [T, Hi], k_cache, meta): the index keys a strided [N, Di] view."""
+def indexer_inputs(g: torch.Generator, rows, hi: int, di: int, pool: int = 0):
+    """(q [T, Hi, Di], weights [T, Hi], cache, meta) for DSA (pool 0: the cache a strided [N, Di]
+    view of index keys) or (q, weights, cache, ape [P, Di], meta) for KPool (a [N, 2 Di] view of
+    keys and pooling gates)."""
     meta, blocks = paged_meta(rows, 4, g)
     t = meta.positions.shape[0]
     q, w = torch.randn(t, hi, di, generator=g), torch.rand(t, hi, generator=g)
-    return q, w, torch.randn(blocks * 4, di + 3, generator=g)[:, :di], meta
+    width = di * (2 if pool else 1)
+    cache = torch.randn(blocks * 4, width + 3, generator=g)[:, :width]
+    if not pool:
+        return q, w, cache, meta
+    return q, w, cache, torch.randn(pool, di, generator=g), meta
 
 
-def indexer_errors(args, topks=(6, 64)) -> tuple[float, bool]:
+def indexer_errors(args, topks=(6, 64), pool: int = 0, tail: bool = True) -> tuple[float, bool]:
     """The Triton indexer's scores against the reference's (relative to their scale; the columns
     past the reference's width must be -inf, and the -inf pattern equal), and whether every
-    top-k selection is the reference's set."""
+    top-k selection is the reference's set (DSA, or KPool with `pool` keys a pool)."""
     from dayzero.kernels.reference import mla as ref
     from dayzero.kernels.triton import indexer
 
-    want = ref.dsa_scores(*args, 0.2).cpu()
-    got = indexer.dsa_scores(*args, 0.2).cpu()
+    if pool:
+        want = ref.kpool_scores(*args, pool, 0.2).cpu()
+        got = indexer.kpool_scores(*args, pool, 0.2).cpu()
+        pick = [
+            (ref.kpool_index(*args, k, pool, 0.2, tail), indexer.kpool_index(*args, k, pool, 0.2, tail))
+            for k in topks
+        ]
+    else:
+        want, got = ref.dsa_scores(*args, 0.2).cpu(), indexer.dsa_scores(*args, 0.2).cpu()
+        pick = [(ref.dsa_index(*args, k, 0.2), indexer.dsa_index(*args, k, 0.2)) for k in topks]
     width = want.shape[1]
     assert (got[:, width:] == float("-inf")).all()
     seen = torch.isfinite(want)
     assert torch.equal(seen, torch.isfinite(got[:, :width]))
-    err = _err(got[:, :width][seen], want[seen])
-    picks = [(ref.dsa_index(*args, k, 0.2), indexer.dsa_index(*args, k, 0.2)) for k in topks]
-    same = all(torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in picks)
+    err = _err(got[:, :width][seen], want[seen]) if seen.any() else 0.0
+    same = all(torch.equal(a.sort(-1).values, b.sort(-1).values) for a, b in pick)
     return err, same
 
 
 def check_indexer(g: torch.Generator) -> list[str]:
-    """The lightning indexer in the interpreter: decode-only and mixed steps, 5 heads of 24 (padded
-    to 16 x 32), and long rows over several 64-key tiles; scores and top-6 / top-64 selections."""
+    """The indexers in the interpreter: decode-only and mixed steps, 5 heads of 24 (padded to
+    16 x 32), and long rows over several 64-key / 16-pool tiles; scores and top-k selections
+    (DSA top-6 / top-64; KPool pools of 4 (one block) and 8 (two blocks) with and without the
+    tail, top-8 / top-64 positions)."""
     out = []
     for step, rows in (("decode", STEPS["decode"]), ("mixed", MIXED), ("long", [(1, 300), (2, 70)])):
         err, same = indexer_errors(indexer_inputs(g, rows, 5, 24))
-        out.append(f"triton indexer {step} same-selection={same} {err if same else 1.0:.2e}")
+        out.append(f"triton indexer dsa {step} same-selection={same} {err if same else 1.0:.2e}")
+        for pool, tail in ((4, True), (8, False)):
+            err, same = indexer_errors(indexer_inputs(g, rows, 5, 24, pool), (8, 64), pool, tail)
+            out.append(f"triton indexer kpool={pool} {step} same-selection={same} {err if same else 1.0:.2e}")
     return out
 
 
@@ -216,7 +235,7 @@ def test_triton_matches_reference_in_the_interpreter(seed: int) -> None:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("triton ")]
-    assert len(lines) == 2 * 2 * 2 * 2 + 2 * 2 + 3, r.stdout
+    assert len(lines) == 2 * 2 * 2 * 2 + 2 * 2 + 3 * 3, r.stdout
     for ln in lines:
         assert float(ln.split()[-1]) < TOL, ln
 
@@ -246,17 +265,20 @@ def test_triton_matches_reference_on_cuda(dtype: torch.dtype) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_indexer_on_cuda(dtype: torch.dtype) -> None:
-    """Compiled on the GPU at GLM-5.3's indexer widths (32 heads of 128): fp32 within TOL with the
-    reference's selections; bf16 within 1e-4 (both sum the same exact bf16 products in fp32, in
-    another order; a near-tie may then swap a selected position)."""
+    """Compiled on the GPU at GLM-5.3's indexer widths (32 heads of 128), DSA and KPool (pools of
+    16): fp32 within TOL with the reference's selections; bf16 within 1e-2 (DSA: both sum the
+    same exact bf16 products in fp32; KPool: the reference rounds the pool's softmax and its
+    weighted keys to bf16, the kernel keeps them fp32 until the dot; a near-tie may then swap a
+    selected position)."""
     g = torch.Generator().manual_seed(SEEDS[0])
-    q, w, k_cache, meta = indexer_inputs(g, [(1, 700), (1, 90), (3, 40), (1, 2000)], 32, 128)
     fields = ("query_start", "kv_lens", "positions", "block_table", "slots")
-    meta = dataclasses.replace(meta, memo={}, **{f: getattr(meta, f).cuda() for f in fields})
-    args = (q.cuda().to(dtype), w.cuda(), k_cache.cuda().to(dtype), meta)
-    err, same = indexer_errors(args, topks=(256,))
-    assert err < (TOL if dtype == torch.float32 else 1e-4)
-    assert same or dtype == torch.bfloat16
+    for pool in (0, 16):
+        *x, meta = indexer_inputs(g, [(1, 700), (1, 90), (3, 40), (1, 2000)], 32, 128, pool)
+        meta = dataclasses.replace(meta, memo={}, **{f: getattr(meta, f).cuda() for f in fields})
+        x = [a.cuda().to(dtype) if i != 1 else a.cuda() for i, a in enumerate(x)]  # weights stay fp32
+        err, same = indexer_errors((*x, meta), topks=(256,), pool=pool)
+        assert err < (TOL if dtype == torch.float32 else 1e-2), (pool, err)
+        assert same or dtype == torch.bfloat16
 
 
 if __name__ == "__main__":

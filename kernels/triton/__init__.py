@@ -1,6 +1,6 @@
 """Triton backend (CUDA): packed-weight GEMMs (`packed`), dense decode GEMVs (`linear`), paged GQA
 attention reading the cache in place (`attention`), absorbed-MLA decode and sparse attention over
-the latent cache in place (`mla`), the DSA lightning indexer's scores (`indexer`), stacked
+the latent cache in place (`mla`), the DSA and KPool indexers' scores (`indexer`), stacked
 experts read in place (`moe`), MoE routing (`routing`), RMSNorm (`norm`), the fused small ops
 (`fused`: residual add + norm, head norm + RoPE, output gate, SwiGLU, the K/V cache write), the
 greedy sampler (`sampling`).
@@ -60,9 +60,11 @@ if importlib.util.find_spec("triton") is not None:
     register("mla_attention", "triton", Capabilities(features=frozenset({"causal", "select"}), **_any))(
         mla.mla_attention
     )
-    # the lightning indexer's scores over the paged index keys in place, its top-k in torch
+    # the indexers' scores over the paged index keys in place, their top-k in torch
     register("dsa_scores", "triton", Capabilities(**_any))(indexer.dsa_scores)
     register("dsa_index", "triton", Capabilities(**_any))(indexer.dsa_index)
+    register("kpool_scores", "triton", Capabilities(**_any))(indexer.kpool_scores)
+    register("kpool_index", "triton", Capabilities(features=frozenset({"tail"}), **_any))(indexer.kpool_index)
     # decode-sized dense linears as a GEMV (F.linear past linear.GEMV_ROWS rows)
     register("linear", "triton", Capabilities(features=frozenset({"bias"}), **_any))(linear.linear)
     register("rms_norm", "triton", Capabilities(features=frozenset({"weight_in_fp32"}), **_any))(

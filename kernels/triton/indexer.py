@@ -1,17 +1,23 @@
-"""The lightning indexer of DeepSeek sparse attention in Triton, reading the paged index-key cache
-in place; its top-k in torch. Graph-safe: the grid and every shape come from the tensors (the
-block table's width), never from a row's length read back to the host.
+"""The sparse-attention indexers in Triton, reading the paged index-key cache in place: DeepSeek's
+lightning indexer (DSA) and the pooled one (KPool); their top-k in torch (ops `index_topk`).
+Graph-safe: the grid and every shape come from the tensors (the block table's width), never from
+a row's length read back to the host.
 
-Math (kernels/reference/mla.py `dsa_scores`): query token t at position p_t of row r, indexer
+DSA (kernels/reference/mla.py `dsa_scores`): query token t at position p_t of row r, indexer
 heads h < Hi, cached index keys k_j [Di]:
     I[t, j] = sum_h w[t, h] relu(scale <q[t, h], k_j>)      j <= p_t, j < kv_len[r] (fp32)
-and -inf elsewhere. The reference's scores are [T, L] with L the step's longest row; these are
-[T, W B] (W the block table's width, B the block size): the same columns, then -inf, so the
-top-k (ops `index_topk`) picks the same positions.
+KPool (`kpool_scores`): cache rows [k_j ; g_j] (key and pooling gate), pools of P positions;
+complete pool m (m P + P <= kv_len[r]) has the key
+    K_m = sum_{i < P} softmax_i(g[mP + i] + ape[i]) k[mP + i]      (softmax per channel, fp32)
+    I[t, m] = sum_h w[t, h] relu(scale <q[t, h], K_m>)      m P + P - 1 <= p_t
+and -inf elsewhere. The reference's scores are [T, L] with L the step's longest row (in keys or
+pools); these are [T, W B] keys or [T, W B / P] pools (W the block table's width, B the block
+size): the same columns, then -inf, so the top-k picks the same positions.
 
-A program takes one query token and BL key positions: the keys' block ids, the [BL, Di] key
-tile, [Hi, BL] dot products (tensor cores; fp32 inputs in IEEE fp32) and the weighted sum over
-heads. Positions past the row are written -inf without loading a key.
+A program takes one query token and BL keys (or BM pools): their block ids, the [BL, Di] key
+tile (a pool's keys and gates one position at a time, its softmax online per channel), [Hi, BL]
+dot products (tensor cores; fp32 inputs in IEEE fp32) and the weighted sum over heads. A tile past
+the row is written -inf without loading a key.
 """
 
 from __future__ import annotations
@@ -80,6 +86,92 @@ def _dsa_scores(
     tl.store(dst, tl.where(ok, score, float("-inf")), mask=j < width)
 
 
+@triton.jit
+def _kpool_scores(
+    q_ptr,  # [T, Hi, Di] indexer queries
+    w_ptr,  # [T, Hi] fp32 head weights
+    c_ptr,  # [N, >= 2 Di] cache rows [k ; g], strided
+    ape_ptr,  # [P, Di] the pool's position bias
+    out_ptr,  # [T, WIDTH] fp32 scores by pool
+    rows_ptr,
+    pos_ptr,
+    kv_lens_ptr,
+    table_ptr,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_cn,
+    stride_ape,
+    stride_tr,
+    stride_ot,
+    scale,
+    block_size,
+    width,
+    P: tl.constexpr,
+    HI: tl.constexpr,
+    BHI: tl.constexpr,
+    DI: tl.constexpr,
+    BDI: tl.constexpr,
+    BM: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    t, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    r = tl.load(rows_ptr + t).to(tl.int64)
+    # pools that are complete in the row and end at or before the query
+    n_pools = tl.minimum(tl.load(kv_lens_ptr + r), tl.load(pos_ptr + t) + 1) // P
+    m = tile * BM + tl.arange(0, BM)
+    dst = out_ptr + t * stride_ot + m
+    if tile * BM >= n_pools:
+        tl.store(dst, tl.full((BM,), float("-inf"), tl.float32), mask=m < width)
+        return
+    ok = m < n_pools
+    d = tl.arange(0, BDI)
+    dm = d < DI
+    mx = tl.full((BM, BDI), float("-inf"), tl.float32)
+    den = tl.zeros((BM, BDI), tl.float32)
+    acc = tl.zeros((BM, BDI), tl.float32)
+    for i in range(P):  # the pool's i-th positions, online softmax over i per channel
+        j = m * P + i
+        blk = tl.load(table_ptr + r * stride_tr + j // block_size, mask=ok, other=-1)
+        seen = ok & (blk >= 0)
+        row = c_ptr + (blk.to(tl.int64) * block_size + j % block_size)[:, None] * stride_cn + d[None, :]
+        msk = seen[:, None] & dm[None, :]
+        k = tl.load(row, mask=msk, other=0.0).to(tl.float32)  # [BM, BDI]
+        g = tl.load(row + DI, mask=msk, other=0.0).to(tl.float32)
+        g += tl.load(ape_ptr + i * stride_ape + d, mask=dm, other=0.0).to(tl.float32)[None, :]
+        new = tl.maximum(mx, g)
+        alpha, e = tl.exp(mx - new), tl.exp(g - new)
+        den = den * alpha + e
+        acc = acc * alpha + e * k
+        mx = new
+    h = tl.arange(0, BHI)
+    q = tl.load(
+        q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
+        mask=(h[:, None] < HI) & dm[None, :],
+        other=0.0,
+    )  # [BHI, BDI]
+    key = (acc / den).to(q.dtype)  # [BM, BDI] K_m
+    if IEEE:  # noqa: SIM108  (a compile-time branch in Triton)
+        s = tl.dot(q, tl.trans(key), input_precision="ieee")  # [BHI, BM] fp32
+    else:
+        s = tl.dot(q, tl.trans(key))
+    w = tl.load(w_ptr + t * stride_wt + h, mask=h < HI, other=0.0).to(tl.float32)
+    score = tl.sum(w[:, None] * tl.maximum(s * scale, 0.0), 0)  # [BM]
+    tl.store(dst, tl.where(ok, score, float("-inf")), mask=m < width)
+
+
+def _rows(meta: PagedMeta, t: int, device: torch.device) -> torch.Tensor:
+    """[T] each token's row, from query_start on the device."""
+    return torch.searchsorted(meta.query_start, torch.arange(t, device=device), right=True) - 1
+
+
+def _heads(hi: int, di: int) -> dict:
+    """The head and channel tiles: powers of two, at least 16 (tl.dot's smallest)."""
+    return dict(
+        HI=hi, BHI=max(16, triton.next_power_of_2(hi)), DI=di, BDI=max(16, triton.next_power_of_2(di))
+    )
+
+
 def dsa_scores(
     q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, meta: PagedMeta, scale: float
 ) -> torch.Tensor:
@@ -91,14 +183,39 @@ def dsa_scores(
     if t == 0 or width == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
-    rows = torch.searchsorted(meta.query_start, torch.arange(t, device=q.device), right=True) - 1  # [T]
     bl = 64
     _dsa_scores[(t, triton.cdiv(width, bl))](
-        q, weights, k_cache, out, rows, meta.positions, meta.kv_lens, meta.block_table,
+        q, weights, k_cache, out, _rows(meta, t, q.device), meta.positions, meta.kv_lens, meta.block_table,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), meta.block_table.stride(0),
         out.stride(0), scale, meta.block_size, width,
-        HI=hi, BHI=max(16, triton.next_power_of_2(hi)), DI=di, BDI=max(16, triton.next_power_of_2(di)),
-        BL=bl, IEEE=q.dtype == torch.float32, num_warps=4,
+        **_heads(hi, di), BL=bl, IEEE=q.dtype == torch.float32, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def kpool_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    cache: torch.Tensor,
+    ape: torch.Tensor,
+    meta: PagedMeta,
+    pool: int,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, Hi, Di], weights [T, Hi] fp32, cache [N, 2 Di] rows [k ; g], ape [P, Di] -> [T, W B / P]
+    fp32 scores by pool, -inf where a pool is not complete before the query."""
+    t, hi, di = q.shape
+    width = meta.block_table.shape[1] * meta.block_size // pool
+    out = torch.empty(t, width, dtype=torch.float32, device=q.device)
+    if t == 0 or width == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    bm = 16
+    _kpool_scores[(t, triton.cdiv(width, bm))](
+        q, weights, cache, ape, out, _rows(meta, t, q.device), meta.positions, meta.kv_lens,
+        meta.block_table, q.stride(0), q.stride(1), weights.stride(0), cache.stride(0), ape.stride(0),
+        meta.block_table.stride(0), out.stride(0), scale, meta.block_size, width,
+        P=pool, **_heads(hi, di), BM=bm, IEEE=q.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -109,3 +226,20 @@ def dsa_index(
     """The lightning indexer's selection: the positions of each query's top-k scores [T, topk],
     -1 where fewer are visible (the reference op's contract)."""
     return index_topk(dsa_scores(q, weights, k_cache, meta, scale), meta.positions, topk)
+
+
+def kpool_index(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    cache: torch.Tensor,
+    ape: torch.Tensor,
+    meta: PagedMeta,
+    topk: int,
+    pool: int,
+    scale: float,
+    tail: bool = True,
+) -> torch.Tensor:
+    """The pooled indexer's selection: the topk / P best pools' positions (+ with `tail` the
+    query's incomplete pool) [T, topk (+ P - 1)], -1 padded (the reference op's contract)."""
+    scores = kpool_scores(q, weights, cache, ape, meta, pool, scale)
+    return index_topk(scores, meta.positions, topk, pool, tail)
