@@ -2,9 +2,15 @@
 (KimiLinearAttention), whose config keeps qk_rope_head_dim > 0 while no RoPE is applied: the
 rope_dim part of each query head and the shared key k_r stay unrotated. Tiny random modules built
 from transformers' classes, seeded; fp32, tolerance TOL of the output's scale (the same numbers
-summed in another order)."""
+summed in another order). Then the whole of Kimi Linear from a test-only spec
+(tests/data/kimi_linear.yaml) against KimiLinearForCausalLM."""
 
 from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,3 +134,44 @@ def test_the_comparison_sees_a_rotation() -> None:
         want = ref(x[None], mask)[0][0]
     assert (got[0] - want[0]).abs().max().item() < TOL  # position 0: rotation by angle 0
     assert ((got[1:] - want[1:]).abs().max() / want.abs().max()).item() > 100 * TOL
+
+
+KIMI_SPEC = Path(__file__).parent / "data" / "kimi_linear.yaml"  # a test-only spec
+
+
+@pytest.fixture(scope="module")
+def kimi_family(tmp_path_factory) -> Iterator[str]:
+    """tests/data/kimi_linear.yaml generated out of tree (`codegen --spec`), registered for this
+    module only (the family registry and DAYZERO_SPECS restored after)."""
+    from dayzero.sdk.cli import main
+    from dayzero.sdk.families import FAMILIES
+
+    spec = tmp_path_factory.mktemp("kimi") / "spec.yaml"
+    shutil.copy(KIMI_SPEC, spec)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FAMILIES, "_items", dict(FAMILIES._items))
+        mp.setitem(os.environ, "DAYZERO_SPECS", os.environ.get("DAYZERO_SPECS", ""))
+        assert main(["codegen", "--spec", str(spec)]) == 0
+        yield "kimi_linear_nope_test"
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_kimi_linear_from_a_spec_prefills_the_references_logits(
+    tmp_path, kimi_family: str, seed: int
+) -> None:
+    """The whole model (4 KDA layers, then the NoPE MLA layer; dense then MoE): dayzero's
+    prefill logits of 3 prompts (one batch) against KimiLinearForCausalLM's, within `dayzero parity`'s fp32
+    logit tolerance 1e-4 (the full `dayzero parity` run on this spec passes too)."""
+    from dayzero.sdk.loader import open_checkpoint
+    from dayzero.sdk.parity.runner import Ours, Reference, make_prompts
+    from dayzero.sdk.parity.tiny import write_tiny
+
+    ckpt = open_checkpoint(write_tiny(kimi_family, tmp_path / "ckpt", seed=seed), kimi_family)
+    ours = Ours(ckpt, CPU, torch.float32)
+    assert [layer.attn_kind for layer in ours.cfg.layers] == ["kda"] * 4 + ["mla"]
+    assert ours.cfg.layers[4].attn.nope and ours.cfg.layers[4].attn.rope_dim == 8
+    ref = Reference(ckpt, ckpt.folder, CPU, torch.float32)
+    prompts = make_prompts(ours.cfg.embedding.vocab, seed, n=3)
+    got = ours.prefill_logits(prompts)
+    err = max((a - ref.logits(p)).abs().max().item() for a, p in zip(got, prompts, strict=True))
+    assert err < 1e-4, err
