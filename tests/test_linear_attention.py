@@ -139,3 +139,26 @@ def test_a_flat_text_only_config_resolves_like_the_nested_one() -> None:
         (x.attn_kind, x.mlp_kind, x.attn) for x in b.layers
     ]
     assert a.layers[1].attn.indexer.reuse and a.streams == b.streams == 4
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("kernel", [2, 4])
+def test_batched_short_conv_equals_the_reference(seed: int, kernel: int) -> None:
+    """kernels/batched/linear_attention.py against the reference on one mixed step: decode rows,
+    a row shorter than K - 1 continuing its state, an empty row, a fresh prompt, a long chunk;
+    outputs and every row's written state within TOL (fp32), untouched slots unchanged."""
+    from dayzero.kernels.batched.linear_attention import short_conv as batched_conv
+
+    g = torch.Generator().manual_seed(seed)
+    c, lens, has_init = 6, [1, 2, 0, 9, 1, 23], [True, True, False, False, True, True]
+    x = torch.randn(sum(lens), c, generator=g)
+    w = torch.randn(c, 1, kernel, generator=g)
+    pool = torch.randn(len(lens) + 2, c, kernel - 1, generator=g)  # two slots no row uses
+    slots = (3, 0, 7, 1, 6, 2)
+    qs = [0, *itertools.accumulate(lens)]
+    meta = StateMeta(None, slots, tuple(has_init), tuple(qs))
+    ref_state, got_state = pool.clone(), pool.clone()
+    want, got = short_conv(x, w, ref_state, meta), batched_conv(x, w, got_state, meta)
+    assert (got - want).abs().max().item() < TOL
+    assert (got_state - ref_state).abs().max().item() < TOL
+    assert torch.equal(got_state[[4, 5, 7]], pool[[4, 5, 7]])  # unused, and the empty row's
