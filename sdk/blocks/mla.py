@@ -247,7 +247,8 @@ class MlaAttention(nn.Module):
             qi = self._rope(qi, ctx.positions, ix.rope_interleaved)
             ki = self._rope(ki[:, None, :], ctx.positions, ix.rope_interleaved)[:, 0]
         p = self.cfg.par
-        w = ops.linear(x.float(), self.index_weights) * (ix.heads * p.size) ** -0.5  # [T, Hi] fp32
+        # [T, Hi] fp32: x read in the fp32 weights' dtype
+        w = ops.linear(x, self.index_weights).float() * (ix.heads * p.size) ** -0.5
         g, off = self.index_cache
         meta = ctx.paged[g]
         if ix.kind == "dsa":
