@@ -194,7 +194,9 @@ def kernel_needs(cfg: ModelConfig, ops: OpTable, packed: frozenset[str] = frozen
         ops.need("softcap")
     for layer in cfg.layers:
         for res in (layer.attn_res, layer.mlp_res):
-            if res.kind != "hyper":  # a residual's add and the next block's norm: one fused op
+            if res.kind == "postnorm":  # post_norm(f(x)), then the add: no norm of the next input
+                ops.need("rms_norm", {"weight_in_fp32"} if res.norm.weight_in_fp32 else ())
+            elif res.kind != "hyper":  # a residual's add and the next block's norm: one fused op
                 n = res.norm
                 post = {"post_norm"} if res.kind == "sandwich" else set()
                 feats = (

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 class Layer(nn.Module):
     """x <- post(x, attn(h), carry) with (h, carry) = pre(x), then the same around the MLP;
-    pre/post are the spec's residual topology (prenorm, sandwich, depth-scaled, hyper). A layer
+    pre/post are the spec's residual topology (prenorm, sandwich, postnorm, depth-scaled, hyper). A layer
     takes its first block's input already normed (h, carry) and hands the next layer's on: each
     residual's post and the next one's pre run as one fused add + norm. With data-parallel
     attention the layer attends for this rank's rows; the MLP gets every rank's rows gathered

@@ -41,13 +41,13 @@ class Residual(nn.Module):
     def __init__(self, cfg: ResidualCfg, ops: OpTable) -> None:
         super().__init__()
         self.cfg, self.ops = cfg, ops
-        self.norm = RMSNorm(cfg.norm, ops)
-        self.post_norm = RMSNorm(cfg.norm, ops) if cfg.kind == "sandwich" else None
+        self.norm = RMSNorm(cfg.norm, ops) if cfg.kind != "postnorm" else None  # [Dm] before f
+        self.post_norm = RMSNorm(cfg.norm, ops) if cfg.kind in ("sandwich", "postnorm") else None
         k = cfg.add_index
         self.scales = (math.sqrt((k - 1) / k), 1 / math.sqrt(k)) if k else None
 
     def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return self.norm(x), None
+        return (x if self.norm is None else self.norm(x)), None
 
     def post(self, x: torch.Tensor, y: torch.Tensor, carry: None = None) -> torch.Tensor:
         if self.post_norm is not None:
@@ -58,7 +58,7 @@ class Residual(nn.Module):
 
     def post_pre(self, x: torch.Tensor, y: torch.Tensor, carry: None, nxt: nn.Module):
         """(x', h, carry) = (post(x, y), *nxt.pre(x'))."""
-        if not isinstance(nxt, Residual) or nxt.cfg.norm != self.cfg.norm:
+        if not isinstance(nxt, Residual) or nxt.norm is None or nxt.cfg.norm != self.cfg.norm:
             x = self.post(x, y, carry)
             return (x, *nxt.pre(x))
         n = self.cfg.norm

@@ -124,6 +124,7 @@ def _model_py(fam: Family, env: jinja2.Environment, header: str) -> str:
     doc = {
         "sandwich": "Each layer: x + post_norm(attn(norm(x))), then the same around the MLP",
         "prenorm": "Each layer: x + attn(norm(x)), then x + mlp(norm(x))",
+        "postnorm": "Each layer: x + post_norm(attn(x)), then x + post_norm(mlp(x))",
         "hyper": "Each layer: N residual streams mixed by hyper-connections around attn, then the MLP",
     }[residual.kind] + (" (depth-scaled adds)." if residual.depth_scaled else ".")
     return env.get_template("model.py.j2").render(

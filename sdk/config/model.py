@@ -63,6 +63,7 @@ class HyperCfg:
 @dataclass(frozen=True)
 class ResidualCfg:
     """One residual add around f. kind prenorm: x + f(n(x)); sandwich: x + post(f(n(x)));
+    postnorm: x + post(f(x));
     hyper: see HyperResidual. add_index k > 0 (depth-scaled): x * sqrt((k - 1) / k) + y / sqrt(k)."""
 
     kind: str

@@ -138,13 +138,14 @@ class Layers(Strict):
 
 
 class Residual(Strict):
-    """prenorm: x + f(norm(x)). sandwich: x + post_norm(f(norm(x))). depth_scaled: the k-th
+    """prenorm: x + f(norm(x)). sandwich: x + post_norm(f(norm(x))). postnorm: x + post_norm(f(x)),
+    no norm before the block (OLMo 2's order). depth_scaled: the k-th
     residual add (k = 2, 3, ... counting both adds of every layer) is r * sqrt((k-1)/k) + f / sqrt(k).
     hyper: manifold-constrained hyper-connections over `streams` residual streams (see
     `dayzero.sdk.blocks.norm.HyperResidual`); the embedding is copied into every stream and the
     streams are averaged before the final norm."""
 
-    kind: Literal["prenorm", "sandwich", "hyper"]
+    kind: Literal["prenorm", "sandwich", "postnorm", "hyper"]
     depth_scaled: bool = False
     streams: IntV = 1  # hyper
     sinkhorn_iters: IntV = 20  # hyper
