@@ -201,7 +201,7 @@ def kernel_needs(cfg: ModelConfig, ops: OpTable, packed: frozenset[str] = frozen
                 post = {"post_norm"} if res.kind == "sandwich" else set()
                 feats = (
                     post
-                    | ({"scaled"} if res.add_index else set())
+                    | ({"scaled"} if res.add_index or res.branch_scale != 1.0 else set())
                     | ({"weight_in_fp32"} if n.weight_in_fp32 else set())
                 )
                 ops.need("add_rms_norm", feats)

@@ -43,8 +43,9 @@ class Residual(nn.Module):
         self.cfg, self.ops = cfg, ops
         self.norm = RMSNorm(cfg.norm, ops) if cfg.kind != "postnorm" else None  # [Dm] before f
         self.post_norm = RMSNorm(cfg.norm, ops) if cfg.kind in ("sandwich", "postnorm") else None
-        k = cfg.add_index
-        self.scales = (math.sqrt((k - 1) / k), 1 / math.sqrt(k)) if k else None
+        k, m = cfg.add_index, cfg.branch_scale
+        # x' = x a + y b: depth-scaled adds and the branch's scale
+        self.scales = (math.sqrt((k - 1) / k), m / math.sqrt(k)) if k else ((1.0, m) if m != 1.0 else None)
 
     def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         return (x if self.norm is None else self.norm(x)), None
@@ -174,7 +175,8 @@ class Embedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """logits = h W^T (W = the embedding when tied), then cap * tanh(logits / cap); fp32 out.
+    """logits = h W^T (W = the embedding when tied) times scale, then cap * tanh(logits / cap);
+    fp32 out.
     Vocab-parallel: each rank's [S, V / P] logits for its rows, gathered to [S, V]."""
 
     linear_weights = ("weight",)  # may be packed (untied)
@@ -196,6 +198,8 @@ class LMHead(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         w = self.tied[0].weight if self.tied else self.weight
         logits = self.ops.tp.all_gather(self.ops.linear(h, w))  # [S, V]
+        if self.cfg.scale != 1.0:
+            logits = logits.float() * self.cfg.scale
         if self.cfg.softcap is not None:
             return self.ops.softcap(logits, self.cfg.softcap)
         return logits.float()

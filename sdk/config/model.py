@@ -64,12 +64,14 @@ class HyperCfg:
 class ResidualCfg:
     """One residual add around f. kind prenorm: x + f(n(x)); sandwich: x + post(f(n(x)));
     postnorm: x + post(f(x));
-    hyper: see HyperResidual. add_index k > 0 (depth-scaled): x * sqrt((k - 1) / k) + y / sqrt(k)."""
+    hyper: see HyperResidual. add_index k > 0 (depth-scaled): x * sqrt((k - 1) / k) + y / sqrt(k).
+    branch_scale m: y is m f (m 1: none)."""
 
     kind: str
     norm: NormCfg
     add_index: int = 0
     hyper: HyperCfg | None = None
+    branch_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class HeadCfg:
     tie: bool
     softcap: float | None
     par: Parallel = ONE_RANK  # vocab-parallel: each rank's logits for its rows, then gathered
+    scale: float = 1.0  # logits times this before the softcap
 
 
 @dataclass(frozen=True)

@@ -268,6 +268,9 @@ def resolve(
     members: list[list[int]] = [[] for _ in group_decls]
     windows: list[int | None] = [None] * len(group_decls)
     hyper = _hyper(spec, r)
+    branch = r.number(spec.residual.branch_scale, float, "residual.branch_scale")
+    if branch != 1.0 and hyper is not None:
+        raise SpecError(r.source, "residual.branch_scale", "is not implemented with hyper-connections")
     layers = []
     for i in range(n):
         a, m = attn_types[i], mlp_types[i]
@@ -302,8 +305,8 @@ def resolve(
                 attn=resolved[a],
                 mlp_kind=loaded.blocks[m].kind,
                 mlp=resolved[m],
-                attn_res=ResidualCfg(spec.residual.kind, norm, k, hyper),
-                mlp_res=ResidualCfg(spec.residual.kind, norm, k + 1 if k else 0, hyper),
+                attn_res=ResidualCfg(spec.residual.kind, norm, k, hyper, branch),
+                mlp_res=ResidualCfg(spec.residual.kind, norm, k + 1 if k else 0, hyper, branch),
                 caches=tuple(caches),
             )
         )
@@ -341,7 +344,12 @@ def resolve(
         final_norm=norm,
         streams=hyper.streams if hyper else 1,
         head=HeadCfg(
-            vocab, hidden, bool(r.value(spec.head.tie)), None if softcap is None else float(softcap), par
+            vocab,
+            hidden,
+            bool(r.value(spec.head.tie)),
+            None if softcap is None else float(softcap),
+            par,
+            r.number(spec.head.scale, float, "head.scale"),
         ),
         cache_groups=groups,
         max_position=None if max_pos is None else int(max_pos),

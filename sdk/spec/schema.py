@@ -143,10 +143,12 @@ class Residual(Strict):
     residual add (k = 2, 3, ... counting both adds of every layer) is r * sqrt((k-1)/k) + f / sqrt(k).
     hyper: manifold-constrained hyper-connections over `streams` residual streams (see
     `dayzero.sdk.blocks.norm.HyperResidual`); the embedding is copied into every stream and the
-    streams are averaged before the final norm."""
+    streams are averaged before the final norm. branch_scale m: each add is x + m f (Granite's
+    residual_multiplier; not with hyper)."""
 
     kind: Literal["prenorm", "sandwich", "postnorm", "hyper"]
     depth_scaled: bool = False
+    branch_scale: FloatV = 1.0
     streams: IntV = 1  # hyper
     sinkhorn_iters: IntV = 20  # hyper
     eps: FloatV = 1e-6  # hyper: floor added to the pre and comb weights and Sinkhorn sums
@@ -179,8 +181,12 @@ class Embedding(Strict):
 
 
 class Head(Strict):
+    """The LM head: logits = h W^T (W the embedding's when tied), times `scale` (Granite's
+    = 1 / logits_scaling, Cohere's logit_scale), then cap tanh(logits / cap) with a softcap."""
+
     tie: BoolV = False
     softcap: FloatV | None = None
+    scale: FloatV = 1.0
 
 
 class Transform(Strict):
