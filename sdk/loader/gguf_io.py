@@ -13,24 +13,15 @@ from dayzero.sdk.errors import CheckpointError
 from dayzero.sdk.loader.gguf_rope import ROPE_FREQS, llama3_from_rope_freqs
 
 
-def _reader(path: Path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
-
-
 def metadata(path: Path) -> dict:
-    r = _reader(path)
-    out = {}
-    for key, field in r.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores")):
-            out[key] = len(field.data)  # only the length is ever read from the big arrays
-            continue
-        out[key] = field.contents()
-    out["__tensors__"] = [t.name for t in r.tensors]
+    """The file's key-value metadata (the big tokenizer arrays as their lengths, the only thing
+    read from them) and `__tensors__`, the tensor names, read straight from the header."""
+    with open(path, "rb") as f:
+        try:
+            out, infos, _ = _header(f)
+        except (struct.error, UnicodeDecodeError, KeyError) as e:
+            raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    out["__tensors__"] = [i[0] for i in infos]
     return out
 
 
@@ -104,47 +95,56 @@ DEQUANT_ROWS = 2048  # rows dequantized at a time
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
-def _tensor_infos(f) -> tuple[list[tuple[str, tuple[int, ...], int, int]], int]:
-    """(name, GGML dims, GGML type, data offset) of every tensor, and where the data starts.
+def _big(key: str) -> bool:
+    return key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "merges", "token_type", "scores"))
 
-    Reads the header directly (the key-value section is skipped, not materialised), so iterating
-    tensors holds no mmap of the file and no copy of the tokenizer arrays."""
+
+def _header(f) -> tuple[dict, list[tuple[str, tuple[int, ...], int, int]], int]:
+    """The metadata (big tokenizer arrays as their lengths), (name, GGML dims, GGML type, data
+    offset) of every tensor, and where the data starts.
+
+    Reads the header directly (the big arrays are skipped, not materialised), so it holds no mmap
+    of the file and no copy of the tokenizer arrays."""
 
     def u(fmt: str):
         size = struct.calcsize("<" + fmt)
         return struct.unpack("<" + fmt, f.read(size))[0]
 
-    def skip_value(vtype: int) -> None:
+    def value(vtype: int, keep: bool = True):
         if vtype == 8:
-            f.seek(u("Q"), 1)
-        elif vtype == 9:
+            n = u("Q")
+            return f.read(n).decode() if keep else f.seek(n, 1)
+        if vtype == 9:
             etype, n = u("I"), u("Q")
+            if keep:
+                return [value(etype) for _ in range(n)]
             if etype in _SCALARS:
                 f.seek(n * struct.calcsize(_SCALARS[etype]), 1)
             else:
                 for _ in range(n):
-                    skip_value(etype)
-        else:
-            f.seek(struct.calcsize(_SCALARS[vtype]), 1)
+                    value(etype, keep=False)
+            return n
+        return u(_SCALARS[vtype])
 
     if f.read(4) != b"GGUF":
         raise CheckpointError(f"{f.name}: not a GGUF file (bad magic)")
-    u("I")  # version
-    n_tensors, n_kv = u("Q"), u("Q")
-    alignment = 32
+    version, n_tensors, n_kv = u("I"), u("Q"), u("Q")
+    meta: dict = {"GGUF.version": version, "GGUF.tensor_count": n_tensors, "GGUF.kv_count": n_kv}
     for _ in range(n_kv):
         key = f.read(u("Q")).decode()
-        vtype = u("I")
-        if key == "general.alignment" and vtype == 4:
-            alignment = u("I")
-        else:
-            skip_value(vtype)
+        meta[key] = value(u("I"), keep=not _big(key))
     infos = []
     for _ in range(n_tensors):
         name = f.read(u("Q")).decode()
         dims = tuple(u("Q") for _ in range(u("I")))
         infos.append((name, dims, u("I"), u("Q")))
+    alignment = meta.get("general.alignment", 32)
     start = -(-f.tell() // alignment) * alignment
+    return meta, infos, start
+
+
+def _tensor_infos(f) -> tuple[list[tuple[str, tuple[int, ...], int, int]], int]:
+    _, infos, start = _header(f)
     return infos, start
 
 
