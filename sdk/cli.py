@@ -151,6 +151,19 @@ def _codegen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _coverage(args: argparse.Namespace) -> int:
+    from dayzero.sdk.codegen import coverage
+
+    if args.check:
+        found = coverage.problems(coverage.survey(), coverage.load_records())
+    else:
+        found = coverage.update(args.family or None, args.jobs, _say)
+    for line in found:
+        print(f"coverage: {line}", file=sys.stderr)
+    print(f"coverage{' --check' if args.check else ''}: {len(found)} problem(s); table {coverage.TABLE}")
+    return 1 if found else 0
+
+
 def _tiny(args: argparse.Namespace) -> int:
     from dayzero.sdk.parity.quantized_tiny import write_quantized_tiny
     from dayzero.sdk.parity.tiny import write_tiny
@@ -369,6 +382,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--check", action="store_true", help="exit 1 when a generated file is stale; write nothing"
     )
     c.set_defaults(fn=_codegen)
+
+    cv = sub.add_parser(
+        "coverage",
+        help="measure the surveyed architectures' families (light parity) into docs/coverage.md",
+    )
+    cv.add_argument("family", nargs="*", help="measure these families (default: those whose record is stale)")
+    cv.add_argument(
+        "--check", action="store_true", help="exit 1 when the table or a record is stale; run nothing"
+    )
+    cv.add_argument("--jobs", type=int, default=1, help="families measured at a time (one process each)")
+    cv.set_defaults(fn=_coverage)
 
     t = sub.add_parser(
         "tiny", help="write a small random HF checkpoint of FAMILY through its reference class"

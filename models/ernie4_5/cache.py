@@ -1,4 +1,4 @@
-# generated from spec.yaml@f40306fd64ca, do not edit
+# generated from spec.yaml@1fc35dd73bc2, do not edit
 """ERNIE 4.5: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

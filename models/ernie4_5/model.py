@@ -1,4 +1,4 @@
-# generated from spec.yaml@f40306fd64ca, do not edit
+# generated from spec.yaml@1fc35dd73bc2, do not edit
 """ERNIE 4.5: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

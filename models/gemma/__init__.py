@@ -1,2 +1,2 @@
-# generated from spec.yaml@d7a7340b9b38, do not edit
+# generated from spec.yaml@842252ed71ef, do not edit
 """Gemma (generated; the source of truth is spec.yaml)."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@d7a7340b9b38, do not edit
+# generated from spec.yaml@842252ed71ef, do not edit
 """Gemma: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

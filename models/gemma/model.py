@@ -1,4 +1,4 @@
-# generated from spec.yaml@d7a7340b9b38, do not edit
+# generated from spec.yaml@842252ed71ef, do not edit
 """Gemma: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

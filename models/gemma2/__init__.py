@@ -1,2 +1,2 @@
-# generated from spec.yaml@5d533c689df2, do not edit
+# generated from spec.yaml@cd67428d3d31, do not edit
 """Gemma 2 (generated; the source of truth is spec.yaml)."""

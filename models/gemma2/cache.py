@@ -1,4 +1,4 @@
-# generated from spec.yaml@5d533c689df2, do not edit
+# generated from spec.yaml@cd67428d3d31, do not edit
 """Gemma 2: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@5d533c689df2, do not edit
+# generated from spec.yaml@cd67428d3d31, do not edit
 """Gemma 2: the execution-plane model, composed from the block library.
 
 Each layer: x + post_norm(attn(norm(x))), then the same around the MLP.

@@ -1,2 +1,2 @@
-# generated from spec.yaml@1f44cea30f44, do not edit
+# generated from spec.yaml@a89581a80736, do not edit
 """GLM (generated; the source of truth is spec.yaml)."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@1f44cea30f44, do not edit
+# generated from spec.yaml@a89581a80736, do not edit
 """GLM: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

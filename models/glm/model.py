@@ -1,4 +1,4 @@
-# generated from spec.yaml@1f44cea30f44, do not edit
+# generated from spec.yaml@a89581a80736, do not edit
 """GLM: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

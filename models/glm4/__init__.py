@@ -1,2 +1,2 @@
-# generated from spec.yaml@12e1888b74db, do not edit
+# generated from spec.yaml@da40d183f802, do not edit
 """GLM-4-0414 (generated; the source of truth is spec.yaml)."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@12e1888b74db, do not edit
+# generated from spec.yaml@da40d183f802, do not edit
 """GLM-4-0414: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@12e1888b74db, do not edit
+# generated from spec.yaml@da40d183f802, do not edit
 """GLM-4-0414: the execution-plane model, composed from the block library.
 
 Each layer: x + post_norm(attn(norm(x))), then the same around the MLP.

@@ -1,2 +1,2 @@
-# generated from spec.yaml@2517df8ea612, do not edit
+# generated from spec.yaml@7a20516f51ef, do not edit
 """GLM-4.5 (generated; the source of truth is spec.yaml)."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@2517df8ea612, do not edit
+# generated from spec.yaml@7a20516f51ef, do not edit
 """GLM-4.5: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@2517df8ea612, do not edit
+# generated from spec.yaml@7a20516f51ef, do not edit
 """GLM-4.5: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

@@ -1,2 +1,2 @@
-# generated from spec.yaml@23fc187a5cdf, do not edit
+# generated from spec.yaml@20a3880ed740, do not edit
 """Helium (generated; the source of truth is spec.yaml)."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@23fc187a5cdf, do not edit
+# generated from spec.yaml@20a3880ed740, do not edit
 """Helium: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@23fc187a5cdf, do not edit
+# generated from spec.yaml@20a3880ed740, do not edit
 """Helium: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

@@ -1,2 +1,2 @@
-# generated from spec.yaml@b0be41a75c41, do not edit
+# generated from spec.yaml@87afc116daa4, do not edit
 """Ministral (generated; the source of truth is spec.yaml)."""

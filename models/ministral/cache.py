@@ -1,4 +1,4 @@
-# generated from spec.yaml@b0be41a75c41, do not edit
+# generated from spec.yaml@87afc116daa4, do not edit
 """Ministral: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

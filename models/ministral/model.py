@@ -1,4 +1,4 @@
-# generated from spec.yaml@b0be41a75c41, do not edit
+# generated from spec.yaml@87afc116daa4, do not edit
 """Ministral: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

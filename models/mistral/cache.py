@@ -1,4 +1,4 @@
-# generated from spec.yaml@cec6b969d1bc, do not edit
+# generated from spec.yaml@9884cdf4b5eb, do not edit
 """Mistral: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@448a64a1611c, do not edit
+# generated from spec.yaml@7416e506e022, do not edit
 """Phi-3: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

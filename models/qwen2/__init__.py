@@ -1,2 +1,2 @@
-# generated from spec.yaml@94b1644057ac, do not edit
+# generated from spec.yaml@7ba26096362a, do not edit
 """Qwen2 (generated; the source of truth is spec.yaml)."""

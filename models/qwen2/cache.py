@@ -1,4 +1,4 @@
-# generated from spec.yaml@94b1644057ac, do not edit
+# generated from spec.yaml@7ba26096362a, do not edit
 """Qwen2: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

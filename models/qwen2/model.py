@@ -1,4 +1,4 @@
-# generated from spec.yaml@94b1644057ac, do not edit
+# generated from spec.yaml@7ba26096362a, do not edit
 """Qwen2: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

@@ -1,4 +1,4 @@
-# generated from spec.yaml@6b4c6945bee6, do not edit
+# generated from spec.yaml@8ad9343f9939, do not edit
 """Qwen3: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@6b4c6945bee6, do not edit
+# generated from spec.yaml@8ad9343f9939, do not edit
 """Qwen3: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

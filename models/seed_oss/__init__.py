@@ -1,2 +1,2 @@
-# generated from spec.yaml@b71d85231809, do not edit
+# generated from spec.yaml@74c3c6b3a3ff, do not edit
 """Seed-OSS (generated; the source of truth is spec.yaml)."""

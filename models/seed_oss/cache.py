@@ -1,4 +1,4 @@
-# generated from spec.yaml@b71d85231809, do not edit
+# generated from spec.yaml@74c3c6b3a3ff, do not edit
 """Seed-OSS: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

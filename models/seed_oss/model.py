@@ -1,4 +1,4 @@
-# generated from spec.yaml@b71d85231809, do not edit
+# generated from spec.yaml@74c3c6b3a3ff, do not edit
 """Seed-OSS: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

@@ -1,2 +1,2 @@
-# generated from spec.yaml@6b941114ce6e, do not edit
+# generated from spec.yaml@a6bc083e6796, do not edit
 """SmolLM3 (generated; the source of truth is spec.yaml)."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@6b941114ce6e, do not edit
+# generated from spec.yaml@a6bc083e6796, do not edit
 """SmolLM3: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

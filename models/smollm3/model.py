@@ -1,4 +1,4 @@
-# generated from spec.yaml@6b941114ce6e, do not edit
+# generated from spec.yaml@a6bc083e6796, do not edit
 """SmolLM3: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

@@ -1,0 +1,16 @@
+# generated from spec.yaml@f5ee20fc4b4f, do not edit
+"""GLM-4.7-Flash: the execution-plane model, composed from the block library.
+
+Each layer: x + attn(norm(x)), then x + mlp(norm(x)).
+"""
+
+from typing import ClassVar
+
+from dayzero.sdk.blocks.decoder import Decoder
+from dayzero.sdk.blocks.mla import MlaAttention
+from dayzero.sdk.blocks.mlp import MoE, SwiGLU
+
+
+class Model(Decoder):
+    ATTENTION: ClassVar[dict[str, type]] = {"mla": MlaAttention}  # block kind -> module
+    MLP: ClassVar[dict[str, type]] = {"swiglu": SwiGLU, "moe": MoE}

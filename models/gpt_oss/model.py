@@ -1,0 +1,16 @@
+# generated from spec.yaml@dd07372d92cc, do not edit
+"""gpt-oss: the execution-plane model, composed from the block library.
+
+Each layer: x + attn(norm(x)), then x + mlp(norm(x)).
+"""
+
+from typing import ClassVar
+
+from dayzero.sdk.blocks.attention import GqaAttention
+from dayzero.sdk.blocks.decoder import Decoder
+from dayzero.sdk.blocks.mlp import MoE
+
+
+class Model(Decoder):
+    ATTENTION: ClassVar[dict[str, type]] = {"gqa": GqaAttention}  # block kind -> module
+    MLP: ClassVar[dict[str, type]] = {"moe": MoE}

@@ -1,0 +1,18 @@
+# generated from spec.yaml@2c9982f07190, do not edit
+"""Kimi Linear: the cache geometry handed to the scheduler, one group per distinct cache kind.
+
+Sizes (per-token row, window) are resolved from the HF config when a model is built."""
+
+from dayzero.sdk.engine.geometry import GroupDecl
+
+CACHE_GROUPS = (
+    GroupDecl(
+        name="state",
+        kind="state",
+        members=(
+            "kda.conv",
+            "kda.recurrent",
+        ),
+    ),
+    GroupDecl(name="mla", kind="paged", members=("mla.latent",)),
+)
