@@ -3,7 +3,8 @@
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
 seed writes a checkpoint through the reference class and runs `dayzero.sdk.parity.run_parity`
-on CPU in fp32 (its checks and tolerances are in that module's docstring). Greedy checks: 16 tokens per prompt.
+on CPU in fp32 (its checks and tolerances are in that module's docstring).
+Greedy checks: 16 tokens per prompt.
 
 Light (the spec's `parity: {quantized: false}`): no quantized layouts.
 """
