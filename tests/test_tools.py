@@ -160,7 +160,14 @@ def test_tools_without_a_parser_or_a_template_for_them_are_refused() -> None:
         named = {"type": "function", "function": {"name": "get_weather"}}
         r = httpx.post(
             f"{s.url}/v1/chat/completions",
-            json={"messages": HISTORY[:1], "tools": TOOLS, "tool_choice": named, "max_tokens": 32},
+            # greedy: a sampled call (temperature 1, no seed) may still be inside a string at 32 tokens
+            json={
+                "messages": HISTORY[:1],
+                "tools": TOOLS,
+                "tool_choice": named,
+                "max_tokens": 32,
+                "temperature": 0,
+            },
             timeout=60,
         )
         (call,) = r.json()["choices"][0]["message"]["tool_calls"]
