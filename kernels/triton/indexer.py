@@ -30,7 +30,9 @@ from dayzero.kernels.ops import PagedMeta
 from dayzero.kernels.reference.mla import index_topk
 
 
-@triton.jit
+# the block table's width and the output's change with the step's rows: not specialised on,
+# so a served step never compiles a new variant
+@triton.jit(do_not_specialize=["stride_tr", "stride_ot", "width"])
 def _dsa_scores(
     q_ptr,  # [T, Hi, Di] indexer queries
     w_ptr,  # [T, Hi] fp32 head weights
@@ -86,7 +88,7 @@ def _dsa_scores(
     tl.store(dst, tl.where(ok, score, float("-inf")), mask=j < width)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tr", "stride_ot", "width"])
 def _kpool_scores(
     q_ptr,  # [T, Hi, Di] indexer queries
     w_ptr,  # [T, Hi] fp32 head weights
