@@ -31,7 +31,9 @@ from dayzero.kernels.ops import PagedMeta
 from dayzero.kernels.triton.attention import MIN_SPLIT_TILES, _merge, _splits
 
 
-@triton.jit
+# the block table's row stride changes with an eager step's rows: not specialised on (no
+# new variant compiled inside a served step)
+@triton.jit(do_not_specialize=["stride_tr"])
 def _mla_decode(
     ql_ptr,  # [T, H, L] q_lat
     qr_ptr,  # [T, H, Dr] q_rope
