@@ -535,3 +535,16 @@ def test_real_llama_configs_resolve() -> None:
     llama.config(smollm2)
     with pytest.raises(SpecError, match=r"rope_interleaved: True is not implemented by spec.yaml"):
         llama.config(smollm2 | {"rope_interleaved": True})
+
+
+def test_a_residual_branch_scale_is_refused_with_hyper_connections(tmp_path: Path) -> None:
+    """branch_scale (Granite's residual_multiplier) scales a plain residual's branch; the
+    hyper-connection mixer has no such term, so asking for one is refused by field."""
+    from dayzero.sdk.spec.assemble import resolve
+
+    flash = FAMILIES.get("glm53_flash")
+    raw = yaml.safe_load(flash.spec_path.read_text())
+    raw["residual"]["branch_scale"] = 0.5
+    hf = reference_config(flash.spec.spec.reference, dict(flash.spec.spec.tiny))
+    with pytest.raises(SpecError, match=r"residual.branch_scale: is not implemented with hyper-connections"):
+        resolve(load_spec(write_spec(tmp_path, raw)), hf, flash.module("cache").CACHE_GROUPS)
