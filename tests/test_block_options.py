@@ -318,3 +318,32 @@ def test_zero_centred_norm_and_scaled_embedding_match_gemma3(dtype: torch.dtype)
         emb.weight.copy_(emb_ref.weight)
     ids = torch.tensor([3, 0, 49, 7])
     assert torch.equal(emb(ids), emb_ref(ids))
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("bias", [False, True])
+def test_plain_mlp_matches_arcee_mlp(seed: int, bias: bool) -> None:
+    """The non-gated MLP (sdk/blocks/plain_mlp.py) against ArceeMLP: down(relu(up x + b)^2) + b."""
+    from transformers import ArceeConfig
+    from transformers.models.arcee.modeling_arcee import ArceeMLP
+
+    torch.manual_seed(seed)
+    ref = ArceeMLP(ArceeConfig(hidden_size=32, intermediate_size=48, mlp_bias=bias)).eval()
+    block, _ = _block(
+        "mlp", {"intermediate": 48, "activation": "$act", "bias": bias}, {"hidden": 32, "act": "relu2"}
+    )
+    with torch.no_grad():
+        block.up.copy_(ref.up_proj.weight)
+        block.down.copy_(ref.down_proj.weight)
+        if bias:
+            block.up_bias.copy_(ref.up_proj.bias)
+            block.down_bias.copy_(ref.down_proj.bias)
+    x = torch.randn(7, 32) * 2
+    assert _rel(block(x), ref(x)) < TOL
+
+
+def test_a_plain_mlp_activation_it_lacks_is_refused_by_name() -> None:
+    with pytest.raises(
+        ValueError, match="activation 'xielu' is not implemented by the plain MLP; known: relu2"
+    ):
+        _block("mlp", {"intermediate": 8, "activation": "$act"}, {"hidden": 16, "act": "xielu"})

@@ -1,0 +1,16 @@
+# generated from spec.yaml@84f70365fe62, do not edit
+"""Arcee: the execution-plane model, composed from the block library.
+
+Each layer: x + attn(norm(x)), then x + mlp(norm(x)).
+"""
+
+from typing import ClassVar
+
+from dayzero.sdk.blocks.attention import GqaAttention
+from dayzero.sdk.blocks.decoder import Decoder
+from dayzero.sdk.blocks.plain_mlp import PlainMLP
+
+
+class Model(Decoder):
+    ATTENTION: ClassVar[dict[str, type]] = {"gqa": GqaAttention}  # block kind -> module
+    MLP: ClassVar[dict[str, type]] = {"mlp": PlainMLP}
