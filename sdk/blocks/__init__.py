@@ -4,7 +4,7 @@
 here, with a torch reference and a test; then any spec may use it.
 """
 
-from dayzero.sdk.blocks import attention, kda, mla, mlp, plain_mlp  # noqa: F401  (register on import)
+from dayzero.sdk.blocks import attention, gdn, kda, mla, mlp, plain_mlp  # noqa: F401  (register on import)
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl
 from dayzero.sdk.blocks.norm import Embedding, LMHead, RMSNorm, Streams, residual
 

@@ -10,7 +10,14 @@ import torch
 from torch import nn
 
 from dayzero.kernels.selection import OpTable
-from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl, StaticCache
+from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl
+from dayzero.sdk.blocks.linear_state import (
+    check_kernel,
+    softplus_decay,
+    state_cache,
+    state_views,
+    static_state_cache,
+)
 from dayzero.sdk.config.model import ONE_RANK, Parallel, Slice
 from dayzero.sdk.config.options import FloatV, IntV, Strict
 
@@ -98,14 +105,10 @@ class KdaAttention(nn.Module):
 
     def _state(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of this layer's conv inputs [slots, 3C, K - 1] and recurrent state [slots, H, D, D]."""
-        c, pool = self.cfg, ctx.state.pool
-        ch, k = 3 * c.heads * c.head_dim, c.conv_kernel - 1
-        dt = self.o_norm.dtype  # the model dtype (o_norm is neither packed nor kept in fp32)
-        n_conv = ch * k * dt.itemsize
-        conv = pool[:, self.conv_off : self.conv_off + n_conv].view(dt).view(-1, ch, k)
-        n_s = c.heads * c.head_dim * c.head_dim * 4
-        rec = pool[:, self.state_off : self.state_off + n_s].view(torch.float32)
-        return conv, rec.view(-1, c.heads, c.head_dim, c.head_dim)
+        c = self.cfg
+        ch, state = 3 * c.heads * c.head_dim, (c.heads, c.head_dim, c.head_dim)
+        # the model dtype: o_norm is neither packed nor kept in fp32
+        return state_views(ctx, self.conv_off, ch, c.conv_kernel, self.state_off, state, self.o_norm.dtype)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         c, ops, t = self.cfg, self.ops, x.shape[0]
@@ -115,11 +118,10 @@ class KdaAttention(nn.Module):
         q, k, v = (z.reshape(t, h, d) for z in qkv.chunk(3, dim=-1))
         f = ops.linear(ops.linear(x, self.f_a), self.f_b).float() + self.dt_bias.float()
         f = f.view(t, h, d)
-        a = self.A_log.float().exp()[None, :, None]
         if c.gate_lower_bound is not None:
-            g = c.gate_lower_bound * torch.sigmoid(a * f)
+            g = c.gate_lower_bound * torch.sigmoid(self.A_log.float().exp()[None, :, None] * f)
         else:
-            g = -a * torch.nn.functional.softplus(f, threshold=20.0)
+            g = softplus_decay(self.A_log[None, :, None], f)  # [T, H, D]
         beta = torch.sigmoid(ops.linear(x, self.b_proj))  # [T, H]
         o = ops.kda_recurrence(q, k, v, g, beta, rec_state, ctx.state)  # [T, H, D]
         gate = ops.linear(ops.linear(x, self.g_a), self.g_b).view(t, h, d)
@@ -134,12 +136,10 @@ def _resolve(o: KdaOpts, val) -> KdaCfg:
         hidden=int(val("$hidden")),
         heads=int(val(o.heads)),
         head_dim=int(val(o.head_dim)),
-        conv_kernel=int(val(o.conv_kernel)),
+        conv_kernel=check_kernel(int(val(o.conv_kernel))),
         gate_lower_bound=None if lb is None else float(lb),
         norm_eps=float(val(o.norm_eps)),
     )
-    if cfg.conv_kernel < 2:
-        raise ValueError(f"conv_kernel must be >= 2, got {cfg.conv_kernel}")
     return cfg
 
 
@@ -157,16 +157,7 @@ def _needs(c: KdaCfg):
 
 
 def _cache(c: KdaCfg) -> tuple[CacheDecl, ...]:
-    ch = 3 * c.heads * c.head_dim
-    # conv inputs are kept in the model dtype: sized for the widest (fp32); the state in fp32
-    return (
-        CacheDecl("conv", "state", ch * (c.conv_kernel - 1) * 4),
-        CacheDecl("recurrent", "state", c.heads * c.head_dim * c.head_dim * 4),
-    )
-
-
-def _static_cache(_o: KdaOpts) -> tuple[StaticCache, ...]:
-    return StaticCache("conv", "state", "", "state"), StaticCache("recurrent", "state", "", "state")
+    return state_cache(3 * c.heads * c.head_dim, c.conv_kernel, c.heads * c.head_dim * c.head_dim)
 
 
 BLOCKS.add(
@@ -179,7 +170,7 @@ BLOCKS.add(
         KdaAttention,
         _needs,
         _cache,
-        _static_cache,
+        static_state_cache,
         KdaAttention.__doc__,
         _shard,
     ),
