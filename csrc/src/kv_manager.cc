@@ -29,10 +29,18 @@ std::vector<GroupInfo> group_infos(const SchedulerConfig& cfg,
 
 std::int32_t ceil_div(std::int32_t a, std::int32_t b) { return (a + b - 1) / b; }
 
+// The first block a query at `first_query` or later reads in group g: a query at q reads keys
+// (q - window, q] of a sliding-window group, every key of another.
+std::int32_t first_seen_block(const CacheGroupSpec& g, std::int32_t first_query, std::int32_t block_size) {
+  if (g.kind != GroupKind::SlidingWindow) return 0;
+  return std::max(0, first_query - g.window) / block_size;
+}
+
 }  // namespace
 
 KvManager::KvManager(const SchedulerConfig& cfg, const MemoryLayout& layout)
     : block_size_(cfg.block_size),
+      step_tokens_(std::max(std::min(cfg.chunk_size, cfg.max_tokens_per_step), 1 + cfg.spec_tokens)),
       salt_{cfg.cache_salt_hi, cfg.cache_salt_lo},
       groups_(cfg.groups),
       layout_(layout),
@@ -70,12 +78,18 @@ BlockId KvManager::alloc(std::size_t g) {
   return b;
 }
 
-bool KvManager::grow(KvBlocks& kv, std::int32_t tokens) {
+bool KvManager::grow(KvBlocks& kv, std::int32_t tokens, std::int32_t first_query) {
+  slide(kv, first_query);  // before allocating: the blocks it frees may be the ones handed out
   const std::int32_t want = ceil_div(tokens, block_size_);
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     if (!allocs_[g]) continue;
     BlockTable& t = kv.tables_[g];
+    const std::int32_t seen = first_seen_block(groups_[g], first_query, block_size_);
     while (t.size() < want) {
+      if (t.size() < seen) {  // out of every later query's window: a placeholder
+        t.push(kNoBlock);
+        continue;
+      }
       const BlockId b = alloc(g);
       if (b == kNoBlock) return false;
       t.push(b);
@@ -85,11 +99,8 @@ bool KvManager::grow(KvBlocks& kv, std::int32_t tokens) {
 }
 
 void KvManager::slide(KvBlocks& kv, std::int32_t first_query) {
-  for (std::size_t g = 0; g < groups_.size(); ++g) {
-    if (groups_[g].kind != GroupKind::SlidingWindow) continue;
-    // A query at position q reads keys (q - window, q]: blocks wholly before that go.
-    kv.tables_[g].drop_before(std::max(0, first_query - groups_[g].window) / block_size_);
-  }
+  for (std::size_t g = 0; g < groups_.size(); ++g)
+    if (allocs_[g]) kv.tables_[g].drop_before(first_seen_block(groups_[g], first_query, block_size_));
 }
 
 void KvManager::rollback(KvBlocks& kv, std::int32_t tokens) {
@@ -178,19 +189,19 @@ std::optional<HostCopy> KvManager::copy_to_host(const KvBlocks& kv, std::int32_t
 }
 
 bool KvManager::copy_to_device(KvBlocks& kv, const HostCopy& host) {
-  if (!grow(kv, host.tokens)) return false;
+  // The next query is at host.tokens: blocks out of its window are neither allocated nor restored.
+  if (!grow(kv, host.tokens, host.tokens)) return false;
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     if (!allocs_[g]) continue;
-    auto& t = kv.tables_[g];
+    const auto ids = kv.tables_[g].ids();
     for (std::size_t i = 0; i < host.blocks[g].size(); ++i) {
-      if (host.blocks[g][i]) {
+      if (host.blocks[g][i] && ids[i] != kNoBlock) {
         ops_.to_device_group.push_back(static_cast<std::int32_t>(g));
         ops_.to_device_src.push_back(host.blocks[g][i].id());
-        ops_.to_device_dst.push_back(t.ids()[i]);
+        ops_.to_device_dst.push_back(ids[i]);
       }
     }
   }
-  slide(kv, host.tokens);  // blocks the window had dropped are not restored
   if (has_state()) {
     ops_.state_to_device_slot.push_back(kv.state_slot());
     for (const auto& p : host.state) ops_.state_to_device_pages.push_back(p.id());
@@ -207,21 +218,30 @@ std::int32_t KvManager::total_blocks(std::size_t g) const {
   return allocs_[g] ? allocs_[g]->capacity() : slots_.capacity();
 }
 
-std::int64_t KvManager::compute_max_tokens_per_request() const {
-  // Per block of tokens a request takes 1/k pages in each full-history group (k blocks per
-  // page); a sliding-window group never holds more than its window plus two blocks.
-  double pages = layout_.num_pages, per_block = 0;
-  for (std::size_t g = 0; g < groups_.size(); ++g) {
-    const double k = layout_.blocks_per_page[g];
-    if (groups_[g].kind == GroupKind::Paged) per_block += 1.0 / k;
-    if (groups_[g].kind == GroupKind::SlidingWindow) pages -= std::ceil((groups_[g].window / block_size_ + 2) / k);
-  }
-  if (per_block == 0) return static_cast<std::int64_t>(std::max(0.0, pages)) * block_size_;  // windows only
-  return static_cast<std::int64_t>(std::max(0.0, pages) / per_block) * block_size_;
+std::int32_t KvManager::window_blocks(std::size_t g) const {
+  // A step's queries [s, e) read keys from s - window + 1 on: blocks floor((s - window) / block)
+  // to ceil(e / block) - 1, with e - s <= step_tokens_.
+  return ceil_div(groups_[g].window + step_tokens_, block_size_) + 1;
 }
 
-bool KvOwner::grow(KvManager& m, std::int32_t tokens) { return m.grow(kv_, tokens); }
-void KvOwner::slide(KvManager& m, std::int32_t first_query) { m.slide(kv_, first_query); }
+std::int64_t KvManager::compute_max_tokens_per_request() const {
+  // Per block of tokens a request takes 1/k pages in each full-history group (k blocks per
+  // page); a sliding-window group holds window_blocks() at most, on pages of their own (and
+  // one page more, partly freed, when a page holds several blocks).
+  double pages = layout_.num_pages, per_block = 0;
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    const std::int32_t k = layout_.blocks_per_page[g];
+    if (groups_[g].kind == GroupKind::Paged) per_block += 1.0 / k;
+    if (groups_[g].kind == GroupKind::SlidingWindow) pages -= ceil_div(window_blocks(g), k) + (k > 1 ? 1 : 0);
+  }
+  if (pages < 0) return 0;                      // not even one request's windows fit
+  if (per_block == 0) return kUnboundedTokens;  // windows only: memory does not grow with the length
+  return std::min(kUnboundedTokens, static_cast<std::int64_t>(pages / per_block) * block_size_);
+}
+
+bool KvOwner::grow(KvManager& m, std::int32_t tokens, std::int32_t first_query) {
+  return m.grow(kv_, tokens, first_query);
+}
 void KvOwner::rollback(KvManager& m, std::int32_t tokens) { m.rollback(kv_, tokens); }
 
 }  // namespace dz

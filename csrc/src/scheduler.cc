@@ -43,6 +43,9 @@ void Scheduler::submit(ReqId id, std::span<const TokenId> prompt, const SubmitAr
   for (TokenId t : prompt)
     if (t < 0) fail("negative token id " + std::to_string(t));
   const std::int64_t need = static_cast<std::int64_t>(prompt.size()) + args.max_new_tokens;
+  if (kv_.max_tokens_per_request() == 0)
+    fail("the KV memory's " + std::to_string(kv_.total_pages()) +
+         " pages cannot hold one request's sliding-window blocks (a window and a step's tokens per group)");
   if (need > kv_.max_tokens_per_request())
     fail("prompt (" + std::to_string(prompt.size()) + ") + max_new_tokens (" + std::to_string(args.max_new_tokens) +
          ") exceeds the " + std::to_string(kv_.max_tokens_per_request()) + " tokens of KV memory one request can hold");
@@ -222,10 +225,9 @@ void Scheduler::schedule_decodes(Plan& p, Budget& b) {
     if (!d || d->inflight >= max_inflight) continue;
     if (b.rows == 0 || b.tokens < need) break;
     const std::int32_t start = d->kv_len;
-    bool grown = d->grow(kv_, start + need);
-    while (!grown && make_room(slot)) grown = d->grow(kv_, start + need);
+    bool grown = d->grow(kv_, start + need, start);
+    while (!grown && make_room(slot)) grown = d->grow(kv_, start + need, start);
     if (!grown) continue;
-    d->slide(kv_, start);
     add_row(p, slot, d->info, d->kv(), start, need, false, true);
     d->kv_len = start + need;
     ++d->inflight;
@@ -258,10 +260,9 @@ bool Scheduler::chunk(Plan& p, Budget& b, std::int32_t slot) {
   if (b.rows == 0 || b.tokens == 0) return false;
   const std::int32_t bs = kv_.block_size(), len = f.info.len(), start = f.kv_len;
   const std::int32_t end = chunk_end(f.info, start, b);
-  bool grown = f.grow(kv_, end);
-  while (!grown && make_room(slot)) grown = f.grow(kv_, end);
+  bool grown = f.grow(kv_, end, start);
+  while (!grown && make_room(slot)) grown = f.grow(kv_, end, start);
   if (!grown) return false;
-  f.slide(kv_, start);
   const bool last = end == len;
   add_row(p, slot, f.info, f.kv(), start, end - start, true, last);
   f.kv_len = end;
@@ -296,7 +297,8 @@ void Scheduler::admit(Plan& p, Budget& b) {
       apply(r.info.id, phase(slot), Restore{std::move(*kv)});
     } else {
       const auto m = acquire_prefix(r.info, *kv, /*device_only=*/true);
-      if (!kv_.grow(*kv, chunk_end(r.info, m.hit_tokens, b))) return;  // kv goes back; still first in line
+      if (!kv_.grow(*kv, chunk_end(r.info, m.hit_tokens, b), m.hit_tokens))
+        return;  // kv goes back; still first in line
       kv_.cache().record(r.info.len(), m.hit_tokens);
       apply(r.info.id, phase(slot), Recompute{std::move(*kv), m.hit_tokens});
     }
@@ -322,7 +324,8 @@ bool Scheduler::admit_one(Plan& p, Budget& b, std::int32_t slot) {
   auto kv = kv_.new_kv();
   if (!kv) return false;
   if (sub.info.remote) {
-    if (!kv_.grow(*kv, sub.info.prompt_len)) return false;
+    // The first query run here is at prompt_len: a window's older blocks are not filled.
+    if (!kv_.grow(*kv, sub.info.prompt_len, sub.info.prompt_len)) return false;
     apply(id, phase(slot), AdmitRemote{std::move(*kv)});
     enter_running(slot);
     pending_.remote_fill_ids.push_back(id);
@@ -331,7 +334,7 @@ bool Scheduler::admit_one(Plan& p, Budget& b, std::int32_t slot) {
   const auto m = acquire_prefix(sub.info, *kv, /*device_only=*/false);
   // Blocks for the first chunk, or no admission at all (kv and its prefix go back).
   // With part of the prefix on the host, the first chunk waits for it (Prefetching).
-  if (m.host_blocks == 0 && !kv_.grow(*kv, chunk_end(sub.info, m.hit_tokens, b))) return false;
+  if (m.host_blocks == 0 && !kv_.grow(*kv, chunk_end(sub.info, m.hit_tokens, b), m.hit_tokens)) return false;
   kv_.cache().record(sub.info.len(), m.hit_tokens);
   if (m.host_blocks > 0) {
     apply(id, phase(slot), AdmitFromHost{std::move(*kv), m.hit_tokens});

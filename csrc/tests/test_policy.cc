@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <string>
+
 #include "helpers.h"
 
 namespace dz {
@@ -146,6 +149,89 @@ TEST(SlidingWindow, BlocksLeavingTheWindowAreFreed) {
   EXPECT_LE(live_swa, 4);  // window 8 + the block being written
   EXPECT_EQ(std::count(full.begin(), full.end(), kNoBlock), 0);
   s.check_invariants();
+}
+
+// Every group a sliding window (Mistral 7B v0.1): blocks of 4 tokens, chunks of 8, 1 byte a
+// token. With window 8 a request holds window_blocks() = ceil((8 + 8) / 4) + 1 = 5 blocks at most.
+SchedulerConfig windows_only(std::int32_t pages, std::int32_t host_pages = 0, std::int32_t window = 8) {
+  auto cfg = test::paged(pages, 4, host_pages);
+  cfg.groups = {{"swa", GroupKind::SlidingWindow, 1, window, 0}};
+  cfg.chunk_size = 8;
+  cfg.max_tokens_per_step = 16;
+  cfg.prefix_cache = false;
+  return cfg;
+}
+
+std::int32_t live_blocks(const Scheduler& s, ReqId id) {
+  const auto t = s.block_table(id);
+  return static_cast<std::int32_t>(std::count_if(t.begin(), t.end(), [](BlockId b) { return b != kNoBlock; }));
+}
+
+TEST(WindowsOnly, RequestLongerThanTheMemoryHoldsOnlyItsWindow) {
+  Scheduler s(windows_only(8));  // 32 tokens of KV; the request reaches 70
+  EXPECT_EQ(s.memory().window_blocks(0), 5);
+  EXPECT_EQ(s.memory().max_tokens_per_request(), kUnboundedTokens);
+  s.submit(1, seq(40), {.max_new_tokens = 30});
+  std::int32_t peak = 0, sampled = 0, pos = 0;
+  for (int step = 0; step < 200 && s.live() > 0; ++step) {
+    auto p = s.step();
+    ASSERT_EQ(p->rows(), 1);
+    EXPECT_EQ(p->positions.front(), pos);  // no position skipped or repeated
+    pos += p->num_tokens[0];
+    // Every block a query of this step reads is there: (first query - window, last key].
+    const auto t = s.block_table(1);
+    for (std::int32_t b = std::max(0, p->positions.front() - 8 + 1) / 4; b < (p->kv_lens[0] + 3) / 4; ++b)
+      EXPECT_NE(t[static_cast<std::size_t>(b)], kNoBlock) << "step " << step << " block " << b;
+    peak = std::max(peak, live_blocks(s, 1));
+    sampled += p->sample[0];
+    answer(s, *p);
+    s.check_invariants();
+  }
+  EXPECT_EQ(s.live(), 0);
+  EXPECT_EQ(sampled, 30);
+  EXPECT_LE(peak, 5);
+  EXPECT_EQ(s.memory().free_pages(), 8);
+}
+
+TEST(WindowsOnly, RetractedRequestRestoresOnlyItsWindow) {
+  // Window 6: a decoding request holds 2 or 3 blocks, as its window straddles block edges; two
+  // requests decoding side by side outgrow 5 pages, and the later one goes to host memory.
+  Scheduler s(windows_only(5, 32, 6));
+  s.submit(1, seq(4), {.max_new_tokens = 20});
+  s.submit(2, seq(4, 50), {.max_new_tokens = 20});
+  bool retracted = false, restored = false;
+  std::map<ReqId, std::int32_t> sampled;
+  for (int step = 0; step < 300 && s.live() > 0; ++step) {
+    auto p = s.step();
+    retracted = retracted || !p->retracted_ids.empty();
+    if (!p->copies.to_device_src.empty()) {
+      restored = true;
+      EXPECT_LE(p->copies.to_device_src.size(), 3u);  // the next query's window, not every block
+    }
+    for (std::size_t i = 0; i < p->req_ids.size(); ++i) sampled[p->req_ids[i]] += p->sample[i];
+    if (p->rows() > 0) answer(s, *p);
+    s.check_invariants();
+  }
+  EXPECT_TRUE(retracted);
+  EXPECT_TRUE(restored);
+  EXPECT_EQ(s.live(), 0);
+  EXPECT_EQ(sampled[1], 20);
+  EXPECT_EQ(sampled[2], 20);
+  EXPECT_EQ(s.memory().free_pages(), 5);
+  EXPECT_EQ(s.memory().free_host_pages(), 32);
+}
+
+TEST(WindowsOnly, MemoryBelowOneWindowIsRefusedAtSubmit) {
+  Scheduler s(windows_only(4));  // 5 blocks needed
+  EXPECT_EQ(s.memory().max_tokens_per_request(), 0);
+  try {
+    s.submit(1, seq(3), {.max_new_tokens = 1});
+    FAIL() << "submit should throw";
+  } catch (const SchedulerError& e) {
+    EXPECT_NE(std::string(e.what()).find("4 pages cannot hold one request's sliding-window blocks"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(s.live(), 0);
 }
 
 TEST(HybridState, SnapshotsAtBlockBoundariesGivePrefixHits) {

@@ -1,2 +1,2 @@
-# generated from spec.yaml@9884cdf4b5eb, do not edit
+# generated from spec.yaml@87b4ce79605e, do not edit
 """Mistral (generated; the source of truth is spec.yaml)."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@9884cdf4b5eb, do not edit
+# generated from spec.yaml@87b4ce79605e, do not edit
 """Mistral: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

@@ -1,4 +1,4 @@
-# generated from spec.yaml@9884cdf4b5eb, do not edit
+# generated from spec.yaml@87b4ce79605e, do not edit
 """Mistral: parity against transformers.MistralForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded

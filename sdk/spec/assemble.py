@@ -267,6 +267,7 @@ def resolve(
     rows = [0] * len(group_decls)
     members: list[list[int]] = [[] for _ in group_decls]
     windows: list[int | None] = [None] * len(group_decls)
+    kinds = [d.kind for d in group_decls]
     hyper = _hyper(spec, r)
     branch = r.number(spec.residual.branch_scale, float, "residual.branch_scale")
     if branch != 1.0 and hyper is not None:
@@ -284,8 +285,12 @@ def resolve(
                     f"cache part {key} has no group in the generated geometry; run `dayzero codegen`",
                 )
             g = group_of[key]
-            if decl.kind != group_decls[g].kind:
+            # A window the config leaves null (`window: $window`, Mistral's sliding_window: null)
+            # sees every key: its sliding group holds whole histories, a paged group.
+            unwindowed = (group_decls[g].kind, decl.kind) == ("sliding", "paged")
+            if decl.kind != group_decls[g].kind and not unwindowed:
                 raise SpecError(spath, f"blocks.{a}.window", f"resolves to a {decl.kind} cache with {source}")
+            kinds[g] = decl.kind
             if members[g] and windows[g] != decl.window:
                 raise SpecError(
                     spath, f"blocks.{a}.window", f"cache group {group_decls[g].name} mixes windows"
@@ -311,7 +316,7 @@ def resolve(
             )
         )
     groups = tuple(
-        CacheGroupCfg(d.name, d.kind, windows[gi], rows[gi], tuple(members[gi]))
+        CacheGroupCfg(d.name, kinds[gi], windows[gi], rows[gi], tuple(members[gi]))
         for gi, d in enumerate(group_decls)
         if members[gi]
     )

@@ -3,6 +3,7 @@
 // prefix cache. Every operation that implies a copy logs it in ops().
 #pragma once
 
+#include <limits>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -13,6 +14,10 @@
 #include "dayzero/prefix_cache.h"
 
 namespace dz {
+
+// max_tokens_per_request() of a model whose every group is a sliding window (its memory does
+// not grow with the length): the most positions a request may have.
+inline constexpr std::int64_t kUnboundedTokens = std::numeric_limits<std::int32_t>::max();
 
 class KvManager {
  public:
@@ -30,11 +35,12 @@ class KvManager {
 
   // Empty tables and, for models with State groups, a state slot (nullopt if none is free).
   std::optional<KvBlocks> new_kv();
-  // Blocks for the first `tokens` tokens in every paged group; false if memory ran out
-  // (blocks already added stay with the request).
-  bool grow(KvBlocks& kv, std::int32_t tokens);
-  void slide(KvBlocks& kv, std::int32_t first_query);  // sliding-window groups drop old blocks
-  void rollback(KvBlocks& kv, std::int32_t tokens);    // keep blocks for `tokens` tokens
+  // Blocks for the first `tokens` tokens in every paged group, for queries at positions
+  // `first_query` and on; false if memory ran out (blocks already added stay with the request).
+  // A sliding-window group first drops the blocks no such query sees and allocates none for
+  // them (placeholders), so it holds at most window_blocks() blocks, whatever the length.
+  bool grow(KvBlocks& kv, std::int32_t tokens, std::int32_t first_query = 0);
+  void rollback(KvBlocks& kv, std::int32_t tokens);  // keep blocks for `tokens` tokens
 
   // Prefix cache.
   void extend_keys(ReqInfo& info) const;
@@ -59,18 +65,24 @@ class KvManager {
   std::int32_t free_blocks(std::size_t g) const;  // in free and partial pages
   std::int32_t total_blocks(std::size_t g) const;
   std::int32_t free_host_pages() const { return host_.size(); }
-  // The most tokens one request can hold with the whole device to itself.
+  // The most tokens one request can hold with the whole device to itself: unbounded
+  // (kUnboundedTokens) when every group is a sliding window that fits, 0 when one does not.
   std::int64_t max_tokens_per_request() const { return max_tokens_per_request_; }
+  // The most blocks one request holds in sliding-window group g: its window and the tokens one
+  // step adds (a prefill chunk, or a decode row and its drafts), plus a partial block.
+  std::int32_t window_blocks(std::size_t g) const;
   std::int32_t free_slots() const { return slots_.size(); }
   const GroupAllocator* allocator(std::size_t g) const { return allocs_[g].get(); }
 
  private:
   std::vector<BlockTable>& tables_of(KvBlocks& kv);
-  BlockId alloc(std::size_t g);  // evicts from the prefix cache when needed
+  BlockId alloc(std::size_t g);                        // evicts from the prefix cache when needed
+  void slide(KvBlocks& kv, std::int32_t first_query);  // sliding-window groups drop old blocks
   std::int64_t compute_max_tokens_per_request() const;
 
   std::int32_t block_size_;
-  BlockKey salt_;  // the key chain's root (SchedulerConfig::cache_salt_*)
+  std::int32_t step_tokens_;  // the most tokens one step adds to one request
+  BlockKey salt_;             // the key chain's root (SchedulerConfig::cache_salt_*)
   std::vector<CacheGroupSpec> groups_;
   MemoryLayout layout_;
   FreeList pages_;

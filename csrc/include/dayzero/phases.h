@@ -42,8 +42,7 @@ class KvOwner {
  public:
   const KvBlocks& kv() const& { return kv_; }
   // Grows or trims the blocks in place; the request keeps them.
-  bool grow(KvManager& m, std::int32_t tokens);
-  void slide(KvManager& m, std::int32_t first_query);
+  bool grow(KvManager& m, std::int32_t tokens, std::int32_t first_query);  // see KvManager::grow
   void rollback(KvManager& m, std::int32_t tokens);
 
  protected:
