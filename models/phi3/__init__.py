@@ -1,2 +1,2 @@
-# generated from spec.yaml@7416e506e022, do not edit
+# generated from spec.yaml@36a90a52f921, do not edit
 """Phi-3 (generated; the source of truth is spec.yaml)."""

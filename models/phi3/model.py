@@ -1,4 +1,4 @@
-# generated from spec.yaml@7416e506e022, do not edit
+# generated from spec.yaml@36a90a52f921, do not edit
 """Phi-3: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

@@ -1,4 +1,4 @@
-# generated from spec.yaml@7416e506e022, do not edit
+# generated from spec.yaml@36a90a52f921, do not edit
 """Phi-3: parity against transformers.Phi3ForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded

@@ -13,7 +13,7 @@ from dayzero.kernels.ops import HeadPrep
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl, StaticCache
 from dayzero.sdk.blocks.norm import zero_centred
-from dayzero.sdk.blocks.rope import ROPE_TYPES, rope_kind, rope_table
+from dayzero.sdk.blocks.rope import ROPE_TYPES, rope_kind, rope_table, with_original_context
 from dayzero.sdk.config.model import ONE_RANK, Parallel, Slice
 from dayzero.sdk.config.options import BoolV, FloatV, IntV, Ref, Strict
 
@@ -26,6 +26,10 @@ class RopeOpts(Strict):
     # a symbol holding the HF rope_parameters (or legacy rope_scaling) mapping: its rope type and
     # scaling (linear, dynamic, llama3, longrope, yarn; sdk/blocks/rope.py)
     parameters: Ref | None = None
+    # the pretraining context kept outside the mapping (Phi-3's top-level
+    # original_max_position_embeddings): for llama3, longrope and yarn it replaces the mapping's,
+    # as transformers gives it priority
+    original_context: IntV | None = None
 
 
 class QueryScalingOpts(Strict):
@@ -217,9 +221,11 @@ def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
         kind = val(rope.kind) or "default"
         if params and rope_kind(params) != kind and kind != "default":
             raise ValueError(f"rope kind {kind!r} disagrees with rope_parameters' {rope_kind(params)!r}")
-        params.setdefault("rope_type", kind)
+        params.setdefault("rope_type", params.get("type") or kind)  # a legacy mapping names it `type`
         if (kind := rope_kind(params)) not in ROPE_TYPES:
             raise ValueError(f"rope kind {kind!r} is not supported yet; known: {', '.join(ROPE_TYPES)}")
+        if rope.original_context is not None and (orig := val(rope.original_context)) is not None:
+            params = with_original_context(params, int(orig))
     rot = 0 if rope is None else int(d * float(val(rope.fraction)))
     if rope is not None and (rot <= 0 or rot % 2):
         raise ValueError(

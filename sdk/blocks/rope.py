@@ -39,6 +39,18 @@ def rope_kind(params: dict[str, Any] | None) -> str:
     return str(p.get("rope_type") or p.get("type") or "default")
 
 
+ORIGINAL_CONTEXT_TYPES = ("llama3", "longrope", "yarn")  # the types transformers gives the key
+
+
+def with_original_context(params: dict[str, Any], orig: int) -> dict[str, Any]:
+    """params with original_max_position_embeddings = orig where its type reads one: a config's
+    top-level original_max_position_embeddings (Phi-3's) wins over the mapping's, as in
+    transformers' standardize_rope_params."""
+    if rope_kind(params) not in ORIGINAL_CONTEXT_TYPES:
+        return params
+    return params | {"original_max_position_embeddings": orig}
+
+
 def _need(p: dict[str, Any], kind: str, *keys: str) -> list:
     if missing := [k for k in keys if p.get(k) is None]:
         raise ValueError(f"{kind} rope_parameters need {', '.join(missing)}")

@@ -120,8 +120,10 @@ def _under(path: str, keys: Any) -> bool:
     return any(path == k or path.startswith(k + ".") for k in keys)
 
 
-def check_rope(params: dict, path: str, source: str) -> None:
-    """The keys of one rope mapping are the ones rope.py reads for its type. A per-layer-type
+def check_rope(params: dict, path: str, source: str, elsewhere: frozenset[str] = frozenset()) -> None:
+    """The keys of one rope mapping are the ones rope.py reads for its type, or ones the spec
+    reads, implements or ignores by their own path (`elsewhere`: Phi-3's
+    `rope_parameters.partial_rotary_factor`, read into the rope's `fraction`). A per-layer-type
     mapping (`{sliding_attention: {...}, full_attention: null}`) is checked per entry."""
     if (
         params
@@ -130,7 +132,7 @@ def check_rope(params: dict, path: str, source: str) -> None:
     ):
         for k, v in params.items():
             if v is not None:
-                check_rope(v, f"{path}.{k}", source)
+                check_rope(v, f"{path}.{k}", source, elsewhere)
         return
     kind = str(params.get("rope_type") or params.get("type") or "default")
     if kind not in ROPE_KEYS:
@@ -139,7 +141,7 @@ def check_rope(params: dict, path: str, source: str) -> None:
         )
     known = (*ROPE_COMMON, *ROPE_KEYS[kind])
     for k, v in params.items():
-        if v is not None and k not in known:
+        if v is not None and k not in known and f"{path}.{k}" not in elsewhere:
             raise SpecError(
                 source,
                 f"{path}.{k}",
@@ -162,7 +164,7 @@ def unmodelled(hf: dict, read: set[str], accounted: set[str], source: str) -> It
                 continue
             if _under(path, read):
                 if isinstance(v, dict) and k in ROPE_FIELDS and path in read:
-                    check_rope(v, path, source)
+                    check_rope(v, path, source, frozenset(read | accounted))
                 continue
             if k in NO_EFFECT or any(fnmatchcase(k, p) for p in NO_EFFECT_PATTERNS):
                 continue
