@@ -36,6 +36,7 @@ from dayzero.sdk.quant.materialize import materialize
 from dayzero.sdk.quant.packing import PackedParam
 from dayzero.sdk.spec.assemble import resolve
 from dayzero.sdk.spec.read import LoadedSpec, load_spec
+from dayzero.sdk.spec.schema import Spec
 
 MODELS_DIR = Path(importlib.import_module("dayzero.models").__path__[0])
 
@@ -131,6 +132,12 @@ def _shared(fam: Family, other: Family) -> tuple[str, str] | None:
     for field, what, ours, their in (
         ("architectures", "architecture", mine.architectures, theirs.architectures),
         ("model_types", "model_type", mine.model_types, theirs.model_types),
+        (
+            "weights.general_architecture",
+            "GGUF architecture",
+            gguf_architectures(mine),
+            gguf_architectures(theirs),
+        ),
     ):
         if shared := [v for v in ours if v in their]:
             return field, f"{what} {shared[0]!r}"
@@ -182,6 +189,19 @@ def family_for(hf: dict, source: str = "config.json") -> Family:
         f"{arch} ({whose(by_arch)}) and model_type {mtype!r} ({whose(by_type)}) disagree; if the "
         f"checkpoint is a {guess.name} model whose config is wrong, name the family: --family {guess.name}",
     )
+
+
+def gguf_architectures(spec: Spec) -> list[str]:
+    """The general.architecture values of the GGUF files a spec's gguf section reads by name."""
+    return [a for w in spec.weights if w.format == "gguf" for a in w.general_architecture]
+
+
+def family_for_gguf(arch: str, source: str) -> Family:
+    """The family serving a GGUF file whose general.architecture is `arch`: the one whose gguf
+    section names it (`general_architecture`: llama.cpp's `gemma3` is Gemma 3's text decoder),
+    else the one with that model_type (`llama`)."""
+    named = [f for _, f in FAMILIES.items() if arch in gguf_architectures(f.spec.spec)]
+    return named[0] if named else family_for({"model_type": arch}, source)
 
 
 def kernel_needs(cfg: ModelConfig, ops: OpTable, packed: frozenset[str] = frozenset()) -> OpTable:

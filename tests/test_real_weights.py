@@ -45,8 +45,9 @@ def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ours(gguf_file: Path) -> LLM:
-    # the file's general.architecture is "gemma3" (the image-text model_type): name the family
-    return LLM(str(gguf_file), family="gemma3", device="cpu", dtype="float32", progress=False)
+    # the file's general.architecture is "gemma3" (the image-text model_type): detected through
+    # the gguf section's general_architecture, no --family
+    return LLM(str(gguf_file), device="cpu", dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="module")

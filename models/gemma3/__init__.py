@@ -1,2 +1,2 @@
-# generated from spec.yaml@43ab0f10afb9, do not edit
+# generated from spec.yaml@fb464029882f, do not edit
 """Gemma 3 (generated; the source of truth is spec.yaml)."""

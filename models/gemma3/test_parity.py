@@ -1,4 +1,4 @@
-# generated from spec.yaml@43ab0f10afb9, do not edit
+# generated from spec.yaml@fb464029882f, do not edit
 """Gemma 3: parity against transformers.Gemma3ForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded

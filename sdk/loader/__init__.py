@@ -14,7 +14,7 @@ from torch import nn
 from tqdm import tqdm
 
 from dayzero.sdk.errors import CheckpointError, WeightError
-from dayzero.sdk.families import FAMILIES, Family, family_for
+from dayzero.sdk.families import FAMILIES, Family, family_for, family_for_gguf
 from dayzero.sdk.loader import gguf_io, safetensors_io
 from dayzero.sdk.loader.mapping import Mapping, Split, StrictWriter
 from dayzero.sdk.quant.config import QuantConfig, read_quant_config
@@ -102,11 +102,11 @@ def open_checkpoint(path: str | Path, family: str | None = None) -> Checkpoint:
         p = ggufs[0]
     if p.suffix == ".gguf":
         arch = gguf_io.metadata(p).get("general.architecture")
-        fam = FAMILIES.get(family) if family else family_for({"model_type": arch}, str(p))
+        fam = FAMILIES.get(family) if family else family_for_gguf(str(arch), str(p))
         fmt = next((w for w in fam.spec.spec.weights if w.format == "gguf"), None)
         if fmt is None:
             raise CheckpointError(f"{p}: family {fam.name} has no gguf weight rules")
-        hf, config_tensors = gguf_io.hf_config(p, fmt.config)
+        hf, config_tensors = gguf_io.hf_config(p, fmt.config, fmt.rope_parameters)
         return Checkpoint(p, "gguf", hf, fam, config_tensors=config_tensors)
     if not (p / "config.json").exists():
         raise CheckpointError(f"{p}: not a checkpoint folder (no config.json) nor a .gguf file")

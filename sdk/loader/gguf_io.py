@@ -25,11 +25,15 @@ def metadata(path: Path) -> dict:
     return out
 
 
-def hf_config(path: Path, mapping: dict[str, str]) -> tuple[dict, frozenset[str]]:
+def hf_config(
+    path: Path, mapping: dict[str, str], rope_at: str = "rope_parameters"
+) -> tuple[dict, frozenset[str]]:
     """The HF config fields a spec's gguf section names: `{arch}.key` reads metadata,
     `len:key` the length of an array, `tensor_absent:name` whether a tensor is missing; and the
-    RoPE scaling the file states (`rope_parameters`). Returns the config and the tensors it was read
-    from (they hold no parameter: the loader skips them)."""
+    RoPE scaling the file states, at the config path `rope_at` (the section's `rope_parameters`:
+    `rope_parameters`, or a per-layer-type entry such as `rope_parameters.full_attention`).
+    Returns the config and the tensors it was read from (they hold no parameter: the loader
+    skips them)."""
     meta = metadata(path)
     arch = meta.get("general.architecture")
     cfg: dict = {"model_type": arch, "architectures": []}
@@ -41,10 +45,10 @@ def hf_config(path: Path, mapping: dict[str, str]) -> tuple[dict, frozenset[str]
             cfg[field] = meta.get(src[4:])
         elif src in meta:
             cfg[field] = meta[src]
-    return cfg, rope_scaling(path, meta, cfg)
+    return cfg, rope_scaling(path, meta, cfg, rope_at)
 
 
-def rope_scaling(path: Path, meta: dict, cfg: dict) -> frozenset[str]:
+def rope_scaling(path: Path, meta: dict, cfg: dict, rope_at: str = "rope_parameters") -> frozenset[str]:
     """llama.cpp's RoPE scaling as HF `rope_parameters` in cfg: `{arch}.rope.scaling.type` none
     (nothing) or linear (absent: linear, as llama.cpp reads it) with `{arch}.rope.scaling.factor`
     (or the older `rope.scale_linear`); the llama3 scaling from the tensor `rope_freqs.weight`
@@ -87,7 +91,11 @@ def rope_scaling(path: Path, meta: dict, cfg: dict) -> frozenset[str]:
             raise CheckpointError(str(e)) from None
         read = frozenset({ROPE_FREQS})
     if params is not None:
-        cfg["rope_parameters"] = {"rope_theta": theta, **params}
+        *outer, last = rope_at.split(".")
+        at = cfg
+        for k in outer:
+            at = at.setdefault(k, {})
+        at[last] = {"rope_theta": theta, **params}
     return read
 
 

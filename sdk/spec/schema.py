@@ -244,6 +244,28 @@ class WeightFormat(Strict):
     # stands for each MTP layer index (count .. count + mtp.layers - 1); counted, never loaded
     mtp: list[str] = []
     config: dict[str, str] = {}  # gguf: HF field -> metadata key ({arch} expands)
+    # gguf: the files' general.architecture values this section reads, when llama.cpp names the
+    # architecture other than the spec's model_types (Gemma 3's text decoder is `gemma3`, the
+    # image-text model_type): a file of one is detected as this family
+    general_architecture: list[str] = []
+    # gguf: the HF config path the file's RoPE scaling ({arch}.rope.scaling.*, rope_freqs) is
+    # written to; a per-layer-type entry for a model that scales some layers only (Gemma 3's
+    # full-attention layers: rope_parameters.full_attention)
+    rope_parameters: str = "rope_parameters"
+
+    @model_validator(mode="after")
+    def _gguf_only(self) -> WeightFormat:
+        if self.format != "gguf" and (
+            self.config or self.general_architecture or self.rope_parameters != "rope_parameters"
+        ):
+            raise ValueError(
+                "config, general_architecture and rope_parameters read GGUF metadata: format gguf only"
+            )
+        if self.rope_parameters.split(".")[0] not in ("rope_parameters", "rope_scaling"):
+            raise ValueError(
+                f"rope_parameters {self.rope_parameters!r}: a path under rope_parameters or rope_scaling"
+            )
+        return self
 
 
 class ReferenceModules(Strict):
