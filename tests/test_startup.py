@@ -60,7 +60,7 @@ def test_a_busy_port_fails_before_the_model_loads() -> None:
         (["--shutdown-timeout", "-1"], "--shutdown-timeout -1.0: seconds, at least 0"),
         (["--host", "no-such-host.invalid"], "--host no-such-host.invalid: cannot be resolved"),
         (["--tool-call-parser", "nope"], "--tool-call-parser nope: no such parser; known: glm45"),
-        (["--family", "nope"], "--family nope: no such family; known: beam"),
+        (["--family", "nope"], "--family nope: no such family; known: arcee, beam, "),
         (["--device", "tpu"], "--device tpu: not a device"),
         (["--dtype", "float8"], "--dtype: unknown dtype 'float8'"),
         (["/no/such/checkpoint"], "/no/such/checkpoint: no such checkpoint folder or file"),
