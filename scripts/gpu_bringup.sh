@@ -7,7 +7,12 @@
 #   attention references to fla's kernels)
 #   PARITY: "family:dtype ..." (dtype fp32 | bf16); QPARITY: "folder:dtype ..." for checkpoints
 #   carried in (quantized ones are made here by ModelOpt: `dayzero tiny F OUT --quantization Q`)
-#   BENCH: "family ..."; QUANT: the weight formats to bench, "bf16 nvfp4 ..."; empty skips a part.
+#   BENCH: "family ..."; QUANT: the weight formats to bench, "bf16 nvfp4 ..."; REPEAT: runs of each
+#   (batch-1 rates swing between runs: report the median of three); AGENTIC: runs of `bench
+#   agentic` (beam, one agent; TOKENIZER: a tokenizer folder, default .tok/: the embedded default's,
+#   saved by tokenizer.save_pretrained); FLA: "1" runs tests/test_fla_bindings.py last with
+#   fla-core's wheel from .fla/ on PYTHONPATH for that run only, under a timeout that dumps the
+#   stacks (faulthandler); empty skips a part.
 # Wheels for packages the machine lacks (transformers 5.23, pydantic) travel in .whl/.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -24,6 +29,8 @@ DZ="python3 -m dayzero.sdk.cli"
 TMP=$(mktemp -d)
 # medium random checkpoints: hidden 1024, a few layers, real head shapes scaled down
 declare -A MEDIUM=(
+  [llama]='{"hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 16,
+   "num_key_value_heads": 4, "vocab_size": 4096}'
   [beam]='{"hidden_size": 1024, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 16,
    "num_key_value_heads": 4, "head_dim": 64, "moe_intermediate_size": 512, "num_experts": 32,
    "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "sliding_window": 64, "vocab_size": 4096}'
@@ -59,10 +66,23 @@ for which in $PARITY; do
 done
 for fam in ${BENCH-glm53_flash}; do
   for q in ${QUANT:-bf16}; do
-    echo "== bench decode $fam $q"
+   for run in $(seq "${REPEAT:-1}"); do
+    echo "== bench decode $fam $q (run $run)"
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
       $DZ bench decode --family "$fam" --batches ${BATCHES:-1,8,32} --prompt-len 512 --new-tokens 64 \
       $([ "$q" = bf16 ] || echo --quantization "$q") ${BENCH_FLAGS-} 2>&1 \
       | tr "\r" "\n" | grep -v "loading weights\|falling back\|^$" | tee -a "$OUT/bench.log"
+   done
   done
 done
+for run in $(seq "${AGENTIC:-0}"); do
+  echo "== bench agentic beam (run $run)"
+  $DZ bench agentic --random-weights --family beam --agents 1 --dtype bfloat16 --tokenizer "${TOKENIZER:-.tok}" \
+    --serve-flags "--max-num-batched-tokens 8192" 2>&1 | grep -v "^$" | tee -a "$OUT/agentic.log" | tail -4
+done
+if [ -n "${FLA-}" ] && [ -d .fla ]; then
+  echo "== pytest tests/test_fla_bindings.py (fla-core)"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .fla/*.whl
+  PYTHONPATH=/tmp/site:/tmp/fla timeout -s ABRT "${FLA_TIMEOUT:-300}" python3 -X faulthandler -m pytest -q -x \
+    -p no:cacheprovider tests/test_fla_bindings.py >>"$OUT/fla.log" 2>&1; tail -40 "$OUT/fla.log"
+fi
