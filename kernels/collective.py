@@ -1,14 +1,20 @@
 """The tensor-parallel group a model's collectives run over: torch.distributed (NCCL on GPUs,
 gloo on CPUs). A block calls these where its math crosses shards: after a row-parallel product
-(the partial sums of every rank add up: all_reduce) and after a vocab-parallel LM head (each rank
-holds a slice of the vocabulary: all_gather). With one rank every call returns its input, so the
-one-device path runs no collective and makes no copy.
+(the partial sums of every rank add up: all_reduce, or with data-parallel attention each rank's
+rows of the sum: scatter_rows) and after a vocab-parallel LM head (each rank holds a slice of
+the vocabulary: all_gather). With one rank every call returns its input, so the one-device path
+runs no collective and makes no copy.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+# a reduce-scatter of one tensor in equal parts; torch 2.13 renamed reduce_scatter_tensor (the old
+# name warns). gloo has it on CPU (checked with torch 2.13; inside, an all-reduce of the whole
+# tensor of which each rank keeps its part, so the CPU ranks check its result, not its traffic)
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class TpGroup:
@@ -54,3 +60,26 @@ class TpGroup:
         parts = [torch.empty_like(pad) for _ in range(self.size)]
         dist.all_gather(parts, pad, group=self.group)
         return torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)])
+
+    def scatter_rows(self, x: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+        """[sum(counts), ...] partial sums of every rank's rows on each rank (rank r's counts[r]
+        rows after those of the ranks before it) -> [counts[rank], ...]: this rank's rows of the
+        sum over ranks (data-parallel attention: the MLP's output for this rank's tokens;
+        gather_rows' inverse). A reduce-scatter of the rows padded to the largest count (it takes
+        equal parts): a rank receives its own rows' sums, not every rank's."""
+        if self.size == 1:
+            return x
+        top = max(counts)
+        if top == 0:
+            return x
+        pad = x.new_empty((self.size, top, *x.shape[1:]))  # [P, top, ...]: rows past counts[r] unread
+        for r, part in enumerate(x.split(list(counts))):
+            pad[r, : counts[r]] = part
+        out = x.new_empty((top, *x.shape[1:]))
+        _reduce_scatter(out, pad.flatten(0, 1), group=self.group)
+        return out[: counts[self.rank]]
+
+    def reduce(self, x: torch.Tensor, rows: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The sum over ranks of x: all of it (rows None: all_reduce), or this rank's rows of it
+        (rows: every rank's row count, x their rows in rank order: scatter_rows)."""
+        return self.all_reduce(x) if rows is None else self.scatter_rows(x, rows)

@@ -179,16 +179,20 @@ declare_op(
     "router logits [T, E] -> (weights [T, k], expert ids [T, k])",
     features={"sigmoid", "softmax", "correction_bias", "grouped", "renormalize"},
 )
+# an expert id of -1 is no expert: the (token, slot) pair adds nothing and no expert's weights
+# are read for it (an expert-parallel rank's picks of the other ranks' experts); a kernel that
+# honours it states the feature "skip", which a block asks for when its ids may hold -1
 declare_op(
     "moe_experts",
-    "sum_k w_k * expert_{id_k}(x) over stacked SwiGLU experts -> [T, Dm]; bias: gate_up / down biases [E, N]",
-    features={"fp32", "limit", "bias", *GATED_ACTS},
+    "sum_k w_k * expert_{id_k}(x) over stacked SwiGLU experts -> [T, Dm], id -1 skipped (skip); "
+    "bias: gate_up / down biases [E, N]",
+    features={"fp32", "limit", "bias", "skip", *GATED_ACTS},
     packed="moe_experts_packed",
 )
 declare_op(
     "moe_experts_packed",
     "moe_experts with gate_up / down PackedWeights [E, N, K]",
-    features={"fp32", "limit", "act_quant", *PACKED_FORMATS},
+    features={"fp32", "limit", "act_quant", "skip", *PACKED_FORMATS},
 )
 declare_op("softcap", "cap * tanh(x / cap), in fp32")
 declare_op(

@@ -4,7 +4,8 @@ rank's logits (fp32, within 1e-5 of the largest |logit|) and its greedy tokens t
 whole engine: 16-token prefill chunks, prefix-cache hits (the first prompt alone, then all),
 retraction (each rank's pool of 96 tokens holds its own requests only). Each rank runs the
 engine with its one scheduler per attention rank, so the plans agree; the LLM test drives the
-follower from rank 0's plans instead. Unsupported combinations are refused by name.
+follower from rank 0's plans instead. Unsupported combinations are refused by name. The ranks
+first check the MLP's reduce-scatter of rows on its own (`scatter_rows`).
 """
 
 from __future__ import annotations
@@ -47,12 +48,26 @@ def outputs(rank: int, size: int, port: int, cases: list[tuple[str, list[list[in
     engine."""
     tp = init_group(size, rank, port=port, timeout_s=60) if size > 1 else TpGroup()
     try:
+        if size > 1:
+            scatter_rows(tp)
         got = [one(rank, size, tp, path, prompts) for path, prompts in cases]
         if rank == 0:
             torch.save(got, out)
     finally:
         if size > 1:
             dist.destroy_process_group()
+
+
+def scatter_rows(tp: TpGroup) -> None:
+    """The MLP's reduce-scatter (TpGroup.scatter_rows): each rank gets its rows of the sum of
+    every rank's partial sums (random, recorded seeds 0 and 1), within 1e-6; uneven rows and a
+    rank with none."""
+    for seed, counts in enumerate(((3, 1), (0, 2))):
+        parts = torch.randn(tp.size, sum(counts), 5, generator=torch.Generator().manual_seed(seed))
+        got = tp.scatter_rows(parts[tp.rank].clone(), counts)  # rank q's partial sums: parts[q]
+        start = sum(counts[: tp.rank])
+        want = parts.sum(0)[start : start + counts[tp.rank]]
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6), (tp.rank, counts)
 
 
 def one(rank: int, size: int, tp: TpGroup, path: str, ps: list[list[int]]) -> dict:

@@ -5,7 +5,8 @@ attention (kernels/triton/attention.py: decode rows, prefill chunks longer than 
 a fresh prompt in one step, GQA groups of 3 and 1, head sizes 24 and 32 (padded tiles), sliding
 windows, softcaps, attention sinks, a freed block before the window, keys split over 1 and 3
 programs), the stacked experts (kernels/triton/moe.py: the decode GEMVs and the sorted-pair
-tensor-core tiles, with the gated activations and expert biases), RMSNorm, RoPE and the splits'
+tensor-core tiles, with the gated activations and expert biases; expert id -1 (no expert) in
+both, dense and packed), RMSNorm, RoPE and the splits'
 merge (kernels/triton/norm.py, attention.py), the fused small ops (the q/k norm + RoPE + K/V
 write among them, the gated activations), MoE routing and the greedy sampler
 (kernels/triton/fused.py, routing.py, sampling.py; see check_fused), the dense decode GEMV
@@ -127,6 +128,30 @@ def check_moe(g: torch.Generator) -> list[str]:
             )
             err = (moe.moe_experts(*args) - reference(*args)).abs().max() / reference(*args).abs().max()
             out.append(f"moe t={t} act={act} biases {err:.2e}")
+    return out
+
+
+def check_moe_skip(g: torch.Generator) -> list[str]:
+    """Expert id -1 (no expert: an expert-parallel rank's pick of another rank's expert): rank r
+    of 2 runs its 4 of 8 experts with the others' picks -1, against the reference over all 8
+    experts with those picks weighed 0 (the full result restricted to rank r's experts); the
+    GEMVs (6 pairs) and the sorted-pair tiles (40 pairs)."""
+    from dayzero.kernels.reference.moe import moe_experts as reference
+    from dayzero.kernels.triton import moe
+
+    out = []
+    for t in (3, 20):
+        x = torch.randn(t, 96, generator=g)
+        up = torch.randn(8, 80, 96, generator=g) / 96**0.5  # [E, 2I, Dm]
+        down = torch.randn(8, 96, 40, generator=g) / 40**0.5  # [E, Dm, I]
+        ids, wts = torch.rand(t, 8, generator=g).topk(2, dim=-1).indices, torch.rand(t, 2, generator=g)
+        ids[0] = torch.tensor([1, 6])  # a pick on each rank at least
+        for r in (0, 1):
+            mine = ids // 4 == r  # [T, 2]
+            want = reference(x, up, down, torch.where(mine, wts, 0.0), ids)
+            local = torch.where(mine, ids - 4 * r, -1)
+            got = moe.moe_experts(x, up[4 * r : 4 * r + 4], down[4 * r : 4 * r + 4], wts, local)
+            out.append(f"moe skip t={t} rank={r} {_rel(got, want):.2e}")
     return out
 
 
@@ -343,7 +368,20 @@ def check(seed: int) -> list[str]:
             want = ref.linear_packed(x, w).float()
             err = (tp.linear_packed(x, w).float() - want).abs().max() / want.abs().max()
             out.append(f"{fmt} linear bf16 m={m} {err.item():.2e}")
-    return out + check_attention(g) + check_moe(g) + check_norm(g) + check_fused(g) + check_linear(g)
+    out += check_attention(g) + check_moe(g) + check_norm(g) + check_fused(g) + check_linear(g)
+    # expert id -1 (no expert) in about half the pairs; one format (the skip is format-free: a
+    # GEMV program exits before its first load, `_align` and `combine` never read a weight)
+    up, down = weight("nvfp4", (8, 64, 128)), weight("nvfp4", (8, 128, 32))
+    for t in (3, 40):  # 6 pairs: a pair a program; 80: sorted by expert
+        x = torch.randn(t, 128, generator=g)
+        ids = torch.rand(t, 8, generator=g).topk(2, dim=-1).indices
+        skip = torch.rand(t, 2, generator=g) < 0.5
+        skip[0, 0] = False  # one pair at least has an expert
+        ids, wts = torch.where(skip, -1, ids), torch.rand(t, 2, generator=g)
+        want = ref.moe_experts_packed(x, up, down, wts, ids, True, 3.0)
+        got = tp.moe_experts_packed(x, up, down, wts, ids, True, 3.0)
+        out.append(f"nvfp4 moe skip t={t} {_rel(got, want):.2e}")
+    return out + check_moe_skip(g)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -358,7 +396,8 @@ def test_triton_kernels_in_the_interpreter(seed: int) -> None:
     fixed = (
         3 * 9 + 2 * 4 * 2 + 2 * 2 * 2 + 6 + 1 + 3 * 2 + 3 * 2 + 2 + 4 + 6 + 1 + 4 + 6 + 2 + 2 + 4 + 1 + 2 + 2
     )
-    assert len(lines) == fixed + 3 * (2 * 2 + 1), r.stdout  # + check_linear
+    skip = 2 + 2 * 2  # expert id -1: packed (2 shapes), dense (2 shapes x 2 ranks)
+    assert len(lines) == fixed + 3 * (2 * 2 + 1) + skip, r.stdout  # + check_linear
     for ln in lines:  # bf16 rows: a few bf16 ulps of the output's scale
         assert float(ln.split()[-1]) <= (2e-2 if " bf16 " in ln else 1e-5), ln
 

@@ -64,6 +64,7 @@ def moe_experts(
     """out[t] = sum_k weights[t, k] * (down_e swiglu(g, u) + b_down_e), [g; u] = gate_up_e x[t]
     + b_gate_up_e, e = ids[t, k] (swiglu as the `swiglu` op, with its optional fp32, limit and
     activation; the biases [E, 2I] / [E, Dm] are optional, added in each linear's output).
+    A pair with id -1 is no expert: it adds nothing (its weight is not read).
 
     x [T, Dm], gate_up [E, 2I, Dm], down [E, Dm, I], weights/ids [T, k] -> [T, Dm].
     """
@@ -91,10 +92,13 @@ def expert_loop(
     act: str = "silu",
     alpha: float = 1.702,
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * down(swiglu(up(x[t], e)), e), e = ids[t, k], one picked expert at a
-    time (up / down: expert e's projection, however its weight is stored)."""
+    """sum_k weights[t, k] * down(swiglu(up(x[t], e)), e), e = ids[t, k], over the pairs with
+    e >= 0 (-1: no expert), one picked expert at a time (up / down: expert e's projection,
+    however its weight is stored)."""
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
+        if e < 0:
+            continue
         tok, slot = (ids == e).nonzero(as_tuple=True)
         g, u = up(x[tok], e).chunk(2, dim=-1)
         y = down(swiglu(g, u, fp32, limit, act, alpha), e) * weights[tok, slot, None]

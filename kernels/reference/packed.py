@@ -71,7 +71,7 @@ def linear_packed(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     return y if bias is None else y + bias
 
 
-@register("moe_experts_packed", "reference", Capabilities(features=FEATURES | {"fp32", "limit"}))
+@register("moe_experts_packed", "reference", Capabilities(features=FEATURES | {"fp32", "limit", "skip"}))
 def moe_experts_packed(
     x: torch.Tensor,
     gate_up: PackedWeight,

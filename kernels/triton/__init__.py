@@ -45,7 +45,7 @@ if importlib.util.find_spec("triton") is not None:
     register(
         "moe_experts_packed",
         "triton",
-        Capabilities(features=frozenset({"fp32", "limit", *PACKED_FORMATS}), priority=10, **_half),
+        Capabilities(features=frozenset({"fp32", "limit", "skip", *PACKED_FORMATS}), priority=10, **_half),
     )(packed.moe_experts_packed)
     register(
         "gqa_attention",

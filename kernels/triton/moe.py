@@ -13,6 +13,9 @@ reference's linear outputs are. Many pairs (prefill, large decode batches): the 
 device, then tensor-core tiles of one expert's block of pairs (`_grouped`, gate/up + SwiGLU
 fused, then down); in bf16 from GROUPED_MM_PAIRS pairs an expert (prefill), torch's grouped
 GEMM over the same sorted pairs. No path syncs with the host or copies an expert's weights.
+A pair of id -1 (no expert: another expert-parallel rank's pick) adds nothing: its GEMV programs
+exit before reading any weight, the sorted paths leave it out of every expert's block, and the
+weighted sum (`combine`) skips it.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ def _gate_up_swiglu(
 ):
     p, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(ids_ptr + p).to(tl.int64)
+    if e < 0:  # no expert: no weight read, h[p] unset (its `_down` program skips it too)
+        return
     xrow = x_ptr + (p // x_row_div).to(tl.int64) * stride_xm
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < n_inter
@@ -113,6 +118,8 @@ def _down(
 ):
     p, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(ids_ptr + p).to(tl.int64)
+    if e < 0:  # no expert: no weight read, y[p] unset (`combine` skips it)
+        return
     hrow = h_ptr + p.to(tl.int64) * stride_hm
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < N
@@ -276,7 +283,7 @@ def moe_experts(
         h, y, down, db, flat, dm, i, h.stride(0), y.stride(0), down.stride(0), down.stride(1), db.stride(0),
         BIAS=down_bias is not None, BN=bn, BK=GEMV["bk"], num_warps=GEMV["warps"],
     )  # fmt: skip
-    return combine(y, weights, x.dtype)
+    return combine(y, weights, ids, x.dtype)
 
 
 def _grouped_experts(
@@ -313,4 +320,4 @@ def _grouped_experts(
         db.stride(0), 1, 0.0, 1.0, SWIGLU=False, LIMIT=False, BIAS=down_bias is not None, ACT=0, IEEE=ieee,
         BM=bm, BN=64, BK=64, num_warps=4,
     )  # fmt: skip
-    return combine(y, weights, x.dtype)
+    return combine(y, weights, ids, x.dtype)

@@ -9,6 +9,8 @@ one row a program on the CUDA cores, fp16 sums of 16 elements; a pair reads its 
 and `_packed_gemm` (tensor-core tiles;
 the (token, slot) pairs sorted by expert and padded to whole row blocks by `_align`, on the
 device, no host sync; a program takes one block of one expert and one tile of output columns).
+Expert id -1 (no expert): the GEMV's program exits before any load, `_align` puts the pair in no
+block, and `combine` leaves it out of the token's sum.
 """
 
 from __future__ import annotations
@@ -242,50 +244,60 @@ def linear_packed(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
 
 
 @triton.jit
-def _combine(y_ptr, w_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr):
-    """out[t] = sum_j w[t, j] y[t K + j] in fp32, rounded once to out's dtype (the reference's
-    weighted sum of a token's k expert outputs)."""
+def _combine(y_ptr, w_ptr, ids_ptr, out_ptr, N, K: tl.constexpr, BN: tl.constexpr):
+    """out[t] = sum_j w[t, j] y[t K + j] over the pairs with ids[t, j] >= 0 (-1: no expert, its
+    row of y unset and unread), in fp32, rounded once to out's dtype (the reference's weighted
+    sum of a token's k expert outputs)."""
     t, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
     n = pid * BN + tl.arange(0, BN)
     m = n < N
     acc = tl.zeros((BN,), tl.float32)
     for j in tl.static_range(K):
         w = tl.load(w_ptr + t * K + j)
-        acc += w * tl.load(y_ptr + (t * K + j) * N + n, mask=m, other=0.0).to(tl.float32)
+        live = tl.load(ids_ptr + t * K + j) >= 0
+        y = tl.load(y_ptr + (t * K + j) * N + n, mask=m & live, other=0.0).to(tl.float32)
+        acc += tl.where(live, w * y, 0.0)
     tl.store(out_ptr + t * N + n, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """y [T k, N] (each pair's expert output), weights [T, k] -> [T, N] in dtype."""
+def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [T k, N] (each pair's expert output), weights / ids [T, k] -> [T, N] in dtype."""
     t, k = weights.shape
     n = y.shape[1]
     out = torch.empty(t, n, dtype=dtype, device=y.device)
     if t:
         bn = min(1024, triton.next_power_of_2(n))
-        _combine[(t, triton.cdiv(n, bn))](y.contiguous(), weights.float().contiguous(), out, n, K=k, BN=bn)
+        _combine[(t, triton.cdiv(n, bn))](
+            y.contiguous(), weights.float().contiguous(), ids.contiguous(), out, n, K=k, BN=bn
+        )
     return out
 
 
 def _align(ids: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows [S], block experts [B]): the pairs of flat ids [P] sorted by expert, each expert's
     run padded to a multiple of bm with P (a row no program writes); block b of bm rows belongs
-    to expert block_experts[b], -1 past the last run. S, B are bounds from the shapes alone."""
+    to expert block_experts[b], -1 past the last run. A pair of id -1 (no expert) is in no run.
+    S, B are bounds from the shapes alone."""
     p = ids.numel()
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(experts, dtype=torch.int64, device=ids.device).scatter_add_(
-        0, flat, torch.ones_like(flat)
+    key = torch.where(flat >= 0, flat, experts)  # [P]: the skipped pairs after every expert's
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, key, torch.ones_like(key)
     )
     # (not bincount: on CUDA it reads the largest id back to size its output, a host sync)
     padded = (counts + bm - 1) // bm * bm
+    padded[experts] = 0  # the skipped pairs' bin: no run, no block
     ends = padded.cumsum(0)
-    sorted_e = flat[order]
+    sorted_e = key[order]
     rank = torch.arange(p, device=ids.device) - (counts.cumsum(0) - counts)[sorted_e]
     slots = p + min(experts, p) * (bm - 1)
-    rows = torch.full((triton.cdiv(slots, bm) * bm,), p, dtype=torch.int64, device=ids.device)
-    rows[(ends - padded)[sorted_e] + rank] = order
+    rows = torch.full((triton.cdiv(slots, bm) * bm + 1,), p, dtype=torch.int64, device=ids.device)
+    # a skipped pair's slot is the one past the bound (the last row, cut off below)
+    rows[torch.where(sorted_e < experts, (ends - padded)[sorted_e] + rank, rows.numel() - 1)] = order
+    rows = rows[:-1]
     starts = torch.arange(rows.numel() // bm, device=ids.device) * bm
-    block_experts = torch.searchsorted(ends, starts, right=True)
+    block_experts = torch.searchsorted(ends[:experts], starts, right=True)
     return rows, torch.where(starts < ends[-1], block_experts, -1).to(torch.int32)
 
 
@@ -299,7 +311,7 @@ def moe_experts_packed(
     limit: float | None = None,
 ) -> torch.Tensor:
     """moe_experts (kernels/reference/moe.py) on packed experts; the k outputs of a token are
-    weighted and summed in fp32."""
+    weighted and summed in fp32; a pair of id -1 (no expert) reads no expert and adds nothing."""
     t, k = ids.shape
     x = x.contiguous()
     h = torch.empty(t * k, gate_up.shape[-2], dtype=x.dtype, device=x.device)  # [P, 2I]
@@ -315,4 +327,4 @@ def moe_experts_packed(
         _launch(x, h, gate_up, rows, blocks, m=t * k, x_row_div=k, bm=bm)
         g, u = h.chunk(2, dim=-1)
         _launch(swiglu(g, u, fp32, limit).contiguous(), y, down, rows, blocks, m=t * k, bm=bm)
-    return combine(y, weights, x.dtype)
+    return combine(y, weights, ids, x.dtype)

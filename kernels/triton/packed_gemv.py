@@ -47,10 +47,13 @@ def packed_gemv(
     FMT: tl.constexpr, INDIRECT: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, F16: tl.constexpr,
 ):  # fmt: skip
     """y[r, n-tile] = W_e x[r // x_row_div]; e = ids_ptr[r] when INDIRECT (a (token, slot) pair
-    reads its expert in place), else 0. FMT: 0 nvfp4, 1 mxfp4, 2 fp8_block; NB sub-blocks of 16
-    elements a loop step; F16 False (fp32 x): the sums in fp32, x as it is."""
+    reads its expert in place; -1: no expert, nothing read or written), else 0. FMT: 0 nvfp4,
+    1 mxfp4, 2 fp8_block; NB sub-blocks of 16 elements a loop step; F16 False (fp32 x): the sums
+    in fp32, x as it is."""
     r, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(ids_ptr + r).to(tl.int64) if INDIRECT else 0
+    if e < 0:  # no expert (INDIRECT, id -1): nothing read or written
+        return
     xrow = x_ptr + (r // x_row_div).to(tl.int64) * stride_xm
     XE: tl.constexpr = 14 if FMT < 2 else 2
     G: tl.constexpr = 16 if FMT == 0 else (32 if FMT == 1 else 128)
@@ -176,9 +179,11 @@ def packed_gemv_fp4(
     """`packed_gemv` for 4-bit codes on CUDA (PTX decode, K % 16 == 0): codes_ptr is the codes
     as int64 sub-blocks of 16 (strides in sub-blocks), x comes packed by `pack_x_fp16` (xq, xs).
     Each program keeps a [BN, NB] fp32 sum (sub-block sums times their scales) and reduces it
-    once at the end."""
+    once at the end. An INDIRECT pair of id -1 (no expert) reads and writes nothing."""
     r, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(ids_ptr + r).to(tl.int64) if INDIRECT else 0
+    if e < 0:  # no expert (INDIRECT, id -1): nothing read or written
+        return
     xr = (r // x_row_div).to(tl.int64)
     G: tl.constexpr = 16 if FMT == 0 else 32
     offs_n = pid_n * BN + tl.arange(0, BN)

@@ -26,7 +26,7 @@ class Layer(nn.Module):
     takes its first block's input already normed (h, carry) and hands the next layer's on: each
     residual's post and the next one's pre run as one fused add + norm. With data-parallel
     attention the layer attends for this rank's rows; the MLP gets every rank's rows gathered
-    (all-gather) and hands back this rank's."""
+    (all-gather) and hands back this rank's rows of its sum over ranks (reduce-scatter)."""
 
     def __init__(self, cfg: LayerCfg, ops: OpTable, attention: dict[str, type], mlp: dict[str, type]) -> None:
         super().__init__()
@@ -46,7 +46,7 @@ class Layer(nn.Module):
             a = self.attn(h, ctx) if h.shape[0] else torch.zeros_like(h)  # a rank with no rows now
             x, h, carry = self.attn_res.post_pre(x, a, carry, self.mlp_res)
             d = ctx.dp
-            y = self.mlp(self.tp.gather_rows(h, d.tokens))[d.start : d.start + h.shape[0]]  # [T_r, Dm]
+            y = self.mlp(self.tp.gather_rows(h, d.tokens), d.tokens)  # [T_r, Dm]
         if nxt is None:
             return self.mlp_res.post(x, y, carry), None, None
         return self.mlp_res.post_pre(x, y, carry, nxt)

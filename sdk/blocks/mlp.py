@@ -73,12 +73,14 @@ class SwiGLU(nn.Module):
         cols = Slice(-2, cfg.par.rank * cfg.intermediate, cfg.intermediate)
         return {"gate_up": {"gate": cols, "up": cols}, "down": {"": Slice(-1, cols.start, cols.length)}}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: tuple[int, ...] | None = None) -> torch.Tensor:
+        """x [T, Dm] -> [T, Dm]; rows (data-parallel attention): every rank's row count of x, in
+        rank order -> this rank's rows of the sum over ranks, [rows[rank], Dm]."""
         gate, up = self.ops.linear(x, self.gate_up).chunk(2, dim=-1)  # [T, I] each
         y = self.ops.linear(
             self.ops.swiglu(gate, up, self.cfg.fp32, self.cfg.limit, *act_args(self.cfg)), self.down
         )
-        return self.ops.tp.all_reduce(y) if self.cfg.reduce and self.cfg.par.size > 1 else y
+        return self.ops.tp.reduce(y, rows) if self.cfg.reduce and self.cfg.par.size > 1 else y
 
 
 class MoeOpts(Strict):
@@ -138,7 +140,8 @@ class MoE(nn.Module):
     softmax + renormalize over the top-k is softmax over the top-k logits, gpt-oss's router)
 
     Over P ranks the router (and routing) is replicated; expert parallel: rank r holds experts
-    [r E / P, (r + 1) E / P) whole and weighs the others' picks 0; tensor parallel: every rank
+    [r E / P, (r + 1) E / P) whole and passes the others' picks as id -1 (no expert: no work,
+    the op's feature `skip`); tensor parallel: every rank
     holds I / P of every expert's intermediate; the shared expert is split by its intermediate
     either way; y = sum over ranks (one all-reduce). Expert biases need expert parallel (a
     down bias split over intermediates would be added once per rank).
@@ -193,7 +196,8 @@ class MoE(nn.Module):
         cols = Slice(-2, p.rank * cfg.intermediate, cfg.intermediate)
         return {"gate_up": {"gate": cols, "up": cols}, "down": {"": Slice(-1, cols.start, cols.length)}}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: tuple[int, ...] | None = None) -> torch.Tensor:
+        """x [T, Dm] -> [T, Dm]; rows: as SwiGLU's (this rank's rows of the sum over ranks)."""
         c, ops = self.cfg, self.ops
         logits = ops.linear(x, self.router, self.router_bias).float()  # [T, E] fp32 (x read in fp32)
         w, ids = ops.moe_route(  # w [T, k] fp32, the routed scale folded in
@@ -206,10 +210,9 @@ class MoE(nn.Module):
             c.renormalize,
             c.routed_scale,
         )
-        if c.par.experts and c.par.size > 1:  # the picks of this rank's experts, the rest weigh 0
+        if c.par.experts and c.par.size > 1:  # [T, k] this rank's local expert ids, -1: another rank's
             local = ids - self.first
-            mine = (local >= 0) & (local < c.experts)
-            w, ids = torch.where(mine, w, 0.0), torch.where(mine, local, 0)
+            ids = torch.where((local >= 0) & (local < c.experts), local, -1)
         extra = (
             act_args(c) if self.gate_up_bias is None else (c.act, c.alpha, self.gate_up_bias, self.down_bias)
         )
@@ -219,7 +222,7 @@ class MoE(nn.Module):
             if self.shared_gate is not None:
                 s = s * torch.sigmoid(ops.linear(x, self.shared_gate))
             y = y + s
-        return ops.tp.all_reduce(y) if c.par.size > 1 else y
+        return ops.tp.reduce(y, rows) if c.par.size > 1 else y
 
 
 def _limit(o, val) -> float | None:
@@ -304,13 +307,18 @@ def _swiglu_needs(c: SwigluCfg):
     return [("linear", frozenset(), None), ("swiglu", _act_features(c), None)]
 
 
+def _skip(c: MoeCfg) -> set[str]:
+    """An expert-parallel rank's ids hold -1 (another rank's expert): the op must skip them."""
+    return {"skip"} if c.par.experts and c.par.size > 1 else set()
+
+
 def _moe_needs(c: MoeCfg):
     route = {c.score} | ({"correction_bias"} if c.correction_bias else set())
     route |= ({"grouped"} if c.groups > 1 else set()) | ({"renormalize"} if c.renormalize else set())
     needs = [
         ("linear", frozenset({"bias"}) if c.router_bias else frozenset(), None),
         ("moe_route", frozenset(route), None),
-        ("moe_experts", _act_features(c) | ({"bias"} if c.expert_bias else set()), None),
+        ("moe_experts", _act_features(c) | ({"bias"} if c.expert_bias else set()) | _skip(c), None),
     ]
     shared = SwigluCfg(c.hidden, c.shared_intermediate, c.fp32, c.limit, act=c.act, alpha=c.alpha)
     return needs + (_swiglu_needs(shared) if c.shared_intermediate else [])

@@ -64,12 +64,13 @@ class PlainMLP(nn.Module):
         out = {"up": {"": rows}, "down": {"": Slice(-1, rows.start, rows.length)}}
         return out | ({"up_bias": {"": Slice(-1, rows.start, rows.length)}} if cfg.bias else {})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: tuple[int, ...] | None = None) -> torch.Tensor:
+        """x [T, Dm] -> [T, Dm]; rows: as SwiGLU's (this rank's rows of the sum over ranks)."""
         c, ops = self.cfg, self.ops
         h = PLAIN_ACTIVATIONS[c.act](ops.linear(x, self.up, self.up_bias))  # [T, I]
         if c.par.size == 1:
             return ops.linear(h, self.down, self.down_bias)
-        y = ops.tp.all_reduce(ops.linear(h, self.down))  # [T, Dm] summed over ranks
+        y = ops.tp.reduce(ops.linear(h, self.down), rows)  # [T, Dm] (or this rank's rows) summed over ranks
         return y if self.down_bias is None else y + self.down_bias
 
 
