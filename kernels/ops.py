@@ -161,6 +161,11 @@ declare_op(
 )
 declare_op("short_conv", "causal depthwise conv over each row, continuing its state; silu", features={"silu"})
 declare_op(
+    "ngram_ids",
+    "hashed n-gram ids [T, (n - 1) Hg] of each token from its row's token history (kept in the state slot)",
+)
+declare_op("dilated_conv", "causal depthwise conv with dilation over each row, continuing its state; silu")
+declare_op(
     "kda_recurrence",
     "Kimi delta attention over each row, continuing its fp32 state -> [T, H, Dv]",
     features={"chunked"},
