@@ -149,11 +149,16 @@ def bind(op: str, chunk: Callable, recurrent: Callable) -> Callable:
 
 
 if HAVE_FLA:
+    # Not graph-safe (yet): `rows_of` builds the rows from the host copies and moves them with a
+    # copy from a fresh pinned tensor each step, and fla's own kernels' capture is unchecked.
+    # A model with these kernels decodes eagerly under `auto`; DAYZERO_KERNEL_KDA_RECURRENCE=batched
+    # (or ..._GATED_DELTA_RULE) selects the graph-safe torch decode step instead.
     _caps = Capabilities(
         devices=frozenset({"cuda"}),
         features=frozenset({"chunked"}),
         min_capability=(8, 0),
         priority=10,
+        graphs=False,
     )
     register("kda_recurrence", "fla", _caps)(bind("kda_recurrence", chunk_kda, fused_recurrent_kda))
     register("gated_delta_rule", "fla", _caps)(

@@ -1,10 +1,13 @@
 """Decode steps through the CUDA graphs' static buffers (sdk/engine/graphs.py), run eagerly on the
-CPU: padded buckets, staged inputs, scratch slots for the padding rows' keys. The same requests
-decode to the same tokens, with logprobs within 1e-5 (fp32; the padding rows only add rows),
-as the plain path; prefill and mixed steps still take the plain path. The GPU test
-(tests/test_triton_cuda.py) checks that capture and replay equal these buffers run eagerly."""
+CPU: padded buckets, staged inputs, scratch slots for the padding rows' keys (and recurrent
+states). The same requests decode to the same tokens, with logprobs within 1e-5 (fp32; the
+padding rows only add rows), as the plain path; prefill and mixed steps still take the plain
+path. The GPU test (tests/test_triton_cuda.py) checks that capture and replay equal these
+buffers run eagerly."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from conftest import SEEDS
 from dayzero.sdk.api import LLM
 from dayzero.sdk.engine.engine import EngineConfig, SamplingParams
 from dayzero.sdk.engine.graphs import decode_only
+from dayzero.sdk.parity.runner import RETRACTION, retraction_budget
 from dayzero.sdk.parity.tiny import write_tiny
 
 LOGPROB_TOL = 1e-5
@@ -50,10 +54,13 @@ def test_buffered_decode_equals_the_plain_path(checkpoint, seed: int) -> None:
 
 
 def test_padding_rows_write_only_the_scratch_page(checkpoint) -> None:
+    _padding_rows_write_only_scratch(_llm(checkpoint, "buffers").engine)
+
+
+def _padding_rows_write_only_scratch(eng) -> None:
     """A decode row run alone (bucket 1), then again padded to bucket 2: outside the scratch page
-    the second run changes only the row's own new-token slots (the same keys up to rounding:
-    a 2-row matmul sums in another order)."""
-    eng = _llm(checkpoint, "buffers").engine
+    (and scratch state slot) the second run changes only the row's own new-token slots and its
+    own state slot (the same keys up to rounding: a 2-row matmul sums in another order)."""
     eng.add([5, 6, 7, 8, 9], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     eng.step()  # the prefill (plain path)
     plan = eng.scheduler.step()
@@ -62,7 +69,7 @@ def test_padding_rows_write_only_the_scratch_page(checkpoint) -> None:
     before = eng.pool.pool.clone()
     eng.graphs._fill(plan, 2)
     with torch.inference_mode():
-        eng.model(eng.graphs._context(2, (int(plan.kv_lens[0]), 0)))
+        eng.model(eng.graphs._context(2, (int(plan.kv_lens[0]), 0), plan))
     lay, base = eng.pool.layout, eng.pool.state_bytes
     allowed = torch.zeros_like(before, dtype=torch.bool)
     scratch = base + lay["num_pages"] * lay["page_bytes"]
@@ -73,6 +80,15 @@ def test_padding_rows_write_only_the_scratch_page(checkpoint) -> None:
         row = lay["padded_row_bytes"][g]
         allowed[base + slot * row : base + (slot + 1) * row] = True
         assert eng.graphs.vec[(3 + j) * 6 + 1] == eng.pool.scratch_slot(g)  # the padding row's slot
+    if eng.graphs.state:  # the row's own state slot and the scratch one
+        n = lay["state_slot_bytes"]
+        for slot in (int(plan.state_slots[0]), eng.pool.scratch_state_slot()):
+            allowed[slot * n : (slot + 1) * n] = True
+        changed = eng.pool.pool != before
+        own = int(plan.state_slots[0]) * n
+        assert bool(changed[own : own + n].any()), "the row's state was not updated"
+        scratch_state = eng.pool.scratch_state_slot() * n
+        assert bool(changed[scratch_state : scratch_state + n].any()), "the padding row wrote no state"
     changed = eng.pool.pool != before
     assert bool(changed[scratch:].any()), "the padding row wrote no key"
     assert not bool((changed & ~allowed).any()), (changed & ~allowed).nonzero()[:8]
@@ -81,3 +97,105 @@ def test_padding_rows_write_only_the_scratch_page(checkpoint) -> None:
 def test_decode_graphs_mode_is_checked() -> None:
     with pytest.raises(ValueError, match="decode_graphs 'on'; known: auto, off, buffers"):
         EngineConfig(decode_graphs="on")
+
+
+# A padding row changes the step's matmul shapes and with them the rounding of the real rows
+# (CPU sgemm: 3 rows vs 4 differ by ~4e-6 on these sizes); the recurrent states and the KV
+# carry that into later steps. Measured: buckets without padding give the same bits; the tests
+# below, |dlogit| <= 2.5e-5 / 3.4e-5 (seeds 0, 1), 1.0e-5 (retraction), 4.0e-6 (GLM-5.3's DSA)
+# on logits up to 4.4.
+FLASH_LOGIT_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory):
+    """GLM-5.3-Flash with the KPool indexer's top-k (8 positions: two pools of 4) below most
+    prompts: its selections are sparse in the tests below."""
+    over = {"text_config": {"index_topk": 8, "index_kpool": 4}}
+    return write_tiny("glm53_flash", tmp_path_factory.mktemp("flash") / "ckpt", seed=3, overrides=over)
+
+
+def test_padding_rows_write_only_the_scratch_page_and_state_slot(flash) -> None:
+    _padding_rows_write_only_scratch(_llm(flash, "buffers").engine)
+
+
+def _logged(llm: LLM) -> list[torch.Tensor]:
+    """The model's logits of every step, as the engine computed them ([rows (+ padding), V])."""
+    logs: list[torch.Tensor] = []
+    llm.engine.model.register_forward_hook(lambda _m, _i, out: logs.append(out.clone()))
+    return logs
+
+
+def _compare_modes(path, cfg: EngineConfig, waves, stat: str) -> None:
+    """The same waves of requests through the plain path and the decode buffers: equal tokens,
+    every step's logits within FLASH_LOGIT_TOL; the buffers ran padded decode steps, and
+    stats[stat] (prefix hits or retractions; "graph_steps": nothing more) happened in both."""
+    outs, logs, stats = {}, {}, {}
+    for mode in ("off", "buffers"):
+        llm = LLM(path, device="cpu", progress=False, engine=replace(cfg, decode_graphs=mode))
+        logs[mode] = _logged(llm)
+        outs[mode] = [llm.engine.generate(prompts, params) for prompts, params in waves]
+        stats[mode] = dict(llm.engine.stats)
+        stats[mode]["cached"] = sum(o.cached_tokens for wave in outs[mode] for o in wave)
+    assert stats["buffers"]["graph_steps"] > 0 and stats["off"]["graph_steps"] == 0
+    if stat != "graph_steps":
+        assert stats["off"][stat] > 0 and stats["buffers"][stat] == stats["off"][stat], stats
+    assert len(logs["off"]) == len(logs["buffers"])
+    padded = 0
+    for plain, buffered in zip(logs["off"], logs["buffers"], strict=True):
+        padded += buffered.shape[0] > plain.shape[0]
+        assert (buffered[: plain.shape[0]] - plain).abs().max().item() < FLASH_LOGIT_TOL
+    assert padded > 0
+    for wave_off, wave_buf in zip(outs["off"], outs["buffers"], strict=True):
+        for plain, buffered in zip(wave_off, wave_buf, strict=True):
+            assert buffered.token_ids == plain.token_ids
+
+
+def _greedy(*lengths: int) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in lengths]
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_linear_attention_decodes_through_the_buffers(flash, seed: int) -> None:
+    """GLM-5.3-Flash (KDA state slots, NoPE MLA with the KPool indexer): the rows' state slots
+    and fresh flags in the graph's buffers, padding rows on the scratch state slot. A first wave
+    (a one-token prompt: a fresh decode row; 9 tokens: its last prompt token a one-token step
+    after the block-boundary snapshot), then a second whose prompts repeat or extend the
+    first's (prefix hits restoring the snapshots, one whose only uncached token is a decode
+    step)."""
+    rng = np.random.default_rng(seed)
+    first = [rng.integers(1, 100, n).tolist() for n in (1, 9, 17, 6, 13)]
+    second = [first[1], first[2][:12] + rng.integers(1, 100, 3).tolist(), first[4] + [7]]
+    waves = [(first, _greedy(12, 5, 9, 15, 2)), (second, _greedy(7, 4, 10))]
+    cfg = EngineConfig(block_size=4, kv_cache_bytes=4 << 20, max_batch_size=6)
+    _compare_modes(flash, cfg, waves, "cached")
+
+
+def test_linear_attention_decodes_through_the_buffers_under_retraction(flash) -> None:
+    """The same in a KV budget for the longest request alone (retraction_budget): requests are
+    retracted (states to host and back) and resumed, with buckets padded (3 rows in 4)."""
+    rng = np.random.default_rng(SEEDS[0])
+    prompts = [rng.integers(1, 100, n).tolist() for n in (5, 11, 3, 8)]
+    params = _greedy(14, 9, 16, 12)
+    probe = LLM(flash, device="cpu", progress=False, engine=EngineConfig(decode_graphs="off")).engine
+    lengths = [len(p) + sp.max_tokens for p, sp in zip(prompts, params, strict=True)]
+    budget = retraction_budget(probe.groups, lengths, len(prompts))
+    kw = dict(RETRACTION, kv_cache_bytes=budget, host_cache_bytes=budget * len(prompts), prefix_cache=False)
+    cfg = EngineConfig(max_batch_size=len(prompts), **kw)
+    _compare_modes(flash, cfg, [(prompts, params)], "retracted")
+
+
+def test_sparse_indexer_decodes_through_the_buffers(tmp_path) -> None:
+    """GLM-5.3's DSA indexer with index_topk 6 below every prompt but one: decode steps through
+    the buffers score the keys over the graph's fixed width (max model length / block size
+    blocks: kernels/batched/indexer.py on the CPU, the Triton indexer's contract), the keys past
+    each row's length masked; the eager path scores over the step's own table width. The same
+    tokens, and logits within FLASH_LOGIT_TOL, with buckets padded (5 rows in 6, 3 in 4)."""
+    path = write_tiny("glm53", tmp_path / "ckpt", seed=3, overrides={"index_topk": 6})
+    rng = np.random.default_rng(SEEDS[0])
+    prompts = [rng.integers(1, 100, n).tolist() for n in (3, 9, 17, 6, 25)]
+    cfg = EngineConfig(block_size=4, kv_cache_bytes=4 << 20, max_batch_size=6, max_model_len=64)
+    llm = LLM(path, device="cpu", progress=False, engine=replace(cfg, decode_graphs="buffers"))
+    assert llm.engine.ops.chosen()["dsa_index"] == "batched"  # the fixed-width indexer
+    assert llm.engine.graphs.tables[0].shape[1] == 16  # 64 tokens / 4
+    _compare_modes(path, cfg, [(prompts, _greedy(12, 4, 9, 15, 1))], "graph_steps")

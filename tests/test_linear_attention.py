@@ -162,3 +162,63 @@ def test_batched_short_conv_equals_the_reference(seed: int, kernel: int) -> None
     assert (got - want).abs().max().item() < TOL
     assert (got_state - ref_state).abs().max().item() < TOL
     assert torch.equal(got_state[[4, 5, 7]], pool[[4, 5, 7]])  # unused, and the empty row's
+
+
+def _decode_meta(pool, slots: list[int], fresh: list[bool]) -> StateMeta:
+    """A decode step's state metadata as the engine builds it: host copies and their device twins."""
+    n = len(slots)
+    return StateMeta(
+        pool,
+        tuple(slots),
+        tuple(not f for f in fresh),
+        tuple(range(n + 1)),
+        slots=torch.tensor(slots),
+        fresh=torch.tensor(fresh, dtype=torch.int64),
+        decode=True,
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_batched_decode_steps_equal_the_reference(seed: int) -> None:
+    """The graph-safe decode step of kernels/batched/linear_attention.py (short_conv,
+    kda_recurrence, gated_delta_rule: device slots and fresh flags only) against the reference's
+    row loop on one decode step of 4 rows in scattered slots, one of them fresh over a slot
+    holding NaN: outputs and the rows' written states within TOL (fp32), every other slot
+    unchanged. Then the same step padded with 3 rows sharing one scratch slot (fresh), as a
+    CUDA graph's bucket runs it: the real rows' outputs and states are the same bits."""
+    from dayzero.kernels.batched import linear_attention as batched
+    from dayzero.kernels.reference import linear_attention as reference
+
+    g = torch.Generator().manual_seed(seed)
+    r, h, hv, dk, dv, c, kern, n_slots = 4, 2, 4, 8, 6, 10, 4, 9
+    slots, fresh = [5, 0, 7, 2], [False, True, False, False]
+    pad, scratch = 3, n_slots - 1
+    x = torch.randn(r + pad, c, generator=g)
+    w = torch.randn(c, 1, kern, generator=g)
+    q, k = torch.randn(r + pad, h, dk, generator=g), torch.randn(r + pad, h, dk, generator=g)
+    qv, kv = torch.randn(r + pad, hv, dk, generator=g), torch.randn(r + pad, hv, dk, generator=g)
+    v = torch.randn(r + pad, hv, dv, generator=g)
+    g_kda = -torch.rand(r + pad, hv, dk, generator=g)  # log decays
+    g_gdr = -torch.rand(r + pad, hv, generator=g)
+    beta = torch.rand(r + pad, hv, generator=g)
+    conv0 = torch.randn(n_slots, c, kern - 1, generator=g)
+    rec0 = torch.randn(n_slots, hv, dk, dv, generator=g) * 0.3
+    conv0[0], rec0[0] = float("nan"), float("nan")  # the fresh row's slot: not read
+    cases = {
+        "short_conv": (lambda f, s, m, n: f(x[:n], w, s, m), conv0),
+        "kda_recurrence": (lambda f, s, m, n: f(qv[:n], kv[:n], v[:n], g_kda[:n], beta[:n], s, m), rec0),
+        "gated_delta_rule": (lambda f, s, m, n: f(q[:n], k[:n], v[:n], g_gdr[:n], beta[:n], s, m), rec0),
+    }
+    for op, (call, state0) in cases.items():
+        ref_state, got_state, pad_state = state0.clone(), state0.clone(), state0.clone()
+        want = call(getattr(reference, op), ref_state, _decode_meta(None, slots, fresh), r)
+        got = call(getattr(batched, op), got_state, _decode_meta(None, slots, fresh), r)
+        assert (got - want).abs().max().item() < TOL, op
+        assert (got_state[slots] - ref_state[slots]).abs().max().item() < TOL, op
+        others = [i for i in range(n_slots) if i not in slots]
+        assert torch.equal(got_state[others], state0[others]), op
+        padded = _decode_meta(None, slots + [scratch] * pad, fresh + [True] * pad)
+        out = call(getattr(batched, op), pad_state, padded, r + pad)
+        assert torch.equal(out[:r], got) and torch.equal(pad_state[slots], got_state[slots]), op
+        assert bool(pad_state[scratch].isfinite().all()), op
+        assert torch.equal(pad_state[others[:-1]], state0[others[:-1]]), op  # all but the scratch slot

@@ -184,12 +184,15 @@ def indexer_inputs(g: torch.Generator, rows, hi: int, di: int, pool: int = 0):
     return q, w, cache, torch.randn(pool, di, generator=g), meta
 
 
-def indexer_errors(args, topks=(6, 64), pool: int = 0, tail: bool = True) -> tuple[float, bool]:
-    """The Triton indexer's scores against the reference's (relative to their scale; the columns
-    past the reference's width must be -inf, and the -inf pattern equal), and whether every
-    top-k selection is the reference's set (DSA, or KPool with `pool` keys a pool)."""
+def indexer_errors(args, topks=(6, 64), pool: int = 0, tail: bool = True, indexer=None) -> tuple[float, bool]:
+    """The Triton (or another fixed-width) indexer's scores against the reference's (relative to
+    their scale; the columns past the reference's width must be -inf, and the -inf pattern
+    equal), and whether every top-k selection is the reference's set (DSA, or KPool with `pool`
+    keys a pool)."""
     from dayzero.kernels.reference import mla as ref
-    from dayzero.kernels.triton import indexer
+
+    if indexer is None:
+        from dayzero.kernels.triton import indexer
 
     if pool:
         want = ref.kpool_scores(*args, pool, 0.2).cpu()
@@ -223,6 +226,63 @@ def check_indexer(g: torch.Generator) -> list[str]:
             err, same = indexer_errors(indexer_inputs(g, rows, 5, 24, pool), (8, 64), pool, tail)
             out.append(f"triton indexer kpool={pool} {step} same-selection={same} {err if same else 1.0:.2e}")
     return out
+
+
+def _widened(meta: PagedMeta, g: torch.Generator, extra: int, blocks: int) -> PagedMeta:
+    """meta with `extra` more block-table columns holding stale block ids or -1 (what a CUDA
+    graph's table [B, max blocks] holds past a row's blocks)."""
+    stale = torch.randint(-1, blocks, (meta.block_table.shape[0], extra), generator=g)
+    return dataclasses.replace(meta, block_table=torch.cat((meta.block_table, stale), dim=1), memo={})
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_batched_indexer_matches_reference_at_any_width(seed: int) -> None:
+    """kernels/batched/indexer.py (graph-safe, scores over the block table's width) against the
+    reference's scores (fp32, relative 1e-5, -inf past the reference's width) and selections
+    (the same sets: DSA top-6 / top-64, KPool pools of 4 and 8 with and without the tail) on
+    decode, mixed and long steps; then with the table widened by 9 columns of stale block ids
+    or -1 (a graph's width): the same selections, tensor for tensor."""
+    from dayzero.kernels.batched import indexer
+
+    g = torch.Generator().manual_seed(seed)
+    for rows in (STEPS["decode"], MIXED, [(1, 300), (2, 70)]):
+        for pool, tail, topks in ((0, True, (6, 64)), (4, True, (8, 64)), (8, False, (8, 64))):
+            args = indexer_inputs(g, rows, 5, 24, pool)
+            err, same = indexer_errors(args, topks, pool, tail, indexer)
+            assert same and err < TOL, (rows, pool, err)
+            meta = args[-1]
+            blocks = int(meta.block_table.max()) + 1
+            wide = (*args[:-1], _widened(meta, g, 9, blocks))
+            for k in topks:
+                if pool:
+                    a = indexer.kpool_index(*args, k, pool, 0.2, tail)
+                    b = indexer.kpool_index(*wide, k, pool, 0.2, tail)
+                else:
+                    a, b = indexer.dsa_index(*args, k, 0.2), indexer.dsa_index(*wide, k, 0.2)
+                assert torch.equal(a, b), (rows, pool, k)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_index_topk_breaks_ties_by_position_at_any_width(seed: int) -> None:
+    """index_topk on scores with many exact ties (integers 0..3, a third of them -inf) equals its
+    definition (a stable sort by score, best first: ties to the lowest positions; the chosen
+    positions in increasing order, -1 padded), and appending 40 columns of -inf changes nothing."""
+    from dayzero.kernels.reference.mla import index_topk
+
+    g = torch.Generator().manual_seed(seed)
+    t, n = 12, 30
+    scores = torch.randint(0, 4, (t, n), generator=g).float()
+    scores[torch.rand(t, n, generator=g) < 0.3] = float("-inf")
+    positions = torch.full((t,), n - 1)
+    for k in (1, 5, 13, 40):
+        got = index_topk(scores, positions, k)
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        keep = torch.isfinite(scores.gather(1, order))
+        want = torch.where(keep, order, n).sort(-1).values
+        want = torch.nn.functional.pad(torch.where(want < n, want, -1), (0, k - want.shape[1]), value=-1)
+        assert torch.equal(got, want), k
+        wide = torch.cat((scores, torch.full((t, 40), float("-inf"))), dim=1)
+        assert torch.equal(index_topk(wide, positions, k), got), k
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -1,6 +1,7 @@
-"""The short causal convolution of linear-attention layers for all rows at once (no loop over rows
-on the device): each token's K inputs gathered by one index from the rows' states and the step's
-tokens, the state of each row written back in one scatter.
+"""Linear-attention ops for all rows at once (no loop over rows on the device).
+
+The short causal convolution: each token's K inputs gathered by one index from the rows' states
+and the step's tokens, the state of each row written back in one scatter.
 
     y[t, c] = silu(sum_{i < K} w[c, i] * u[t - K + 1 + i, c])
 
@@ -8,16 +9,28 @@ u: the row's inputs, its last K - 1 earlier ones (the state in its slot; zeros f
 starts at position 0) before this step's. The index is built on the host from the step's row
 layout (the scheduler's query starts and slots, host tuples), so nothing is read back from the
 device. Memory: [T, C] a term (the K terms summed one at a time), [R, K - 1, C] for the states.
+
+A decode step (StateMeta.decode: token r is row r's only token) reads the device copies of the
+slots and fresh flags alone: the rows' states gathered by slot [R, ...], one step of each op for
+all rows, the new states written back into their slots in place. No host copy is read and no
+shape depends on a row's length: graph-safe (a CUDA graph's padding rows all read and write the
+pool's scratch slot, with fresh set). Kimi delta attention and the gated delta rule run that
+step here; any other step goes to the reference ops (row by row; fla on CUDA does those).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import dayzero.kernels.ops  # noqa: F401  (declares the ops registered here)
+from dayzero.kernels.reference import linear_attention as reference
 from dayzero.kernels.registry import OPS, Capabilities, register
+
+DECODE_GRAPHS = dict(priority=10, graphs=True)  # short_conv: over the reference (and no other)
 
 
 def _index(meta, k: int) -> tuple[np.ndarray, ...]:
@@ -45,10 +58,32 @@ def _index(meta, k: int) -> tuple[np.ndarray, ...]:
     return tokens, taps, last, slots, fresh
 
 
-@register("short_conv", "batched", Capabilities(features=OPS.get("short_conv").features, priority=10))
+def _initial(state: torch.Tensor, meta) -> torch.Tensor:
+    """The decode rows' states [R, ...] gathered from their slots, zeros where fresh (whatever a
+    fresh row's slot held, NaN included, is not read)."""
+    s = state.index_select(0, meta.slots)
+    fresh = (meta.fresh != 0).view(-1, *(1,) * (s.dim() - 1))
+    return s.masked_fill(fresh, 0)
+
+
+def _conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, meta) -> torch.Tensor:
+    """One token a row: x [R, C] -> silu(sum_i w[:, i] u_i) [R, C] over u = [state ; x] [R, C, K];
+    the slots keep u's last K - 1 columns."""
+    seq = torch.cat((_initial(state, meta).to(x.dtype), x[:, :, None]), dim=2)  # [R, C, K]
+    w = weight[:, 0, :]  # [C, K]
+    y = seq[:, :, 0].to(w.dtype) * w[:, 0]
+    for i in range(1, w.shape[1]):  # the order of the sums over the whole step's taps below
+        y += seq[:, :, i].to(w.dtype) * w[:, i]
+    state.index_copy_(0, meta.slots, seq[:, :, 1:].to(state.dtype))
+    return F.silu(y).to(x.dtype)
+
+
+@register("short_conv", "batched", Capabilities(features=OPS.get("short_conv").features, **DECODE_GRAPHS))
 def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, meta) -> torch.Tensor:
     """x [T, C]; weight [C, 1, K] (the sums in its dtype); state [slots, C, K - 1] -> [T, C] in x's
     dtype; each row's state left as its last K - 1 inputs (kernels/reference: `short_conv`)."""
+    if meta.decode and meta.slots is not None:
+        return _conv_step(x, weight, state, meta)
     out = torch.empty_like(x)
     k = weight.shape[-1]
     tokens, taps, last, slots, fresh = _index(meta, k)
@@ -67,3 +102,79 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, meta)
     out[torch.from_numpy(tokens).to(dev)] = F.silu(y).to(x.dtype)
     state[slot_t] = src[torch.from_numpy(last).to(dev)].transpose(1, 2).to(state.dtype)  # [R, C, K - 1]
     return out
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+    s: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule for every row (fp32): q, k [R, HV, Dk] (q l2-normed and
+    scaled, k l2-normed), v [R, HV, Dv], decay [R, HV, Dk] or [R, HV, 1] (exp of the log decay),
+    beta [R, HV], s [R, HV, Dk, Dv]:
+        s' = decay s;  s = s' + k (beta (v - s'^T k))^T;  o = s^T q     -> (o [R, HV, Dv], s)"""
+    s = s * decay[..., None]
+    delta = (v - torch.einsum("rhk,rhkv->rhv", k, s)) * beta[..., None]  # [R, HV, Dv]
+    s = s + k[..., None] * delta[..., None, :]
+    return torch.einsum("rhk,rhkv->rhv", q, s), s
+
+
+def _recurrent_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    meta,
+) -> torch.Tensor:
+    """The decode step of kda_recurrence / gated_delta_rule: q, k [R, HV, Dk] (heads already
+    repeated to HV), v [R, HV, Dv], decay, beta as `_delta_step`; state [slots, HV, Dk, Dv] fp32
+    updated in the rows' slots -> [R, HV, Dv] in v's dtype."""
+    qn = _l2norm(q.float()) * q.shape[-1] ** -0.5
+    o, s = _delta_step(qn, _l2norm(k.float()), v.float(), decay, beta.float(), _initial(state, meta))
+    state.index_copy_(0, meta.slots, s)
+    return o.to(v.dtype)
+
+
+def _bind(op: str, decay: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """The batched `op` (kda_recurrence or gated_delta_rule: the reference's arguments and
+    result): a decode step for all rows at once, with decay(g fp32) the factor on the state
+    (KDA: exp(g) [R, H, Dk] per key channel; the gated delta rule: exp(g) [R, HV, 1] per value
+    head, the query / key heads repeated to HV); any other step through the reference."""
+    ref = getattr(reference, op)
+
+    def run(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        meta,
+        chunked: bool = True,
+    ) -> torch.Tensor:
+        if not (meta.decode and meta.slots is not None):
+            return ref(q, k, v, g, beta, state, meta, chunked)
+        rep = v.shape[1] // q.shape[1]
+        if rep > 1:  # value head j reads query / key head j // rep
+            q, k = (x.repeat_interleave(rep, dim=1) for x in (q, k))
+        return _recurrent_step(q, k, v, decay(g.float()), beta, state, meta)
+
+    run.__name__ = run.__qualname__ = f"{op}_batched"
+    run.__doc__ = f"{op}: the decode step batched over rows, other steps the reference's."
+    return run
+
+
+_DECODE_CAPS = Capabilities(features=frozenset({"chunked"}), priority=5, graphs=True)
+kda_recurrence = register("kda_recurrence", "batched", _DECODE_CAPS)(_bind("kda_recurrence", torch.exp))
+gated_delta_rule = register("gated_delta_rule", "batched", _DECODE_CAPS)(
+    _bind("gated_delta_rule", lambda g: g.exp()[..., None])
+)

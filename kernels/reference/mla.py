@@ -65,11 +65,24 @@ def mla_attention(
 
 
 def _topk_positions(score: torch.Tensor, pos: torch.Tensor, k: int) -> torch.Tensor:
-    """score [n, L] (-inf where not allowed), pos [L] -> the positions of the k best [n, k], -1
-    where fewer than k are allowed."""
-    width = min(k, score.shape[1])
-    best, idx = score.topk(width, dim=-1)
-    out = torch.where(torch.isfinite(best), pos[idx], -1)
+    """score [n, L] (-inf where not allowed), pos [L] increasing -> the positions of the k best
+    [n, k] in increasing order, -1 past the allowed ones when fewer than k are.
+
+    Ties at the k-th best score go to the lowest positions, so the selection does not depend on
+    L: columns of -inf appended (a CUDA graph's width, max model length / block size pages, over
+    a step's own) change nothing, and tied scores (ReLU zeros) select the same keys at any width:
+        c = the k-th best score;  chosen = {j: s_j > c} + the first k - |{s_j > c}| of {j: s_j = c}
+    (c = -inf: fewer than k allowed; every allowed j, no tie taken)."""
+    n, width = score.shape[1], min(k, score.shape[1])
+    if width == 0:
+        return torch.full((score.shape[0], k), -1, dtype=torch.long, device=score.device)
+    kth = score.topk(width, dim=-1).values[:, -1:]  # [n, 1]
+    above = score > kth
+    tied = (score == kth) & torch.isfinite(kth)
+    chosen = above | (tied & (tied.cumsum(-1) <= width - above.sum(-1, keepdim=True)))  # [n, L]
+    col = torch.arange(n, device=score.device)
+    first, idx = torch.where(chosen, col, n).topk(width, dim=-1, largest=False)  # chosen columns, in order
+    out = torch.where(first < n, pos[idx], -1)
     return torch.nn.functional.pad(out, (0, k - width), value=-1)
 
 

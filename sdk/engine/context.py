@@ -17,12 +17,19 @@ class StateMeta:
     pool [num_slots, slot_bytes] uint8 (a layer views its byte range in its own dtypes);
     slots_cpu[r] the slot of row r; has_initial_state_cpu[r]: the row continues an earlier step's
     state; False for a row starting at position 0, whose state starts from zeros (not whatever the
-    slot held before)."""
+    slot held before).
+    The same on the device (what a graph-safe kernel reads; None where a caller gives host
+    copies only): slots [R] int64, fresh [R] int64 (1: the row starts from zeros). decode: every
+    row has exactly one token, token r being row r's (a decode step: the kernels' vectorised
+    one-token path over `slots` / `fresh`, no host copy read)."""
 
     pool: torch.Tensor
     slots_cpu: tuple[int, ...]
     has_initial_state_cpu: tuple[bool, ...]
     query_start_cpu: tuple[int, ...]
+    slots: torch.Tensor | None = None
+    fresh: torch.Tensor | None = None
+    decode: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,13 +98,17 @@ def build_context(
     sample_rows = np.nonzero(np.asarray(plan.sample))[0]
     state = None
     if state_pool is not None and state_pool.numel():
-        slots = tuple(int(x) for x in plan.state_slots)
+        slots = np.asarray(plan.state_slots, dtype=np.int64)
         first = np.asarray(plan.kv_lens) - num_tokens  # position of each row's first token
+        dev = torch.from_numpy(np.concatenate((slots, first == 0)).astype(np.int64)).to(device)  # [2R]
         state = StateMeta(
             pool=state_pool,
-            slots_cpu=slots,
+            slots_cpu=tuple(slots.tolist()),
             has_initial_state_cpu=tuple(bool(f > 0) for f in first),
             query_start_cpu=qs_cpu,
+            slots=dev[: len(slots)],
+            fresh=dev[len(slots) :],
+            decode=bool((num_tokens == 1).all()),
         )
     return StepContext(
         input_ids=torch.from_numpy(np.asarray(plan.input_ids, dtype=np.int64)).to(device),

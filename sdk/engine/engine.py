@@ -257,8 +257,6 @@ class Engine:
         why = []
         if cfg.parallel.attention_dp and cfg.parallel.size > 1:
             why.append("data-parallel attention")
-        if any(g.kind == "state" for g in cfg.cache_groups):
-            why.append("a State cache group")
         if not self.max_model_len:
             why.append("no maximum model length")
         if mode == "auto" and (unsafe := self.ops.not_graph_safe()):

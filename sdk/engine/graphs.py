@@ -2,11 +2,15 @@
 
 A decode-only step (every row one new token) of R rows runs in the smallest captured bucket
 B >= R. The step's inputs live in static device buffers that the graph reads: token ids,
-positions, KV lengths and, per paged cache group, each row's new-token slot and block table.
+positions, KV lengths, per paged cache group each row's new-token slot and block table, and with
+a State group each row's state slot and fresh flag (1: it starts from zeros, at position 0).
 The host fills a pinned staging copy of them and moves it with one host-to-device copy (plus one
 2-D copy of each group's used table columns), then replays the graph; the logits [B, V] come
 out in a static buffer and the first R rows are sampled outside the graph. Rows R..B-1 are
-padding: KV length 0 (they attend to nothing) and their keys go to the pool's scratch slot.
+padding: KV length 0 (they attend to nothing), their keys go to the pool's scratch slot, their
+recurrent states start from zeros and are written to the pool's scratch state slot. The plan's
+state copies (restores before the step, snapshots after) stay outside the graph: the engine
+runs them around `run`, in stream order.
 
 Lengths are data, not shapes: the graph's kernels (Capabilities.graphs) size their grids from
 the row count alone, so one capture serves every context length. On the CPU (or with
@@ -23,7 +27,7 @@ import numpy as np
 import torch
 
 from dayzero.kernels.ops import PagedMeta
-from dayzero.sdk.engine.context import StepContext, fill_tokens
+from dayzero.sdk.engine.context import StateMeta, StepContext, fill_tokens
 from dayzero.sdk.engine.kv_pool import KvPool
 
 log = logging.getLogger(__name__)
@@ -62,10 +66,14 @@ class DecodeGraphs:
         b, w = self.sizes[-1], max_blocks
         self.groups = [g for g, v in enumerate(pool.views) if v is not None]  # paged groups
         n = len(self.groups)
+        self.state = pool.state_bytes > 0  # a State group: the rows' state slots and fresh flags
+        self.state_field = 3 + n  # its fields' index: [slots | fresh]
         pin = device.type == "cuda"
-        # [ids | positions | kv_lens | slots of each paged group], B each; one copy a step
-        self.staging = torch.zeros((3 + n) * b, dtype=torch.int64, pin_memory=pin)
-        self.vec = torch.zeros((3 + n) * b, dtype=torch.int64, device=device)
+        # [ids | positions | kv_lens | slots of each paged group (| state slots | fresh)], B each;
+        # one copy a step
+        fields = 3 + n + 2 * self.state
+        self.staging = torch.zeros(fields * b, dtype=torch.int64, pin_memory=pin)
+        self.vec = torch.zeros(fields * b, dtype=torch.int64, device=device)
         self.tables_host = [torch.zeros(b, w, dtype=torch.int32, pin_memory=pin) for _ in self.groups]
         self.tables = [torch.zeros(b, w, dtype=torch.int32, device=device) for _ in self.groups]
         self.query_start = torch.arange(b + 1, device=device)
@@ -81,9 +89,10 @@ class DecodeGraphs:
         b = self.sizes[-1]
         return self.vec[i * b : i * b + size]
 
-    def _context(self, size: int, kv_lens_cpu: tuple[int, ...] | None = None) -> StepContext:
-        """The step context of bucket `size` over the static buffers. kv_lens_cpu: the host copy
-        the reference kernels read when the buffers run eagerly (graph-safe kernels never do)."""
+    def _context(self, size: int, kv_lens_cpu: tuple[int, ...] | None = None, plan=None) -> StepContext:
+        """The step context of bucket `size` over the static buffers. kv_lens_cpu (and the state
+        slots of `plan`): the host copies the reference kernels read when the buffers run eagerly
+        (graph-safe kernels never do)."""
         ids, pos, kv = self._field(0, size), self._field(1, size), self._field(2, size)
         paged: list[PagedMeta | None] = [None] * len(self.pool.views)
         for j, g in enumerate(self.groups):
@@ -103,6 +112,26 @@ class DecodeGraphs:
             paged=paged,
             caches=self.pool.views,
             sample_index=self.sample_index[:size],
+            state=self._state_meta(size, plan) if self.state else None,
+        )
+
+    def _state_meta(self, size: int, plan) -> StateMeta:
+        """The rows' state slots and fresh flags in the static buffers; the host copies only for
+        a plan run eagerly (padding rows: the scratch slot, fresh)."""
+        slots, fresh = (self._field(self.state_field + i, size) for i in range(2))
+        host_slots, host_init = (self.pool.scratch_state_slot(),) * size, (False,) * size
+        if plan is not None:
+            r = plan.rows
+            host_slots = tuple(int(x) for x in plan.state_slots) + host_slots[r:]
+            host_init = tuple(bool(n > 1) for n in plan.kv_lens) + host_init[r:]
+        return StateMeta(
+            pool=self.pool.slots,
+            slots_cpu=host_slots,
+            has_initial_state_cpu=host_init,
+            query_start_cpu=tuple(range(size + 1)),
+            slots=slots,
+            fresh=fresh,
+            decode=True,
         )
 
     def fits(self, plan) -> bool:
@@ -127,6 +156,12 @@ class DecodeGraphs:
             s[(3 + j) * b + r : (3 + j) * b + size] = self.scratch[j]
             width = max(width, table.shape[1])
             self.tables_host[j].numpy()[:r, : table.shape[1]] = table
+        if self.state:  # a decode row at position 0 (a one-token prompt) starts from zeros
+            f = self.state_field * b
+            s[f : f + r] = plan.state_slots
+            s[f + r : f + size] = self.pool.scratch_state_slot()
+            s[f + b : f + b + r] = np.asarray(plan.kv_lens) == 1
+            s[f + b + r : f + b + size] = 1
         self.vec.copy_(self.staging, non_blocking=True)
         for j in range(len(self.groups)):
             self.tables[j][:r, :width].copy_(self.tables_host[j][:r, :width], non_blocking=True)
@@ -144,7 +179,7 @@ class DecodeGraphs:
             fill_tokens(self._field(0, size), *fill)
         if bucket.graph is None:  # eager over the same buffers (CPU, or capture off)
             lens = tuple(int(x) for x in plan.kv_lens) + (0,) * (size - plan.rows)
-            return self.model(self._context(size, lens))[: plan.rows]
+            return self.model(self._context(size, lens, plan))[: plan.rows]
         bucket.graph.replay()
         return bucket.logits[: plan.rows]
 
@@ -205,4 +240,8 @@ class DecodeGraphs:
         s[:] = 0
         for j in range(len(self.groups)):
             s[(3 + j) * b : (3 + j) * b + size] = self.scratch[j]
+        if self.state:
+            f = self.state_field * b
+            s[f : f + size] = self.pool.scratch_state_slot()
+            s[f + b : f + b + size] = 1
         self.vec.copy_(self.staging)

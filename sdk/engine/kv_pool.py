@@ -1,8 +1,10 @@
 """Physical KV memory behind the scheduler's logical blocks.
 
-Device pool bytes: [ state slots: num_slots x state_slot_bytes ][ pages: num_pages x page_bytes ]
-[ one scratch page ]. The scratch page lies past every block the scheduler hands out: the
-padding rows of a captured decode step write their keys there (`scratch_slot`).
+Device pool bytes: [ state slots: num_slots x state_slot_bytes ][ one scratch state slot ]
+[ pages: num_pages x page_bytes ][ one scratch page ] (no state slot at all for a model without
+a State group). The scratch page and slot lie past every block and slot the scheduler hands
+out: the padding rows of a captured decode step write their keys there (`scratch_slot`) and
+read and write their recurrent states there (`scratch_state_slot`).
 Block b of paged group g is rows [b * block_size, (b + 1) * block_size) of that group's view
 [num_pages * blocks_per_page[g] * block_size, padded_row_bytes[g]], seen in the cache dtype.
 Host pool: num_host_pages x page_bytes (pinned on CUDA), for retraction and demoted prefixes.
@@ -19,7 +21,8 @@ ROW_ALIGN = 256  # bytes; keeps every group's padded row a whole number of eleme
 class KvPool:
     def __init__(self, layout: dict, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         self.layout, self.block_size, self.dtype, self.device = layout, block_size, dtype, device
-        self.state_bytes = layout["num_slots"] * layout["state_slot_bytes"]
+        slot_bytes = layout["state_slot_bytes"]
+        self.state_bytes = (layout["num_slots"] + 1) * slot_bytes if slot_bytes else 0  # + scratch
         self.page_bytes = layout["page_bytes"]
         pages_held = layout["num_pages"] + 1  # + the scratch page
         total = self.state_bytes + pages_held * self.page_bytes
@@ -44,6 +47,10 @@ class KvPool:
     def scratch_slot(self, group: int) -> int:
         """A cache slot of `group` that no request owns (in the scratch page)."""
         return self.layout["num_pages"] * self.layout["blocks_per_page"][group] * self.block_size
+
+    def scratch_state_slot(self) -> int:
+        """A state slot that no request owns (past the scheduler's)."""
+        return self.layout["num_slots"]
 
     def apply(self, c) -> None:
         """The plan's copies that run before the forward pass (offload, reload, state restore)."""

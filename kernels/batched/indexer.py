@@ -1,0 +1,119 @@
+"""The sparse-attention indexers (DSA, KPool) vectorised over rows, over a width fixed by the
+block table: what a CUDA graph's decode step needs (the Triton indexer's contract,
+kernels/triton/indexer.py), in torch, on any device.
+
+The scores are [T, W B] by key position (or [T, W B / P] by pool), W the block table's width and
+B the block size: under a captured graph, max model length / block size pages whatever the
+step's context lengths, so one capture serves every length. Column j of token t (row r, position
+p_t) is visible iff j <= p_t, j < kv_len[r] and j's block is held; every other column is -inf
+(the reference's scores, then -inf: the same top-k, `index_topk` being independent of the
+width). Only device tensors are read (the rows from query_start, the lengths, the block table);
+no host copy, no sync: graph-safe.
+
+DSA:   I[t, j] = sum_h w[t, h] relu(scale <q[t, h], k_j>)                            (fp32)
+KPool: K_m = sum_{i < P} softmax_i(g[mP + i] + ape[i]) k[mP + i]   (per channel),
+       I[t, m] = sum_h w[t, h] relu(scale <q[t, h], K_m>),  pool m complete and m P + P - 1 <= p_t
+Memory: the rows' keys [R, W B, Di] (and gates), the scores of a chunk of tokens [Tc, Hi, W B]
+with Tc from CHUNK_BYTES.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dayzero.kernels.ops import PagedMeta
+from dayzero.kernels.reference.mla import index_topk
+from dayzero.kernels.registry import Capabilities, register
+
+CHUNK_BYTES = 64 << 20  # the scores' intermediates per token chunk, at most (about)
+_CAPS = dict(priority=5, graphs=True)
+
+
+def _layout(meta: PagedMeta, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row of each token [T], cache slot of each key column [R, W B], visible [T, W B])."""
+    bs, table = meta.block_size, meta.block_table
+    dev = table.device
+    rows = torch.searchsorted(meta.query_start, torch.arange(t, device=dev), right=True) - 1  # [T]
+    j = torch.arange(table.shape[1] * bs, device=dev)  # [W B]
+    blk = table[:, j // bs].long()  # [R, W B]
+    slots = blk.clamp(min=0) * bs + j % bs
+    held = (blk >= 0) & (j[None, :] < meta.kv_lens[:, None])  # [R, W B]
+    visible = held[rows] & (j[None, :] <= meta.positions[:, None])  # [T, W B]
+    return rows, slots, visible
+
+
+def _scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, scale: float):
+    """sum_h weights[t, h] relu(scale <q[t, h], keys[rows[t], j]>): q [T, Hi, Di], weights [T, Hi],
+    keys [R, L, Di] -> [T, L] fp32, in token chunks."""
+    t, hi, di = q.shape
+    length = keys.shape[1]
+    out = torch.empty(t, length, dtype=torch.float32, device=q.device)
+    step = max(1, CHUNK_BYTES // max(1, 4 * length * (hi + di)))
+    kf = keys.float()
+    for a in range(0, t, step):
+        b = min(t, a + step)
+        s = torch.relu(torch.einsum("thd,tld->thl", q[a:b].float(), kf[rows[a:b]]) * scale)  # [Tc, Hi, L]
+        out[a:b] = torch.einsum("th,thl->tl", weights[a:b].float(), s)
+    return out
+
+
+@register("dsa_scores", "batched", Capabilities(**_CAPS))
+def dsa_scores(
+    q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, meta: PagedMeta, scale: float
+) -> torch.Tensor:
+    """q [T, Hi, Di], weights [T, Hi] fp32, k_cache [N, Di] -> [T, W B] fp32 scores by key
+    position, -inf where a position is not visible."""
+    t = q.shape[0]
+    rows, slots, visible = _layout(meta, t)
+    keys = k_cache[slots]  # [R, W B, Di]
+    return _scores(q, weights, keys, rows, scale).masked_fill(~visible, float("-inf"))
+
+
+@register("kpool_scores", "batched", Capabilities(**_CAPS))
+def kpool_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    cache: torch.Tensor,
+    ape: torch.Tensor,
+    meta: PagedMeta,
+    pool: int,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, Hi, Di], weights [T, Hi] fp32, cache [N, 2 Di] rows [k ; g], ape [P, Di] -> [T, W B / P]
+    fp32 scores by pool, -inf where a pool is not complete before the query."""
+    t, di = q.shape[0], q.shape[-1]
+    rows, slots, visible = _layout(meta, t)
+    m = slots.shape[1] // pool
+    slots, visible = slots[:, : m * pool], visible[:, : m * pool]
+    kv = cache[slots].view(slots.shape[0], m, pool, 2 * di)  # [R, M, P, 2 Di]
+    keys, gate = kv[..., :di], kv[..., di:]
+    prob = torch.softmax(gate.float() + ape.float(), dim=2).to(keys.dtype)  # [R, M, P, Di]
+    pooled = (prob * keys).sum(2)  # [R, M, Di]
+    # a pool is visible when its last position is (positions before it are then visible too)
+    seen = visible.view(t, m, pool)[..., -1]  # [T, M]
+    return _scores(q, weights, pooled, rows, scale).masked_fill(~seen, float("-inf"))
+
+
+@register("dsa_index", "batched", Capabilities(**_CAPS))
+def dsa_index(
+    q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, meta: PagedMeta, topk: int, scale: float
+) -> torch.Tensor:
+    """The lightning indexer's selection [T, topk] (kernels/reference `dsa_index`)."""
+    return index_topk(dsa_scores(q, weights, k_cache, meta, scale), meta.positions, topk)
+
+
+@register("kpool_index", "batched", Capabilities(features=frozenset({"tail"}), **_CAPS))
+def kpool_index(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    cache: torch.Tensor,
+    ape: torch.Tensor,
+    meta: PagedMeta,
+    topk: int,
+    pool: int,
+    scale: float,
+    tail: bool = True,
+) -> torch.Tensor:
+    """The pooled indexer's selection [T, topk (+ P - 1)] (kernels/reference `kpool_index`)."""
+    scores = kpool_scores(q, weights, cache, ape, meta, pool, scale)
+    return index_topk(scores, meta.positions, topk, pool, tail)
