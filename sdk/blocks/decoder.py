@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dayzero.kernels.selection import OpTable
-from dayzero.sdk.blocks.norm import Embedding, LMHead, RMSNorm, Streams, residual
+from dayzero.sdk.blocks.norm import Embedding, LMHead, LowRankHyperResidual, RMSNorm, Streams, residual
 
 if TYPE_CHECKING:
     from dayzero.sdk.config.model import LayerCfg, ModelConfig
@@ -40,16 +40,16 @@ class Layer(nn.Module):
         """x: [T, Dm], or [T, N, Dm] with N residual streams; h [T, Dm] = attn_res.pre(x);
         nxt: the next layer's attention residual (None: last layer) -> (x', h', carry')."""
         if ctx.dp is None:
-            x, h, carry = self.attn_res.post_pre(x, self.attn(h, ctx), carry, self.mlp_res)
+            x, h, carry = self.attn_res.post_pre(x, self.attn(h, ctx), carry, self.mlp_res, ctx)
             y = self.mlp(h)
         else:  # data-parallel attention: the MLP (split over the ranks) sees every rank's tokens
             a = self.attn(h, ctx) if h.shape[0] else torch.zeros_like(h)  # a rank with no rows now
-            x, h, carry = self.attn_res.post_pre(x, a, carry, self.mlp_res)
+            x, h, carry = self.attn_res.post_pre(x, a, carry, self.mlp_res, ctx)
             d = ctx.dp
             y = self.mlp(self.tp.gather_rows(h, d.tokens), d.tokens)  # [T_r, Dm]
         if nxt is None:
             return self.mlp_res.post(x, y, carry), None, None
-        return self.mlp_res.post_pre(x, y, carry, nxt)
+        return self.mlp_res.post_pre(x, y, carry, nxt, ctx)
 
 
 class Decoder(nn.Module):
@@ -61,7 +61,11 @@ class Decoder(nn.Module):
         self.embed = Embedding(cfg.embedding, ops)
         self.streams = Streams(cfg.streams)
         self.layers = nn.ModuleList(Layer(layer, ops, self.ATTENTION, self.MLP) for layer in cfg.layers)
-        self.norm = RMSNorm(cfg.final_norm, ops)
+        # the streams' low-rank collapse replaces their mean and the final norm
+        self.collapse = (
+            None if cfg.collapse is None else LowRankHyperResidual(cfg.collapse, ops, combine=False)
+        )
+        self.norm = RMSNorm(cfg.final_norm, ops) if cfg.collapse is None else None
         self.head = LMHead(cfg.head, ops, self.embed)
         self.tp, self.attention_dp = ops.tp, cfg.parallel.attention_dp and cfg.parallel.size > 1
 
@@ -76,11 +80,12 @@ class Decoder(nn.Module):
         else:  # the vocab-parallel lookup of every rank's tokens, then this rank's rows
             x = self.embed(d.input_ids)[d.start : d.start + ctx.input_ids.shape[0]]
         x = self.streams.open(x)  # [T, Dm] or [T, N, Dm]
-        h, carry = self.layers[0].attn_res.pre(x)
+        h, carry = self.layers[0].attn_res.pre(x, ctx)
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].attn_res if i + 1 < len(self.layers) else None
             x, h, carry = layer(x, h, carry, ctx, nxt)
-        z = self.norm(self.streams.close(x[ctx.sample_index]))  # [S, Dm]
+        x = x[ctx.sample_index]  # [S, Dm] or [S, N, Dm]
+        z = self.norm(self.streams.close(x)) if self.collapse is None else self.collapse(x)  # [S, Dm]
         if d is not None:
             z = self.tp.gather_rows(z, d.sampled)  # every rank's sampling rows
         return self.head(z)  # [S, V] fp32

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dayzero.kernels.selection import OpTable
@@ -47,7 +48,7 @@ class Residual(nn.Module):
         # x' = x a + y b: depth-scaled adds and the branch's scale
         self.scales = (math.sqrt((k - 1) / k), m / math.sqrt(k)) if k else ((1.0, m) if m != 1.0 else None)
 
-    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def pre(self, x: torch.Tensor, ctx=None) -> tuple[torch.Tensor, None]:
         return (x if self.norm is None else self.norm(x)), None
 
     def post(self, x: torch.Tensor, y: torch.Tensor, carry: None = None) -> torch.Tensor:
@@ -57,11 +58,11 @@ class Residual(nn.Module):
             return x + y
         return y * self.scales[1] + x * self.scales[0]
 
-    def post_pre(self, x: torch.Tensor, y: torch.Tensor, carry: None, nxt: nn.Module):
-        """(x', h, carry) = (post(x, y), *nxt.pre(x'))."""
+    def post_pre(self, x: torch.Tensor, y: torch.Tensor, carry: None, nxt: nn.Module, ctx=None):
+        """(x', h, carry) = (post(x, y), *nxt.pre(x', ctx))."""
         if not isinstance(nxt, Residual) or nxt.norm is None or nxt.cfg.norm != self.cfg.norm:
             x = self.post(x, y, carry)
-            return (x, *nxt.pre(x))
+            return (x, *nxt.pre(x, ctx))
         n = self.cfg.norm
         post = None if self.post_norm is None else self.post_norm.scale()
         x, h = self.ops.add_rms_norm(x, y, nxt.norm.scale(), n.eps, n.weight_in_fp32, post, self.scales)
@@ -92,7 +93,7 @@ class HyperResidual(nn.Module):
         self.scale = nn.Parameter(torch.empty(3))
         self.hc = hc
 
-    def pre(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def pre(self, x: torch.Tensor, ctx=None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         hc, n = self.hc, self.hc.streams
         flat = x.flatten(1).float()  # [T, N D]
         flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + hc.norm_eps)
@@ -115,14 +116,81 @@ class HyperResidual(nn.Module):
     ) -> torch.Tensor:
         post, comb = carry
         mixed = torch.matmul(comb.to(x.dtype).transpose(-1, -2), x)  # [T, N, D]: sum_i C_ij X_i
-        return post.to(x.dtype)[..., None] * y[:, None, :] + mixed
+        return spread(post, y, mixed)
 
-    def post_pre(self, x: torch.Tensor, y: torch.Tensor, carry, nxt: nn.Module):
+    def post_pre(self, x: torch.Tensor, y: torch.Tensor, carry, nxt: nn.Module, ctx=None):
         x = self.post(x, y, carry)
-        return (x, *nxt.pre(x))
+        return (x, *nxt.pre(x, ctx))
 
 
-def residual(cfg: ResidualCfg, ops: OpTable) -> nn.Module:
+def spread(w: torch.Tensor, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """X'_j = w_j y + X_j: the block's output y [T, D] into each stream of x [T, N, D] by its
+    weight w [T, N] (the hyper-connections' post weights)."""
+    return w.to(x.dtype)[..., None] * y[:, None, :] + x
+
+
+class LowRankHyperResidual(nn.Module):
+    """Qwen4-Exp's hyper-connections: N streams X [T, N, D] and a low-rank dynamic mixer.
+
+    Xn = rmsnorm_D(X) per stream (zero-centred: 1 + w, w [N D])           [T, N, D]
+    m = sigmoid(W_up silu(W_down flatten(Xn) / N))      W_down [R, N D], W_up [N D, R] -> [T, N, D]
+    block input h = mean_i m_i * Xn_i                                     [T, D]
+    inject = 2 sigmoid(W_inj flatten(Xn) / N)           W_inj [N, N D]    [T, N]
+    next X_j = X_j + inject_j f(h)
+    With `ngram` (per-layer n-gram embeddings, sdk/blocks/ngram.py) X <- X + ngram(X) first.
+    The collapse after the last layer (`combine` False) is the same mixer's h, with no final norm.
+
+    Where it differs from GLM-5.3-Flash's `HyperResidual` (whose stream copy, `Streams.open`,
+    and post add, `spread`, it shares): the mixing weights are per channel (m [N, D], a low-rank
+    function of the normed streams) rather than one scalar per stream, the block input is formed
+    from the normed streams and is not normed again, the post weights are 2 sigmoid(z / N) with
+    no learned scale or bias, and the streams are not mixed with each other (C = I, no Sinkhorn);
+    the final collapse is this mixer rather than the streams' mean and a norm.
+    """
+
+    def __init__(self, cfg: ResidualCfg, ops: OpTable, combine: bool = True, ngram: nn.Module | None = None):
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        n, d, r = cfg.hyper.streams, cfg.norm.dim, cfg.hyper.rank
+        self.norm = nn.Parameter(torch.empty(n * d))
+        self.down = nn.Parameter(torch.empty(r, n * d))
+        self.up = nn.Parameter(torch.empty(n * d, r))
+        self.inject = nn.Parameter(torch.empty(n, n * d)) if combine else None
+        self.ngram = ngram
+
+    def mix(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, N, D] -> (h [T, D], flatten(Xn) [T, N D])."""
+        c, ops, (t, n, d) = self.cfg, self.ops, x.shape
+        w = zero_centred(self.norm) if c.norm.zero_centred else self.norm
+        xn = ops.rms_norm(x, w.view(n, d), c.norm.eps, c.norm.weight_in_fp32).flatten(1)  # [T, N D]
+        m = torch.sigmoid(ops.linear(F.silu(ops.linear(xn, self.down) / n), self.up))  # [T, N D]
+        return (m * xn).view(t, n, d).mean(1), xn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The collapse: x [T, N, D] -> h [T, D]."""
+        return self.mix(x)[0]
+
+    def pre(self, x: torch.Tensor, ctx=None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if self.ngram is not None:
+            x = self.ngram(x, ctx)  # [T, N, D]
+        h, xn = self.mix(x)
+        inject = 2 * torch.sigmoid(self.ops.linear(xn, self.inject) / x.shape[1])  # [T, N]
+        return h, (x, inject)
+
+    def post(
+        self, x: torch.Tensor, y: torch.Tensor, carry: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        x, inject = carry  # the streams pre saw (after the n-gram injection)
+        return spread(inject, y, x)
+
+    def post_pre(self, x: torch.Tensor, y: torch.Tensor, carry, nxt: nn.Module, ctx=None):
+        x = self.post(x, y, carry)
+        return (x, *nxt.pre(x, ctx))
+
+
+def residual(cfg: ResidualCfg, ops: OpTable, ngram: nn.Module | None = None) -> nn.Module:
+    if cfg.kind == "hyper" and cfg.hyper.mixer == "lowrank":
+        return LowRankHyperResidual(cfg, ops, ngram=ngram)
     return HyperResidual(cfg, ops) if cfg.kind == "hyper" else Residual(cfg, ops)
 
 

@@ -58,6 +58,10 @@ class HyperCfg:
     sinkhorn_iters: int
     eps: float  # floor on pre / comb weights and on Sinkhorn sums
     norm_eps: float  # the unweighted RMS norm over the flattened streams
+    # "sinkhorn": manifold-constrained (GLM-5.3-Flash); "lowrank": Qwen4-Exp's low-rank dynamic
+    # mixer with per-stream injection weights and no stream mixing (sdk/blocks/norm.py)
+    mixer: Literal["sinkhorn", "lowrank"] = "sinkhorn"
+    rank: int = 0  # lowrank: R of the mixer's down / up projections
 
 
 @dataclass(frozen=True)
@@ -131,3 +135,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     symbols: tuple[tuple[str, Any], ...]  # every resolved symbol (for inspection and debugging)
     parallel: Parallel = ONE_RANK  # the blocks' configs are this rank's shards
+    # the streams' low-rank collapse (hyper-connections, mixer lowrank): replaces their average
+    # and the final norm
+    collapse: ResidualCfg | None = None

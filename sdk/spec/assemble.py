@@ -228,9 +228,13 @@ def _hyper(spec: Spec, r: Resolver) -> HyperCfg | None:
         sinkhorn_iters=r.number(res.sinkhorn_iters, int, f"{where}.sinkhorn_iters"),
         eps=r.number(res.eps, float, f"{where}.eps"),
         norm_eps=r.number(spec.norm.eps, float, "norm.eps"),
+        mixer=res.mixer,
+        rank=0 if res.rank is None else r.number(res.rank, int, f"{where}.rank"),
     )
     if cfg.streams < 1 or cfg.sinkhorn_iters < 1:
         raise SpecError(r.source, where, f"needs streams >= 1 and sinkhorn_iters >= 1, got {cfg}")
+    if (cfg.mixer == "lowrank") != (cfg.rank > 0):
+        raise SpecError(r.source, f"{where}.rank", f"a rank > 0 is needed by mixer: lowrank only, got {cfg}")
     return cfg
 
 
@@ -348,6 +352,7 @@ def resolve(
         layers=tuple(layers),
         final_norm=norm,
         streams=hyper.streams if hyper else 1,
+        collapse=ResidualCfg("hyper", norm, 0, hyper) if hyper and hyper.mixer == "lowrank" else None,
         head=HeadCfg(
             vocab,
             hidden,

@@ -143,8 +143,10 @@ class Residual(Strict):
     residual add (k = 2, 3, ... counting both adds of every layer) is r * sqrt((k-1)/k) + f / sqrt(k).
     hyper: manifold-constrained hyper-connections over `streams` residual streams (see
     `dayzero.sdk.blocks.norm.HyperResidual`); the embedding is copied into every stream and the
-    streams are averaged before the final norm. branch_scale m: each add is x + m f (Granite's
-    residual_multiplier; not with hyper)."""
+    streams are averaged before the final norm; with `mixer: lowrank` Qwen4-Exp's low-rank
+    dynamic mixer of rank `rank` (`LowRankHyperResidual`), whose collapse replaces the average
+    and the final norm. branch_scale m: each add is x + m f (Granite's residual_multiplier; not
+    with hyper)."""
 
     kind: Literal["prenorm", "sandwich", "postnorm", "hyper"]
     depth_scaled: bool = False
@@ -152,6 +154,8 @@ class Residual(Strict):
     streams: IntV = 1  # hyper
     sinkhorn_iters: IntV = 20  # hyper
     eps: FloatV = 1e-6  # hyper: floor added to the pre and comb weights and Sinkhorn sums
+    mixer: Literal["sinkhorn", "lowrank"] = "sinkhorn"  # hyper: how the streams are mixed
+    rank: IntV | None = None  # hyper, lowrank: the mixer's rank
 
 
 class Norm(Strict):
