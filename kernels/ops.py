@@ -132,8 +132,9 @@ declare_op(
 declare_op(
     "gqa_attention",
     "causal attention of q [T, H, D] over the paged K/V of each row -> [T, H, D]; sinks: a learned "
-    "logit per head [H] joins each softmax's denominator",
-    features={"causal", "sliding_window", "softcap", "sinks"},
+    "logit per head [H] joins each softmax's denominator; select: only the key positions of a "
+    "sparse indexer's selection [T, K] (-1 padded)",
+    features={"causal", "sliding_window", "softcap", "sinks", "select"},
 )
 declare_op("cache_write", "write rows [T, W] into their cache slots of a [N, W] cache view")
 declare_op(
@@ -154,6 +155,7 @@ declare_op(
 # over the ranks (all-reduce), then the same top-k on every rank
 declare_op("dsa_scores", "lightning indexer scores [T, L] fp32 by key position (-inf: not visible)")
 declare_op("kpool_scores", "pooled indexer scores [T, M] fp32 by pool of keys (-inf: not visible)")
+declare_op("qsa_scores", "QSA indexer scores [T, M] fp32 by block of mean-pooled keys (-inf: not visible)")
 declare_op(
     "index_topk",
     "indexer scores [T, M] over groups of P keys -> the top groups' positions (+ tail) [T, K]",

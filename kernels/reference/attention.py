@@ -67,12 +67,14 @@ def gqa_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    select: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention over paged K/V.
 
     For query token t at position p_t of row r and key position j < kv_lens[r]:
         s[t, h, j] = scale * <q[t, h], K_r[j, h // (H / Hk)]>     (optionally cap * tanh(s / cap))
         allowed iff j <= p_t and (window is None or j > p_t - window)
+                    and (select is None or j in select[t])  (a sparse indexer's [T, K], -1 padded)
         out[t, h] = sum_j softmax_j(s[t, h, :])[j] * V_r[j, h // (H / Hk)]
     With sinks [H] (learned per-head logits, gpt-oss): the softmax's denominator also holds
     exp(sinks[h]), a key that is always visible and has no value:
@@ -100,6 +102,8 @@ def gqa_attention(
         allowed = pos_k[None, :] <= pos_q[:, None]
         if window is not None:
             allowed &= pos_k[None, :] > pos_q[:, None] - window
+        if select is not None:
+            allowed &= (select[a:b, :, None] == pos_k[None, None, :]).any(1)
         s = s.masked_fill(~allowed[None], float("-inf"))
         if sinks is not None:  # one more logit per head and query, dropped after the softmax
             sink = sinks.float()[:, None, None].expand(h, b - a, 1)

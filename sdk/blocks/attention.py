@@ -51,6 +51,26 @@ class QkNormOpts(Strict):
     zero_centred: bool = False
 
 
+class QsaOpts(Strict):
+    """The QSA sparse indexer (Qwen4-Exp): scores over blocks of `pool` mean-pooled keys, the
+    best budget / pool blocks plus the query's incomplete block attended."""
+
+    kind: Literal["qsa"]
+    heads: IntV  # Hi indexer query heads
+    kv_heads: IntV = 1  # indexer key heads: one is implemented
+    head_dim: IntV  # Di
+    budget: IntV  # tokens selected from complete blocks (a multiple of pool)
+    pool: IntV  # P: consecutive keys averaged into one block
+
+
+@dataclass(frozen=True)
+class QsaCfg:
+    heads: int
+    head_dim: int
+    budget: int
+    pool: int
+
+
 class GqaOpts(Strict):
     kind: Literal["gqa"]
     heads: IntV
@@ -66,6 +86,7 @@ class GqaOpts(Strict):
     softcap: FloatV | None = None
     scale: FloatV | None = None  # default head_dim ** -0.5
     sinks: BoolV = False  # a learned logit per query head joins each softmax (gpt-oss)
+    indexer: QsaOpts | None = None  # sparse attention: the QSA indexer's selection
 
 
 @dataclass(frozen=True)
@@ -94,6 +115,7 @@ class GqaCfg:
     o_bias: bool = False  # the output projection's bias (b_o)
     par: Parallel = ONE_RANK  # tensor parallel: heads / kv_heads above are this rank's
     kv_total: int = 0  # the model's KV heads (sharded configs)
+    indexer: QsaCfg | None = None
 
 
 class GqaAttention(nn.Module):
@@ -111,18 +133,28 @@ class GqaAttention(nn.Module):
     o <- o * sigmoid(g (+ b_gate[h]))                   (output_gate)
     y = o W_o (+ b_o: o_bias, by default as bias)      [T, Dm]
 
+    With the QSA indexer (Qwen4-Exp) the attention sees only S(t), j in S(t) as well as j <= p_t:
+    [q_i; k_i] = x W_idx                 q_i [T, Hi, Di]; k_i [T, Di] (cached raw, own paged group)
+    q_i <- rope(rmsnorm_Di(q_i), p_t)    (the norm as the q/k norms, zero-centred with them; the
+                                          attention's RoPE table on the first rotary channels)
+    K_m = rope(rmsnorm_Di(mean_{i < P} k_i[m P + i]), m P)     complete blocks m of P keys
+    I[t, m] = sum_h relu(<q_i[t, h], K_m>) / sqrt(Di)          blocks ending at or before p_t
+    S(t) = the positions of the budget / P best blocks + [P floor((p_t + 1) / P), p_t] (the
+           query's incomplete block, always kept)
+
     Tensor parallel over P ranks: each rank holds H / P query heads (and their gates) and their
     KV heads (Hk / P, or, with Hk < P, the one KV head its query heads read: replicated), its
     columns of W_o; y = sum over ranks of o_r W_o,r (all-reduce), + b_o once; sinks split by
     head. A q/k norm over all heads is not sharded (its statistic spans the ranks).
     """
 
-    linear_weights = ("in_proj", "o_proj")  # may be packed
+    linear_weights = ("in_proj", "o_proj", "index_proj")  # may be packed
 
     def __init__(self, cfg: GqaCfg, ops: OpTable, caches: tuple[tuple[int, int], ...]) -> None:
         super().__init__()
         self.cfg, self.ops = cfg, ops
-        ((self.group, self.offset),) = caches  # one part: K and V
+        (self.group, self.offset), *index = caches  # K and V; with the indexer its keys
+        self.index_cache = index[0] if index else None
         h, hk, d = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.split = [h * d, hk * d, hk * d] + ([h * d] if cfg.output_gate != "none" else [])
         self.in_proj = nn.Parameter(torch.empty(sum(self.split), cfg.hidden))
@@ -139,12 +171,20 @@ class GqaAttention(nn.Module):
             params = dict(cfg.rope_params)
             inv, self.rope_factor = rope_table(cfg.rope_theta, cfg.rotary_dim, params, cfg.max_position)
         self.register_buffer("inv_freq", inv, persistent=False)  # fp32 in every model dtype
+        ix = cfg.indexer
+        if ix is not None:  # [q_i; k_i] projection and the indexer's q / k norms
+            self.index_proj = nn.Parameter(torch.empty((ix.heads + 1) * ix.head_dim, cfg.hidden))
+            self.index_q_norm = nn.Parameter(torch.empty(ix.head_dim))
+            self.index_k_norm = nn.Parameter(torch.empty(ix.head_dim))
 
     @staticmethod
     def parts(cfg: GqaCfg) -> dict[str, dict[str, int]]:
         h, hk, d = cfg.heads, cfg.kv_heads, cfg.head_dim
         proj = {"q": h * d, "k": hk * d, "v": hk * d} | ({"gate": h * d} if cfg.output_gate != "none" else {})
-        return {"in_proj": proj, "qkv_bias": {"q": h * d, "k": hk * d, "v": hk * d}}
+        out = {"in_proj": proj, "qkv_bias": {"q": h * d, "k": hk * d, "v": hk * d}}
+        if (ix := cfg.indexer) is not None:
+            out["index_proj"] = {"q": ix.heads * ix.head_dim, "k": ix.head_dim}
+        return out
 
     @staticmethod
     def shards(cfg: GqaCfg) -> dict[str, dict[str, Slice]]:
@@ -200,7 +240,10 @@ class GqaAttention(nn.Module):
             q = ops.qk_norm_rope_write(q, k, v, ctx.positions, prep, kv[:, 0], kv[:, 1], meta.slots)
         else:
             ops.kv_write(k, v, kv[:, 0], kv[:, 1], meta.slots)
-        if self.sinks is None:
+        if c.indexer is not None:
+            sel = self._select(x, ctx)  # [T, budget + P - 1] key positions, -1 padded
+            o = ops.gqa_attention(q, kv[:, 0], kv[:, 1], meta, c.scale, c.window, c.softcap, self.sinks, sel)
+        elif self.sinks is None:
             o = ops.gqa_attention(q, kv[:, 0], kv[:, 1], meta, c.scale, c.window, c.softcap)  # [T, H, D]
         else:
             o = ops.gqa_attention(q, kv[:, 0], kv[:, 1], meta, c.scale, c.window, c.softcap, self.sinks)
@@ -210,6 +253,39 @@ class GqaAttention(nn.Module):
             return ops.linear(o.reshape(t, -1), self.o_proj, self.o_bias)
         y = ops.tp.all_reduce(ops.linear(o.reshape(t, -1), self.o_proj))  # [T, Dm] summed over ranks
         return y if self.o_bias is None else y + self.o_bias
+
+    def _select(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """The QSA indexer's selection [T, budget + P - 1] of key positions (-1 padded)."""
+        c, ix, ops, t = self.cfg, self.cfg.indexer, self.ops, x.shape[0]
+        di = ix.head_dim
+        qi, ki = ops.linear(x, self.index_proj).split([ix.heads * di, di], dim=-1)  # [T, Hi Di], [T, Di]
+        zc = c.qk_norm_zero_centred
+        qw = zero_centred(self.index_q_norm) if zc else self.index_q_norm
+        kw = zero_centred(self.index_k_norm) if zc else self.index_k_norm
+        qi = ops.rms_norm(qi.reshape(t, ix.heads, di), qw, c.norm_eps, c.norm_weight_in_fp32)
+        if self.inv_freq is not None:
+            qi = ops.rope(qi, ctx.positions, self.inv_freq, c.neox)  # [T, Hi, Di]
+        g, off = self.index_cache
+        cache = ctx.caches[g][:, off : off + di]  # [N, Di] raw index keys
+        meta = ctx.paged[g]
+        ops.cache_write(ki, cache, meta.slots)
+        score = ops.qsa_scores(qi, cache, kw, c.norm_eps, self.inv_freq, c.neox, meta, ix.pool, di**-0.5)
+        return ops.index_topk(score, ctx.positions, ix.budget, ix.pool, True)
+
+
+def _resolve_qsa(o: QsaOpts, val, rot: int, window: int | None) -> QsaCfg:
+    ix = QsaCfg(int(val(o.heads)), int(val(o.head_dim)), int(val(o.budget)), int(val(o.pool)))
+    if int(val(o.kv_heads)) != 1:
+        raise ValueError(
+            f"the QSA indexer implements one key head (indexer kv_heads 1), got {val(o.kv_heads)}"
+        )
+    if min(ix.heads, ix.head_dim, ix.budget, ix.pool) <= 0 or ix.budget % ix.pool:
+        raise ValueError(f"QSA indexer budget {ix.budget} must be a positive multiple of pool {ix.pool}")
+    if rot > ix.head_dim:
+        raise ValueError(f"{rot} rotary channels exceed the QSA indexer head_dim {ix.head_dim}")
+    if window is not None:
+        raise ValueError("the QSA indexer is not implemented with a sliding window")
+    return ix
 
 
 def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
@@ -243,6 +319,7 @@ def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
     heads, kv_heads = int(val(o.heads)), int(val(o.kv_heads))
     if kv_heads <= 0 or heads % kv_heads:
         raise ValueError(f"{heads} query heads do not split into groups over {kv_heads} KV heads")
+    window = None if o.window is None or val(o.window) is None else int(val(o.window))
     return GqaCfg(
         hidden=int(val("$hidden")),
         heads=heads,
@@ -257,7 +334,7 @@ def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
         neox=True if rope is None else rope.neox,
         rope_params=tuple(sorted((k, _frozen(v)) for k, v in params.items())),
         max_position=max_pos,
-        window=None if o.window is None or val(o.window) is None else int(val(o.window)),
+        window=window,
         output_gate=o.output_gate,
         query_scaling=None if qs is None else (float(val(qs.base)), float(val(qs.exponent))),
         softcap=None if o.softcap is None or val(o.softcap) is None else float(val(o.softcap)),
@@ -266,12 +343,15 @@ def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
         qk_norm_zero_centred=qk.zero_centred,
         sinks=bool(val(o.sinks)),
         o_bias=bool(val(o.bias if o.o_bias is None else o.o_bias)),
+        indexer=None if o.indexer is None else _resolve_qsa(o.indexer, val, rot, window),
     )
 
 
 def _shard_gqa(c: GqaCfg, par: Parallel) -> GqaCfg:
     if c.qk_norm and c.qk_norm_over == "all":
         raise ValueError("a q/k norm over all heads (qk_norm.over: all) is not tensor-parallel yet")
+    if c.indexer is not None:
+        raise ValueError("the QSA indexer is not tensor-parallel yet")
     h = par.even(c.heads, "query heads")
     if c.kv_heads % par.size and par.size % c.kv_heads:
         raise ValueError(
@@ -290,6 +370,7 @@ def _frozen(v: Any) -> Any:
 def _gqa_needs(c: GqaCfg):
     attn = {"causal"} | ({"sliding_window"} if c.window else set()) | ({"softcap"} if c.softcap else set())
     attn |= {"sinks"} if c.sinks else set()
+    attn |= {"select"} if c.indexer else set()
     needs = [
         ("linear", frozenset({"bias"}) if c.bias or c.o_bias else frozenset(), None),
         ("gqa_attention", frozenset(attn), c.head_dim),
@@ -312,18 +393,28 @@ def _gqa_needs(c: GqaCfg):
         needs.append(
             ("sigmoid_gate", frozenset({"bias"} if c.output_gate == "sigmoid_head_bias" else ()), None)
         )
+    if c.indexer is not None:
+        needs += [("rms_norm", frozenset(fp32), None), ("cache_write", frozenset(), None)]
+        needs += [("qsa_scores", frozenset(), None), ("index_topk", frozenset({"tail"}), None)]
+        if c.rope_theta is not None:
+            rope = {"partial"} | ({"neox"} if c.neox else set())
+            needs.append(("rope", frozenset(rope), None))
     return needs
 
 
 def _gqa_cache(c: GqaCfg) -> tuple[CacheDecl, ...]:
     row = 2 * c.kv_heads * c.head_dim
-    return (CacheDecl("kv", "sliding", row, c.window) if c.window else CacheDecl("kv", "paged", row),)
+    kv = CacheDecl("kv", "sliding", row, c.window) if c.window else CacheDecl("kv", "paged", row)
+    return (kv,) if c.indexer is None else (kv, CacheDecl("index", "paged", c.indexer.head_dim))
 
 
 def _gqa_static_cache(o: GqaOpts) -> tuple[StaticCache, ...]:
-    if o.window is None:
-        return (StaticCache("kv", "paged", "", "kv"),)
-    return (StaticCache("kv", "sliding", str(o.window), "kv_swa"),)
+    kv = (
+        StaticCache("kv", "paged", "", "kv")
+        if o.window is None
+        else StaticCache("kv", "sliding", str(o.window), "kv_swa")
+    )
+    return (kv,) if o.indexer is None else (kv, StaticCache("index", "paged", "index_qsa", "index"))
 
 
 BLOCKS.add(

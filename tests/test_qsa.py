@@ -1,0 +1,130 @@
+"""The QSA sparse indexer (sdk/blocks/attention.py, gqa `indexer: {kind: qsa}`) layer by layer
+against the transformers module it mirrors, qwen4_exp's Qwen4ExpTextAttention with its
+Qwen4ExpTextQSAIndexer, on random weights and inputs, fp32 on CPU.
+
+The reference's ReLU scores tie at zero on small random weights and `topk` breaks ties by
+position (docs/architecture.md, "Sparse attention and ties"), so here every query's pooled
+scores are checked to be tie-free at the budget boundary before the selections (sets of key
+positions) and the attention outputs are compared; the budget (2 blocks of 4) is far below the
+48 tokens, so the layer really prunes. 2 seeds, tolerance 1e-5 absolute (outputs O(1)); the
+budget at least the sequence (every key selected) equals dense attention.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from one_row import context
+
+from dayzero.kernels.selection import OpTable
+from dayzero.sdk.blocks import BLOCKS
+from dayzero.sdk.blocks.attention import GqaAttention, GqaCfg, QsaCfg
+from dayzero.sdk.blocks.rope import rope_table
+from dayzero.sdk.config.model import CacheGroupCfg
+
+T, TOL, SEEDS = 48, 1e-5, (0, 1)
+HIDDEN, H, HK, D, HI, DI, EPS = 48, 4, 2, 16, 4, 12, 1e-6
+
+
+def _pair(seed: int, budget: int, pool: int) -> tuple[GqaAttention, torch.nn.Module, torch.nn.Module]:
+    from transformers import Qwen4ExpTextConfig
+    from transformers.models.qwen4_exp.modeling_qwen4_exp import (
+        Qwen4ExpTextAttention,
+        Qwen4ExpTextRotaryEmbedding,
+    )
+
+    hf = Qwen4ExpTextConfig(
+        hidden_size=HIDDEN, num_attention_heads=H, num_key_value_heads=HK, head_dim=D, num_hidden_layers=1,
+        layer_types=["indexed_attention"], rms_norm_eps=EPS, indexer_n_heads=HI, indexer_kv_heads=1,
+        indexer_head_dim=DI, indexer_budget=budget, indexer_compress_ratio=pool,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )  # fmt: skip
+    hf._attn_implementation = "eager"
+    ref = Qwen4ExpTextAttention(hf, 0).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() == 1:  # zero-centred norms: applied as 1 + w
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    rot = D // 2
+    cfg = GqaCfg(
+        hidden=HIDDEN, heads=H, kv_heads=HK, head_dim=D, bias=False, qk_norm=True, norm_eps=EPS,
+        norm_weight_in_fp32=True, rope_theta=10000.0, rotary_dim=rot, neox=True, rope_params=(),
+        max_position=None, window=None, output_gate="sigmoid", query_scaling=None, softcap=None,
+        scale=D**-0.5, qk_norm_zero_centred=True, indexer=QsaCfg(HI, DI, budget, pool),
+    )  # fmt: skip
+    ops = OpTable(torch.device("cpu"), torch.float32)
+    for op, features, head_dim in BLOCKS.get("gqa").needs(cfg):
+        ops.need(op, features, head_dim)
+    ours = GqaAttention(cfg, ops.resolve(), ((0, 0), (1, 0)))
+    q, gate = ref.q_proj.weight.view(H, 2, D, HIDDEN).unbind(1)
+    with torch.no_grad():
+        kv = (ref.k_proj.weight, ref.v_proj.weight)
+        ours.in_proj.copy_(torch.cat((q.flatten(0, 1), *kv, gate.flatten(0, 1))))  # [q; k; v; gate]
+        ours.o_proj.copy_(ref.o_proj.weight)
+        ours.q_norm.copy_(ref.q_norm.weight)
+        ours.k_norm.copy_(ref.k_norm.weight)
+        ours.index_proj.copy_(ref.indexer.index_qk_proj.weight)
+        ours.index_q_norm.copy_(ref.indexer.q_layernorm.weight)
+        ours.index_k_norm.copy_(ref.indexer.k_layernorm.weight)
+    assert torch.allclose(ours.inv_freq, rope_table(10000.0, rot, {"rope_type": "default"}, None)[0])
+    return ours, ref, Qwen4ExpTextRotaryEmbedding(hf)
+
+
+def _spy(module: GqaAttention, op: str) -> dict:
+    """Record what an op of the block returns."""
+    seen: dict = {}
+    inner = getattr(module.ops, op)
+
+    def spy(*args):
+        seen["out"] = inner(*args)
+        return seen["out"]
+
+    module.ops._calls[op] = spy
+    return seen
+
+
+def _tie_free(score: torch.Tensor, k: int, gap: float = 2e-6) -> bool:
+    """score [T, M] (-inf where not visible): every query with more than k visible blocks has a
+    gap between its k-th and (k+1)-th best well above fp32 rounding."""
+    best = score.sort(dim=-1, descending=True).values
+    rows = torch.isfinite(best[:, k]) if best.shape[1] > k else torch.zeros(len(best), dtype=torch.bool)
+    return bool((best[rows, k - 1] - best[rows, k] > gap).all())
+
+
+def _run(seed: int, budget: int, pool: int):
+    ours, ref, rotary = _pair(seed, budget, pool)
+    scores, sel = _spy(ours, "qsa_scores"), _spy(ours, "index_topk")
+    x = torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(100 + seed))
+    groups = [
+        CacheGroupCfg("kv", "paged", None, 2 * HK * D, (0,)),
+        CacheGroupCfg("index", "paged", None, DI, (0,)),
+    ]
+    with torch.no_grad():
+        got = ours(x, context(T, groups))
+        rope = rotary(x[None], torch.arange(T)[None])
+        mask = torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None]
+        want, _ = ref(x[None], rope, mask)
+        want_mask = ref.indexer(x[None], rope, mask, None)[0, 0]  # [T, T] selected keys
+    return got, want[0], scores["out"], sel["out"], want_mask
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_qsa_layer_selects_and_attends_like_the_reference(seed: int) -> None:
+    budget, pool = 8, 4  # two blocks of four out of up to twelve, plus the query's incomplete block
+    got, want, scores, sel, want_mask = _run(seed, budget, pool)
+    assert _tie_free(scores, budget // pool), f"seed {seed}: pooled scores tie; pick another seed"
+    ours_sets = [set(r[r >= 0].tolist()) for r in sel]
+    ref_sets = [set(torch.nonzero(r).flatten().tolist()) for r in want_mask]
+    assert ours_sets == ref_sets
+    assert max(len(s) for s in ref_sets) <= budget + pool - 1 < T // 2  # the selection is really sparse
+    assert (got - want).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_qsa_with_the_budget_over_the_sequence_is_dense(seed: int) -> None:
+    got, want, _, sel, _ = _run(seed, budget=T, pool=4)
+    assert [set(r[r >= 0].tolist()) for r in sel] == [set(range(t + 1)) for t in range(T)]
+    assert (got - want).abs().max().item() < TOL
