@@ -19,6 +19,14 @@ trims every 500 requests too, so RSS between two trims saws up and down by some 
 is then held against the growth of that RSS from the warm-up to the end; without the probe,
 against the least-squares slope.
 
+The leak itself is read from the server's /metrics at each sample: the C heap in use (glibc's
+mallinfo2: what malloc handed out and never got back) and Python's allocated blocks. The bound
+--max-heap-growth holds against the least-squares slope of the heap in use from the warm-up on.
+Every prompt new (the default), each request brings one word the tokenizer has not seen (its
+number); HF tokenizers keep a cache of 10,000 words (about 340 bytes of C heap each), so the
+heap grows by that much a request until request ~10,000, then stops: the default warm-up,
+11,000 requests, is past it.
+
 --big MB first sends one completion whose prompt is MB megabytes of text and prints its status,
 the time to the answer and the server's peak RSS while it ran (sampled every 5 ms), e.g.
 
@@ -43,6 +51,21 @@ from pathlib import Path
 import httpx
 
 MAX_GROWTH = 1024.0  # bytes a request after the warm-up (docs/serving.md: what was measured)
+MAX_HEAP_GROWTH = 256.0  # bytes a request of malloc'd memory still in use (docs/serving.md)
+
+
+def heap(url: str) -> tuple[float, float, float] | None:
+    """The server's /metrics heap gauges: (C heap in use, C heap held free, in bytes; Python
+    blocks), None where the server has no mallinfo2 (not glibc)."""
+    want = {'dayzero_heap_bytes{state="in_use"}': 0, 'dayzero_heap_bytes{state="free"}': 1}
+    got: list[float | None] = [None, None, None]
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in want:
+            got[want[name]] = float(value)
+        elif name == "dayzero_python_allocated_blocks":
+            got[2] = float(value)
+    return None if None in got else (got[0], got[1], got[2])  # type: ignore[return-value]
 
 
 def rss_kib(pid: int) -> int:
@@ -163,14 +186,15 @@ def big_request(url: str, pid: int | None, megabytes: float) -> None:
 
 async def soak(
     args: argparse.Namespace, url: str, pid: int | None
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The requests; (requests done, RSS KiB) samples from the warm-up on, and with the trim
-    probe, (requests done, RSS KiB after a malloc_trim) at the warm-up and at the end (the
-    workers wait meanwhile)."""
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+    """The requests; (requests done, RSS KiB) samples from the warm-up on, with the trim probe
+    (requests done, RSS KiB after a malloc_trim) at the warm-up and at the end (the workers wait
+    meanwhile), and (requests done, C heap in use KiB) samples from the warm-up on."""
     done = 0
     failures = 0
     samples: list[tuple[int, int]] = []
     floors: list[tuple[int, int]] = []
+    in_use: list[tuple[int, int]] = []
     t0 = time.monotonic()
     next_report = args.warmup
     probe = bool(pid) and not args.no_trim_probe
@@ -178,13 +202,18 @@ async def soak(
     def report(label: str) -> None:
         rss = rss_kib(pid) if pid else 0
         rate = done / max(time.monotonic() - t0, 1e-9)
+        h = heap(url)
+        mem = "" if h is None else f"  heap {h[0] / 2**20:7.1f} MiB in use, {h[1] / 2**20:6.1f} free"
+        mem += "" if h is None else f"  py blocks {h[2]:,.0f}"
         print(
             f"{label:>9} {done:>7} requests  {time.monotonic() - t0:7.1f} s  {rate:6.1f} req/s  "
-            f"RSS {rss / 1024:8.1f} MiB  failures {failures}",
+            f"RSS {rss / 1024:8.1f} MiB{mem}  failures {failures}",
             flush=True,
         )
         if done >= args.warmup and pid:
             samples.append((done, rss))
+        if done >= args.warmup and h is not None:
+            in_use.append((done, int(h[0] // 1024)))
 
     report("start")
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
@@ -213,7 +242,7 @@ async def soak(
     report("end")
     if failures:
         print(f"{failures} requests failed", flush=True)
-    return samples, floors
+    return samples, floors, in_use
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--warmup",
         type=int,
-        default=4000,
-        help="requests before the growth is measured (the word cache fills)",
+        default=11000,
+        help="requests before the growth is measured (the tokenizer's 10,000-word cache fills)",
     )
     p.add_argument("--every", type=int, default=1000, help="print RSS every this many requests")
     p.add_argument("--timeout", type=float, default=120, help="seconds a request may take")
@@ -239,6 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=MAX_GROWTH,
         help=f"the bound: FAIL (exit 1) when RSS grows faster, bytes a request (default {MAX_GROWTH})",
+    )
+    p.add_argument(
+        "--max-heap-growth",
+        type=float,
+        default=MAX_HEAP_GROWTH,
+        help="the leak bound: FAIL when the C heap in use (malloc's, from /metrics) grows faster, bytes a "
+        f"request (default {MAX_HEAP_GROWTH})",
     )
     p.add_argument("--no-trim-probe", action="store_true", help="no 1.1 MB body at the end")
     args = p.parse_args(argv)
@@ -253,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.big:
             big_request(url, pid, args.big)
-        samples, floors = asyncio.run(soak(args, url, pid)) if args.requests else ([], [])
+        samples, floors, in_use = asyncio.run(soak(args, url, pid)) if args.requests else ([], [], [])
     finally:
         if proc is not None:
             proc.terminate()
@@ -279,7 +315,18 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     ok = growth <= args.max_growth
-    print(f"{'PASS' if ok else 'FAIL'}: {growth:+.1f} bytes a request, bound {args.max_growth:g}", flush=True)
+    verdict = f"{growth:+.1f} bytes a request of RSS, bound {args.max_growth:g}"
+    if len(in_use) >= 2:  # the leak itself: memory malloc handed out and never got back
+        leak = slope(in_use)
+        print(
+            f"C heap in use {in_use[0][1] / 1024:.1f} MiB at {in_use[0][0]} requests, "
+            f"{in_use[-1][1] / 1024:.1f} MiB at {in_use[-1][0]}: {leak:+.1f} bytes a request "
+            f"(least squares over {len(in_use)} samples)",
+            flush=True,
+        )
+        ok = ok and leak <= args.max_heap_growth
+        verdict += f"; {leak:+.1f} of C heap in use, bound {args.max_heap_growth:g}"
+    print(f"{'PASS' if ok else 'FAIL'}: {verdict}", flush=True)
     return 0 if ok else 1
 
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import signal
+import sys
 import time
 
 import httpx
@@ -387,6 +388,10 @@ def test_metrics_count_requests_tokens_and_latencies(server, client) -> None:
         server.metric("dayzero_prompt_tokens_total") > 0
         and server.metric("dayzero_generation_tokens_total") > 0
     )
+    assert server.metric("dayzero_python_allocated_blocks") > 0
+    if sys.platform.startswith("linux"):  # glibc's mallinfo2: the C heap in use holds the model's weights
+        assert server.metric("dayzero_heap_bytes", '{state="in_use"}') > 100 * 2**20
+        assert server.metric("dayzero_heap_bytes", '{state="free"}') >= 0
 
 
 async def _stream_one(

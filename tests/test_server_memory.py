@@ -146,12 +146,14 @@ def test_rss_growth_per_request_after_warmup_is_bounded(server) -> None:
         *("--url", server.url, "--pid", str(server.proc.pid)),
         *("--requests", "300", "--warmup", "100", "--every", "40", "--concurrency", "2"),
         *("--max-tokens", "1", "--distinct", "60", "--max-growth", str(GROWTH_BOUND), "--no-trim-probe"),
+        *("--max-heap-growth", str(GROWTH_BOUND)),
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     end = [ln for ln in run.stdout.splitlines() if ln.lstrip().startswith("end")]
     assert end and "failures 0" in end[-1], run.stdout[-2000:]
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert run.stdout.splitlines()[-1].startswith("PASS: "), run.stdout[-2000:]
+    assert "of C heap in use" in run.stdout.splitlines()[-1], run.stdout[-2000:]  # /metrics' mallinfo2 read
 
 
 def test_a_client_gone_mid_stream_is_counted_abort_and_logged_by_its_openai_id(server) -> None:

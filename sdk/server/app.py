@@ -212,6 +212,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        state.metrics.observe_memory()
         return Response(generate_latest(state.metrics.registry), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dayzero.sdk.server.workers import heap_bytes
 
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -37,6 +41,26 @@ class Metrics:
         )
         self.tokens_in = Counter("dayzero_prompt_tokens", "Prompt tokens", registry=r)
         self.tokens_out = Counter("dayzero_generation_tokens", "Generated tokens", registry=r)
+        self.heap = Gauge(
+            "dayzero_heap_bytes",
+            "The C heap (glibc malloc, every arena): in_use = handed out and not freed (a leak grows "
+            "it), free = freed chunks malloc keeps for reuse (their whole pages stay resident until "
+            "a malloc_trim)",
+            ["state"],
+            registry=r,
+        )
+        self.python_blocks = Gauge(
+            "dayzero_python_allocated_blocks",
+            "Python objects' memory blocks (sys.getallocatedblocks)",
+            registry=r,
+        )
+
+    def observe_memory(self) -> None:
+        """The heap gauges, read when /metrics is scraped (mallinfo2: a walk of malloc's free lists)."""
+        if (heap := heap_bytes()) is not None:
+            self.heap.labels("in_use").set(heap[0])
+            self.heap.labels("free").set(heap[1])
+        self.python_blocks.set(sys.getallocatedblocks())
 
     def observe_engine(self, engine) -> None:
         s = engine.scheduler

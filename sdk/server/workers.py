@@ -91,6 +91,50 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return trim
 
 
+class _Mallinfo2(ctypes.Structure):
+    """glibc's struct mallinfo2 (2.33+): byte counts summed over every malloc arena."""
+
+    _fields_ = [
+        ("arena", ctypes.c_size_t),
+        ("ordblks", ctypes.c_size_t),
+        ("smblks", ctypes.c_size_t),
+        ("hblks", ctypes.c_size_t),
+        ("hblkhd", ctypes.c_size_t),  # mmap'd chunks
+        ("usmblks", ctypes.c_size_t),
+        ("fsmblks", ctypes.c_size_t),
+        ("uordblks", ctypes.c_size_t),  # in use
+        ("fordblks", ctypes.c_size_t),  # free
+        ("keepcost", ctypes.c_size_t),
+    ]
+
+
+@functools.cache
+def _mallinfo2() -> Callable[[], _Mallinfo2] | None:
+    """glibc's mallinfo2 (None elsewhere, and on glibc before 2.33)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        info = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    info.argtypes, info.restype = [], _Mallinfo2
+    return info
+
+
+def heap_bytes() -> tuple[int, int] | None:
+    """(bytes malloc has handed out and not had back: uordblks + hblkhd, the memory in use; bytes
+    of freed chunks it keeps for reuse: fordblks, whose whole pages stay resident until a
+    malloc_trim), over every arena; None where there is no glibc mallinfo2. A growing first
+    number is a leak (C or C++ objects never freed, or a cache filling); a growing RSS with a flat
+    first number is the allocator keeping pages. Python's small objects live in pymalloc's own
+    arenas, outside both (sys.getallocatedblocks)."""
+    info = _mallinfo2()
+    if info is None:
+        return None
+    m = info()
+    return m.uordblks + m.hblkhd, m.fordblks
+
+
 def give_memory_back() -> bool:
     """Return the C heap's free pages to the system (glibc malloc_trim(0)): a big request's
     buffers, once freed, otherwise stay in the process's RSS. False where there is no glibc."""
