@@ -118,6 +118,11 @@ def _admit(reg: Registry[Family], source: Source) -> Family:
     return fam
 
 
+def gguf_architectures(spec: Spec) -> list[str]:
+    """The general.architecture values of the GGUF files a spec's gguf section reads by name."""
+    return [a for w in spec.weights if w.format == "gguf" for a in w.general_architecture]
+
+
 def _shared(fam: Family, other: Family) -> tuple[str, str] | None:
     """(the spec field, what) fam's spec claims that other's already does: the name, an
     architecture, a model_type (a spec that does not load serves nothing: `dayzero specs`
@@ -189,11 +194,6 @@ def family_for(hf: dict, source: str = "config.json") -> Family:
         f"{arch} ({whose(by_arch)}) and model_type {mtype!r} ({whose(by_type)}) disagree; if the "
         f"checkpoint is a {guess.name} model whose config is wrong, name the family: --family {guess.name}",
     )
-
-
-def gguf_architectures(spec: Spec) -> list[str]:
-    """The general.architecture values of the GGUF files a spec's gguf section reads by name."""
-    return [a for w in spec.weights if w.format == "gguf" for a in w.general_architecture]
 
 
 def family_for_gguf(arch: str, source: str) -> Family:
