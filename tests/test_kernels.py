@@ -36,7 +36,7 @@ def test_select_returns_the_reference_kernel_on_cpu() -> None:
 def test_unknown_feature_lists_the_known_ones() -> None:
     with pytest.raises(KernelSelectionError) as info:
         select(Need("gqa_attention", frozenset({"causal", "alibi"})), CPU, torch.float32)
-    known = "causal, sinks, sliding_window, softcap"
+    known = "causal, select, sinks, sliding_window, softcap"
     assert str(info.value) == f"op 'gqa_attention' has no feature alibi; known: {known}"
 
 
