@@ -18,7 +18,11 @@ echo "== generated files are current"
 "$PY" -m dayzero.sdk.cli codegen --check
 
 echo "== python tests (unit, kernels, loader, engine, CLI, and each family's generated parity test)"
-"$PY" -m pytest -q --durations=25 tests models  # exits 5 (a failure here) if nothing was collected
+# Two workers (pytest-xdist, a test file a worker: module fixtures are built once), each torch
+# single-threaded: the tests' models are tiny, and two threads a process on a 2-core machine that
+# also runs servers and gloo ranks spin against each other (tiny ops 5-40x slower, measured).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+"$PY" -m pytest -q --durations=25 -n "${TEST_WORKERS:-2}" --dist loadfile tests models  # exits 5 (a failure here) if nothing was collected
 
 for mode in plain asan; do
   echo "== C++ tests ($mode)"
