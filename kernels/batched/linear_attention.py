@@ -104,28 +104,6 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, meta)
     return out
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
-
-
-def _delta_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    decay: torch.Tensor,
-    beta: torch.Tensor,
-    s: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of the gated delta rule for every row (fp32): q, k [R, HV, Dk] (q l2-normed and
-    scaled, k l2-normed), v [R, HV, Dv], decay [R, HV, Dk] or [R, HV, 1] (exp of the log decay),
-    beta [R, HV], s [R, HV, Dk, Dv]:
-        s' = decay s;  s = s' + k (beta (v - s'^T k))^T;  o = s^T q     -> (o [R, HV, Dv], s)"""
-    s = s * decay[..., None]
-    delta = (v - torch.einsum("rhk,rhkv->rhv", k, s)) * beta[..., None]  # [R, HV, Dv]
-    s = s + k[..., None] * delta[..., None, :]
-    return torch.einsum("rhk,rhkv->rhv", q, s), s
-
-
 def _recurrent_step(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -136,10 +114,12 @@ def _recurrent_step(
     meta,
 ) -> torch.Tensor:
     """The decode step of kda_recurrence / gated_delta_rule: q, k [R, HV, Dk] (heads already
-    repeated to HV), v [R, HV, Dv], decay, beta as `_delta_step`; state [slots, HV, Dk, Dv] fp32
-    updated in the rows' slots -> [R, HV, Dv] in v's dtype."""
-    qn = _l2norm(q.float()) * q.shape[-1] ** -0.5
-    o, s = _delta_step(qn, _l2norm(k.float()), v.float(), decay, beta.float(), _initial(state, meta))
+    repeated to HV), v [R, HV, Dv], decay, beta as the reference's `delta_step`; state
+    [slots, HV, Dk, Dv] fp32 updated in the rows' slots -> [R, HV, Dv] in v's dtype."""
+    qn = reference.l2norm(q.float()) * q.shape[-1] ** -0.5
+    o, s = reference.delta_step(
+        qn, reference.l2norm(k.float()), v.float(), decay, beta.float(), _initial(state, meta)
+    )
     state.index_copy_(0, meta.slots, s)
     return o.to(v.dtype)
 

@@ -38,8 +38,20 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, meta)
     return out
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum x^2 + 1e-6) over the last dim (the delta rules' q / k normalisation)."""
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def delta_step(q, k, v, decay, beta, s):
+    """One token of the gated delta rule over any leading dims [...] (heads, or rows x heads):
+    q, k [..., Dk] (q scaled), v [..., Dv], decay [..., Dk] (KDA: per key channel) or [..., 1]
+    (one per head), beta [...], s [..., Dk, Dv] (all fp32):
+        s' = decay s;  s = s' + k (beta (v - s'^T k))^T;  o = s^T q     -> (o [..., Dv], s)"""
+    s = s * decay[..., None]
+    delta = (v - torch.einsum("...k,...kv->...v", k, s)) * beta[..., None]  # [..., Dv]
+    s = s + k[..., None] * delta[..., None, :]
+    return torch.einsum("...k,...kv->...v", q, s), s
 
 
 def kda_steps(q, k, v, g, beta, s):
@@ -47,10 +59,7 @@ def kda_steps(q, k, v, g, beta, s):
     s [H, Dk, Dv] (all fp32) -> (o [H, n, Dv], final s)."""
     out = torch.empty_like(v)
     for i in range(q.shape[1]):
-        s = s * g[:, i, :, None].exp()
-        delta = (v[:, i] - torch.einsum("hk,hkv->hv", k[:, i], s)) * beta[:, i, None]
-        s = s + k[:, i, :, None] * delta[:, None, :]
-        out[:, i] = torch.einsum("hk,hkv->hv", q[:, i], s)
+        out[:, i], s = delta_step(q[:, i], k[:, i], v[:, i], g[:, i].exp(), beta[:, i], s)
     return out, s
 
 
@@ -110,7 +119,7 @@ def kda_recurrence(
     out = torch.empty_like(v)
     scale = q.shape[-1] ** -0.5
     for slot, has_init, a, b in _rows(meta):
-        qr, kr = _l2norm(q[a:b].float()) * scale, _l2norm(k[a:b].float())
+        qr, kr = l2norm(q[a:b].float()) * scale, l2norm(k[a:b].float())
         args = [x.transpose(0, 1) for x in (qr, kr, v[a:b].float(), g[a:b].float(), beta[a:b].float())]
         s0 = state[slot] if has_init else torch.zeros_like(state[slot])
         o, s = (kda_chunks if chunked and b - a > 1 else kda_steps)(*args, s0)
@@ -124,10 +133,7 @@ def gdr_steps(q, k, v, g, beta, s):
     s [H, Dk, Dv] (all fp32) -> (o [H, n, Dv], final s)."""
     out = torch.empty_like(v)
     for i in range(q.shape[1]):
-        s = s * g[:, i, None, None].exp()
-        delta = (v[:, i] - torch.einsum("hk,hkv->hv", k[:, i], s)) * beta[:, i, None]  # [H, Dv]
-        s = s + k[:, i, :, None] * delta[:, None, :]
-        out[:, i] = torch.einsum("hk,hkv->hv", q[:, i], s)
+        out[:, i], s = delta_step(q[:, i], k[:, i], v[:, i], g[:, i, None].exp(), beta[:, i], s)
     return out, s
 
 
@@ -196,7 +202,7 @@ def gated_delta_rule(
     out = torch.empty_like(v)
     scale, rep = q.shape[-1] ** -0.5, hv // q.shape[1]
     for slot, has_init, a, b in _rows(meta):
-        qr, kr = (_l2norm(x[a:b].float()).repeat_interleave(rep, dim=1) for x in (q, k))
+        qr, kr = (l2norm(x[a:b].float()).repeat_interleave(rep, dim=1) for x in (q, k))
         rest = (v[a:b].float(), g[a:b].float(), beta[a:b].float())
         args = [x.transpose(0, 1) for x in (qr * scale, kr, *rest)]
         s0 = state[slot] if has_init else torch.zeros_like(state[slot])
