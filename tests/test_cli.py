@@ -103,7 +103,7 @@ def test_kernels_shows_every_op_and_the_selection():
     r = run("kernels", "--device", "cpu")
     assert r.returncode == 0, r.stderr
     expected = {
-        "gqa_attention": "reference",  # with every feature: the QSA selection is reference-only so far
+        "gqa_attention": "batched",
         "moe_experts": "reference",
         "moe_route": "reference",
         "rms_norm": "reference",
