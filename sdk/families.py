@@ -20,6 +20,7 @@ from dayzero.kernels.collective import TpGroup
 from dayzero.kernels.registry import OPS, Registry
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks import BLOCKS
+from dayzero.sdk.blocks.ngram import ngram_needs
 from dayzero.sdk.config.model import ONE_RANK, ModelConfig, Parallel
 from dayzero.sdk.errors import SpecError
 from dayzero.sdk.out_of_tree import (
@@ -228,6 +229,8 @@ def kernel_needs(cfg: ModelConfig, ops: OpTable, packed: frozenset[str] = frozen
         for kind, sub in ((layer.attn_kind, layer.attn), (layer.mlp_kind, layer.mlp)):
             for op, features, head_dim in BLOCKS.get(kind).needs(sub):
                 ops.need(op, features, head_dim)
+        for op, features, head_dim in ngram_needs(layer.ngram) if layer.ngram is not None else ():
+            ops.need(op, features, head_dim)
     if packed:  # an op with a packed twin needs it too, with the formats on top of its features
         for op, need in ops.needs().items():
             if twin := OPS.get(op).packed:

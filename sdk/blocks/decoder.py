@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dayzero.kernels.selection import OpTable
+from dayzero.sdk.blocks.ngram import NgramInjection
 from dayzero.sdk.blocks.norm import Embedding, LMHead, LowRankHyperResidual, RMSNorm, Streams, residual
 
 if TYPE_CHECKING:
@@ -30,7 +31,13 @@ class Layer(nn.Module):
 
     def __init__(self, cfg: LayerCfg, ops: OpTable, attention: dict[str, type], mlp: dict[str, type]) -> None:
         super().__init__()
-        self.attn_res = residual(cfg.attn_res, ops)
+        # per-layer n-gram embeddings enter the streams before the attention's hyper-connection
+        ngram = (
+            None
+            if cfg.ngram is None
+            else NgramInjection(cfg.ngram, ops, tuple(o for _, o in cfg.ngram_caches))
+        )
+        self.attn_res = residual(cfg.attn_res, ops, ngram)
         self.attn = attention[cfg.attn_kind](cfg.attn, ops, cfg.caches)
         self.mlp_res = residual(cfg.mlp_res, ops)
         self.mlp = mlp[cfg.mlp_kind](cfg.mlp, ops)

@@ -20,7 +20,9 @@ from dayzero.sdk.blocks.linear_state import (
     static_state_cache,
 )
 from dayzero.sdk.config.model import ONE_RANK, Parallel, Slice
-from dayzero.sdk.config.options import FloatV, IntV, Strict
+from dayzero.sdk.config.options import FloatV, IntV, Ref, Strict
+
+GATES = {"silu": F.silu, "sigmoid": torch.sigmoid}  # the output gate's activation
 
 
 class GdnOpts(Strict):
@@ -31,6 +33,9 @@ class GdnOpts(Strict):
     value_dim: IntV  # value head size Dv
     conv_kernel: IntV = 4
     norm_eps: FloatV = 1e-6  # the gated output RMSNorm
+    gate: Literal["silu", "sigmoid"] | Ref = (
+        "silu"  # the output gate's activation (Qwen4-Exp: output_gate_type)
+    )
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class GdnCfg:
     value_dim: int
     conv_kernel: int
     norm_eps: float
+    gate: str = "silu"  # act(z): silu or sigmoid
     par: Parallel = ONE_RANK  # tensor parallel: the heads above are this rank's
 
 
@@ -54,8 +60,8 @@ class GatedDeltaNet(nn.Module):
     S_t = exp(g_t) S_{t-1} + k_t beta_t (v_t - k_t^T exp(g_t) S_{t-1})^T,  o_t = q_t^T S_t
           (q, k l2-normalised, q / sqrt(Dk); value head j reads key head j // (HV / H);
           S [HV, Dk, Dv] fp32; chunked over a prefill, one step a decode token)
-    o <- rmsnorm_Dv(o) w_o * silu(z)    (the norm rounded to the model dtype, then x w_o; the
-                                         gate's product in fp32)
+    o <- rmsnorm_Dv(o) w_o * act(z)     (the norm rounded to the model dtype, then x w_o; the
+                                         gate's product in fp32; act silu, or sigmoid: gate)
     y = o W_out                                     [T, Dm]
     The state (conv inputs and S) lives in the request's state slot: chunked prefill, prefix
     hits (a snapshot at a block boundary) and retraction all continue the same recurrence.
@@ -140,7 +146,7 @@ class GatedDeltaNet(nn.Module):
             ctx.state,
         )  # [T, HV, Dv]
         o = ops.rms_norm(o, self.norm, c.norm_eps, False)  # rounded, then x w_o
-        o = (o.float() * F.silu(z.reshape(t, hv, c.value_dim).float())).to(x.dtype)
+        o = (o.float() * GATES[c.gate](z.reshape(t, hv, c.value_dim).float())).to(x.dtype)
         y = ops.linear(o.reshape(t, cv), self.out_proj)
         return ops.tp.all_reduce(y) if c.par.size > 1 else y
 
@@ -154,7 +160,12 @@ def _resolve(o: GdnOpts, val) -> GdnCfg:
         value_dim=int(val(o.value_dim)),
         conv_kernel=check_kernel(int(val(o.conv_kernel))),
         norm_eps=float(val(o.norm_eps)),
+        gate=str(val(o.gate)),
     )
+    if cfg.gate not in GATES:
+        raise ValueError(
+            f"Gated DeltaNet output gate {cfg.gate!r} is not implemented (known: {', '.join(GATES)})"
+        )
     if cfg.heads <= 0 or cfg.value_heads % cfg.heads:
         raise ValueError(f"{cfg.value_heads} value heads are not a multiple of {cfg.heads} key heads")
     return cfg

@@ -4,13 +4,15 @@ history, looked up in a per-layer table and injected into every hyper-connection
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from dayzero.kernels.selection import OpTable
-from dayzero.sdk.blocks.base import CacheDecl
+from dayzero.sdk.blocks.base import CacheDecl, StaticCache
 from dayzero.sdk.blocks.norm import zero_centred
 from dayzero.sdk.config.options import IntV, Ref, Strict
 
@@ -23,7 +25,8 @@ _LAYER_PRIME = 10007
 class NgramOpts(Strict):
     """The spec's `embedding.ngram`: which layers inject n-gram embeddings and their hashing."""
 
-    layers: Ref | list[int]  # zero-based layer indices (an `= expression` over a one-based list)
+    layers: Ref | list[int]  # the layers that inject, numbered from `counted_from`
+    counted_from: Literal[0, 1] = 0  # 1: the list counts layers from one (Qwen4-Exp's ple_layer_ids)
     size: IntV = 3  # n: the largest n-gram (orders 2..n)
     heads_per_order: IntV = 8  # Hg hashed heads per order
     dim: IntV  # E: the concatenated embedding of the (n - 1) Hg heads
@@ -32,7 +35,7 @@ class NgramOpts(Strict):
     seed: IntV = 1234
     parts: IntV = 1  # the checkpoint stores each table in this many row shards (stacked here)
     conv_kernel: IntV = 4  # K of the dilated (d = n) depthwise conv
-    eos: IntV  # the token that ends a document: no n-gram reaches across it
+    eos: IntV  # the token that ends a document (the first, of a list): no n-gram reaches across it
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,69 @@ def ngram_cache(c: NgramCfg) -> tuple[CacheDecl, CacheDecl]:
         CacheDecl("ngram_tokens", "state", 8 * (c.size - 1)),
         CacheDecl("ngram_conv", "state", 4 * c.streams * c.hidden * (c.conv_kernel - 1) * c.size),
     )
+
+
+PREFIX = "ngram"  # its cache parts' names in the geometry: ngram.ngram_tokens, ngram.ngram_conv
+
+
+def static_ngram_cache() -> tuple[StaticCache, StaticCache]:
+    """The parts as codegen sees them: in the request's state slot, with the linear-attention
+    blocks' state (one slot a request)."""
+    return StaticCache("ngram_tokens", "state", "", "state"), StaticCache("ngram_conv", "state", "", "state")
+
+
+def resolve_ngram(
+    o: NgramOpts,
+    val: Callable[[Any], Any],
+    *,
+    vocab: int,
+    hidden: int,
+    streams: int,
+    norm_eps: float,
+    n_layers: int,
+) -> dict[int, NgramCfg]:
+    """Each injecting layer's (zero-based) config; its place among them picks its hash tables."""
+    listed = val(o.layers)
+    if listed is None:
+        listed = []
+    if not isinstance(listed, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in listed
+    ):
+        raise ValueError(f"ngram layers must be a list of layer numbers, got {listed!r}")
+    layers = sorted({i - o.counted_from for i in listed})
+    if bad := [i + o.counted_from for i in layers if not 0 <= i < n_layers]:
+        raise ValueError(
+            f"ngram layers {bad} are not layers of this model ({n_layers}, counted from {o.counted_from})"
+        )
+    if layers and streams < 2:
+        raise ValueError(
+            "n-gram embeddings are injected into hyper-connection streams: residual streams must be >= 2"
+        )
+    eos = val(o.eos)
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    if layers and not isinstance(eos, int):
+        raise ValueError(f"n-gram embeddings need the end-of-document token (eos), got {eos!r}")
+    out = {}
+    for index, layer in enumerate(layers):
+        out[layer] = check_ngram(
+            NgramCfg(
+                vocab=vocab,
+                hidden=hidden,
+                streams=streams,
+                dim=int(val(o.dim)),
+                size=int(val(o.size)),
+                heads_per_order=int(val(o.heads_per_order)),
+                vocab_base=int(val(o.vocab_base)),
+                divisible_by=int(val(o.divisible_by)),
+                seed=int(val(o.seed)),
+                index=index,
+                parts=int(val(o.parts)),
+                conv_kernel=int(val(o.conv_kernel)),
+                eos=eos,
+                norm_eps=norm_eps,
+            )
+        )
+    return out
 
 
 def ngram_needs(c: NgramCfg) -> list[tuple[str, frozenset[str], int | None]]:

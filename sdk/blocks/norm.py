@@ -191,6 +191,8 @@ class LowRankHyperResidual(nn.Module):
 def residual(cfg: ResidualCfg, ops: OpTable, ngram: nn.Module | None = None) -> nn.Module:
     if cfg.kind == "hyper" and cfg.hyper.mixer == "lowrank":
         return LowRankHyperResidual(cfg, ops, ngram=ngram)
+    if ngram is not None:
+        raise ValueError("n-gram embeddings are injected into low-rank hyper-connection streams only")
     return HyperResidual(cfg, ops) if cfg.kind == "hyper" else Residual(cfg, ops)
 
 

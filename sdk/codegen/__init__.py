@@ -18,6 +18,8 @@ from pathlib import Path
 import jinja2
 
 from dayzero.sdk.blocks import BLOCKS
+from dayzero.sdk.blocks.ngram import PREFIX as NGRAM
+from dayzero.sdk.blocks.ngram import static_ngram_cache
 from dayzero.sdk.codegen.hardware import needs
 from dayzero.sdk.codegen.spec_doc import render as render_doc
 from dayzero.sdk.codegen.support import support_matrix
@@ -44,10 +46,15 @@ def _groups(fam: Family) -> list[dict]:
     """Cache parts with equal (kind, sharing key) share a group, in order of first use."""
     loaded = fam.spec
     used = [b for _, b in rule_blocks(loaded.spec.layers.attention)]
+    owners = [
+        (name, BLOCKS.get(loaded.blocks[name].kind).static_cache(loaded.blocks[name]))
+        for name in dict.fromkeys(used)
+    ]
+    if loaded.spec.embedding.ngram is not None:  # per-layer n-gram embeddings keep state too
+        owners.append((NGRAM, static_ngram_cache()))
     by_key: dict[tuple[str, str], dict] = {}
-    for name in dict.fromkeys(used):
-        opts = loaded.blocks[name]
-        for part in BLOCKS.get(opts.kind).static_cache(opts):
+    for name, static in owners:
+        for part in static:
             g = by_key.setdefault(
                 (part.kind, part.key), {"name": part.name, "kind": part.kind, "members": []}
             )

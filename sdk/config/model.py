@@ -107,6 +107,8 @@ class LayerCfg:
     mlp_res: ResidualCfg
     caches: tuple[tuple[int, int], ...]  # per cache part of the attention block: (group, offset)
     # offset: elements into the group's per-token row (paged), bytes into the request's slot (state)
+    ngram: Any = None  # n-gram embeddings injected before this layer (sdk/blocks/ngram.py NgramCfg)
+    ngram_caches: tuple[tuple[int, int], ...] = ()  # their state parts: (group, byte offset)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ picks an index along the leading dim (expert stacking), `[part]` a named slice o
 parameter (its sizes come from the block's `parts`). A rule's transforms (sdk/transforms.py)
 run in order on the tensor; a splitting one last cuts it into one piece per target (`Split`).
 A block-scoped rule applies to the layers whose attention or mlp is one of its blocks.
+A rule whose target is a buffer the model derives from its config (the n-gram hash tables)
+checks that the checkpoint's copy equals it, and writes nothing.
 """
 
 from __future__ import annotations
@@ -177,6 +179,7 @@ class StrictWriter:
 
     def __init__(self, model: nn.Module) -> None:
         self.params = dict(model.named_parameters())
+        self.buffers = dict(model.named_buffers())
         self.packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedWeight)}
         self.parts: dict[str, dict[str, tuple[int, int]]] = {}
         self.shards: dict[str, dict[str, Slice]] = {}  # tensor parallel: what this rank keeps
@@ -279,6 +282,8 @@ class StrictWriter:
                 f"checkpoint tensor {tensor_name} is stored unquantized ({dt}) "
                 f"but other parts of {t.param} are {self.packed[t.param].format.name}"
             )
+        if t.param not in self.params and t.param in self.buffers and not t.selectors:
+            return self._check_derived(tensor_name, t.param, value)
         if t.param not in self.params:
             raise WeightError(
                 f"checkpoint tensor {tensor_name} maps to {t.param}, which this model does not have"
@@ -303,6 +308,18 @@ class StrictWriter:
         if not _finite(value):
             raise WeightError(f"checkpoint tensor {tensor_name} holds NaN or inf")
         self._store(tensor_name, t.param, dst, cov, value)
+
+    def _check_derived(self, tensor_name: str, name: str, value: torch.Tensor) -> None:
+        """A checkpoint's copy of a buffer the model computes from its config must equal it."""
+        want = self.buffers[name]
+        if tuple(value.shape) != tuple(want.shape) or not torch.equal(
+            value.to(want.device, want.dtype), want
+        ):
+            got, exp = value.flatten()[:6].tolist(), want.flatten()[:6].tolist()
+            raise WeightError(
+                f"checkpoint tensor {tensor_name} (shape {list(value.shape)}, starting {got}) differs "
+                f"from {name} as derived from the config (shape {list(want.shape)}, starting {exp})"
+            )
 
     @staticmethod
     def _transformed(tensor_name: str, tf: Callable, value: torch.Tensor):

@@ -11,6 +11,8 @@ import dataclasses
 from typing import Any
 
 from dayzero.sdk.blocks import BLOCKS
+from dayzero.sdk.blocks.ngram import PREFIX as NGRAM
+from dayzero.sdk.blocks.ngram import ngram_cache, resolve_ngram
 from dayzero.sdk.config.model import (
     ONE_RANK,
     CacheGroupCfg,
@@ -238,6 +240,38 @@ def _hyper(spec: Spec, r: Resolver) -> HyperCfg | None:
     return cfg
 
 
+def _ngram(
+    spec: Spec,
+    r: Resolver,
+    hyper: HyperCfg | None,
+    vocab: int,
+    hidden: int,
+    eps: float,
+    n: int,
+    spath: str,
+    source: str,
+) -> dict[int, Any]:
+    """embedding.ngram resolved: {layer index: NgramCfg} of the layers that inject."""
+    o = spec.embedding.ngram
+    if o is None:
+        return {}
+    if hyper is None or hyper.mixer != "lowrank":
+        raise SpecError(
+            spath,
+            "embedding.ngram",
+            "is injected into low-rank hyper-connection streams: "
+            "it needs residual kind hyper with mixer lowrank",
+        )
+    try:
+        return resolve_ngram(
+            o, r.value, vocab=vocab, hidden=hidden, streams=hyper.streams, norm_eps=eps, n_layers=n
+        )
+    except (ValueError, TypeError) as e:
+        if isinstance(e, SpecError):
+            raise
+        raise SpecError(spath, "embedding.ngram", f"{e} (with {source})") from None
+
+
 def resolve(
     loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "config.json", par: Parallel = ONE_RANK
 ) -> ModelConfig:
@@ -276,16 +310,21 @@ def resolve(
     branch = r.number(spec.residual.branch_scale, float, "residual.branch_scale")
     if branch != 1.0 and hyper is not None:
         raise SpecError(r.source, "residual.branch_scale", "is not implemented with hyper-connections")
+    vocab = r.number(spec.embedding.vocab, int, "embedding.vocab")
+    ngram = _ngram(spec, r, hyper, vocab, hidden, norm.eps, n, spath, source)
     layers = []
     for i in range(n):
         a, m = attn_types[i], mlp_types[i]
-        caches = []
-        for decl in BLOCKS.get(loaded.blocks[a].kind).cache(resolved[a]):
-            key = f"{a}.{decl.part}"
+        caches, ngram_caches = [], []
+        parts = [(a, decl, caches) for decl in BLOCKS.get(loaded.blocks[a].kind).cache(resolved[a])]
+        if i in ngram:
+            parts += [(NGRAM, decl, ngram_caches) for decl in ngram_cache(ngram[i])]
+        for owner, decl, into in parts:
+            key = f"{owner}.{decl.part}"
             if key not in group_of:
                 raise SpecError(
                     spath,
-                    f"blocks.{a}",
+                    f"blocks.{a}" if owner == a else "embedding.ngram",
                     f"cache part {key} has no group in the generated geometry; run `dayzero codegen`",
                 )
             g = group_of[key]
@@ -302,7 +341,7 @@ def resolve(
             windows[g] = decl.window
             # state parts are bytes in the request's slot: keep every part aligned for any dtype view
             size = -(-decl.row // STATE_ALIGN) * STATE_ALIGN if decl.kind == "state" else decl.row
-            caches.append((g, rows[g]))
+            into.append((g, rows[g]))
             rows[g] += size
             if i not in members[g]:
                 members[g].append(i)
@@ -317,6 +356,8 @@ def resolve(
                 attn_res=ResidualCfg(spec.residual.kind, norm, k, hyper, branch),
                 mlp_res=ResidualCfg(spec.residual.kind, norm, k + 1 if k else 0, hyper, branch),
                 caches=tuple(caches),
+                ngram=ngram.get(i),
+                ngram_caches=tuple(ngram_caches),
             )
         )
     groups = tuple(
@@ -327,10 +368,13 @@ def resolve(
     # drop empty groups and renumber the layers' group indices
     renum = {gi: j for j, gi in enumerate(gi for gi in range(len(group_decls)) if members[gi])}
     layers = [
-        dataclasses.replace(layer, caches=tuple((renum[g], off) for g, off in layer.caches))
+        dataclasses.replace(
+            layer,
+            caches=tuple((renum[g], off) for g, off in layer.caches),
+            ngram_caches=tuple((renum[g], off) for g, off in layer.ngram_caches),
+        )
         for layer in layers
     ]
-    vocab = r.number(spec.embedding.vocab, int, "embedding.vocab")
     if vocab % par.size:
         raise SpecError(
             spath, "embedding.vocab", f"{vocab} rows do not split over tensor-parallel size {par.size}"

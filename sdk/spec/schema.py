@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, StringConstraints, field_validator, model_validator
 
+from dayzero.sdk.blocks.ngram import NgramOpts
 from dayzero.sdk.config.options import BoolV, FloatV, Formula, IntV, Ref, Strict
 
 QUANT_FORMATS = ("fp8_block", "mxfp4", "nvfp4")
@@ -177,11 +178,15 @@ class Norm(Strict):
 
 class Embedding(Strict):
     """x = W[ids], times `scale` when given (Gemma: `= hidden ** 0.5`), the scale rounded to the
-    model dtype before the product as transformers rounds its fp32 `embed_scale`."""
+    model dtype before the product as transformers rounds its fp32 `embed_scale`. `ngram`:
+    per-layer hashed n-gram embeddings injected into the residual streams before the listed
+    layers (Qwen4-Exp's PLE, `dayzero.sdk.blocks.ngram.NgramInjection`; needs residual kind
+    hyper with mixer lowrank)."""
 
     vocab: IntV
     dim: IntV  # the model width; blocks read it as $hidden
     scale: FloatV | None = None
+    ngram: NgramOpts | None = None
 
 
 class Head(Strict):

@@ -1,0 +1,21 @@
+# generated from spec.yaml@93081f484c4a, do not edit
+"""Qwen3.8-Flash-Next: the cache geometry handed to the scheduler, one group per distinct cache kind.
+
+Sizes (per-token row, window) are resolved from the HF config when a model is built."""
+
+from dayzero.sdk.engine.geometry import GroupDecl
+
+CACHE_GROUPS = (
+    GroupDecl(
+        name="state",
+        kind="state",
+        members=(
+            "gdn.conv",
+            "gdn.recurrent",
+            "ngram.ngram_tokens",
+            "ngram.ngram_conv",
+        ),
+    ),
+    GroupDecl(name="kv", kind="paged", members=("attn.kv",)),
+    GroupDecl(name="index", kind="paged", members=("attn.index",)),
+)

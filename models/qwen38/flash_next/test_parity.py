@@ -1,0 +1,55 @@
+# generated from spec.yaml@93081f484c4a, do not edit
+"""Qwen3.8-Flash-Next: parity against transformers.Qwen4ExpForCausalLM on tiny random checkpoints.
+
+Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
+seed writes a checkpoint through the reference class and runs `dayzero.sdk.parity.run_parity`
+on CPU in fp32 (its checks and tolerances are in that module's docstring).
+Greedy checks: 16 tokens per prompt.
+
+Light (the spec's `parity: {quantized: false}`): no quantized layouts.
+"""
+
+import pytest
+
+from dayzero.sdk.parity import run_parity
+from dayzero.sdk.parity.tiny import write_tiny
+
+SHAPES = [
+    {},
+    {
+        "ple_layer_ids": [],
+        "hc_count": 4,
+        "output_gate_type": "sigmoid",
+        "norm_topk_prob": False,
+        "layer_types": ["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"],
+        "indexer_compress_ratio": 8,
+        "indexer_n_heads": 1,
+    },
+    {
+        "num_hidden_layers": 5,
+        "layer_types": [
+            "linear_attention",
+            "linear_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+        ],
+        "ple_layer_ids": [1, 2, 4],
+        "ngram_size": 4,
+        "heads_per_ngram": 3,
+        "ple_embed_dim": 36,
+        "ple_conv_kernel_size": 2,
+        "split_ngram_parts": 1,
+        "hc_count": 2,
+        "hc_lowrank": 8,
+    },
+]
+SEEDS = [0, 1, 7, 2026]
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+def test_parity(tmp_path, shape, seed):
+    ckpt = write_tiny("qwen38_flash_next", tmp_path / "ckpt", seed=seed, overrides=SHAPES[shape])
+    report = run_parity(ckpt, device="cpu", seed=seed, new_tokens=16)
+    assert report.ok, report.table()
