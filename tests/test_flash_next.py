@@ -4,7 +4,7 @@ model.language_model.*) resolves and maps like the flat one; the n-gram layers (
 ple_layer_ids) get their state parts in the request's slot beside the Gated DeltaNet state; the
 checkpoint's copies of the n-gram hash tables are checked against the ones derived from the
 config (a mismatch is an error naming the tensor); what the blocks do not implement is refused
-by name."""
+by name. Two gloo ranks give one rank's logits: tests/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dayzero.sdk.blocks.ngram import NgramOpts, hash_tables, resolve_ngram
+from dayzero.sdk.config.model import Parallel
 from dayzero.sdk.errors import SpecError, WeightError
 from dayzero.sdk.families import FAMILIES, build
 from dayzero.sdk.loader import Checkpoint, load_weights, open_checkpoint
@@ -150,3 +151,9 @@ def test_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"hidden_act.*'gelu' is not implemented"):
         fam.config(flat | {"hidden_act": "gelu"})
     assert dataclasses.is_dataclass(fam.config(flat))
+    # tensor parallel: the QSA indexer splits by its query heads
+    wide = flat | {"linear_num_key_heads": 4, "linear_num_value_heads": 8}
+    with pytest.raises(SpecError, match=r"qsa indexer heads \(2\) does not split over tensor-parallel size"):
+        fam.config(wide, par=Parallel(4, 1))
+    ix = fam.config(wide | {"indexer_n_heads": 8}, par=Parallel(4, 1)).layers[3].attn.indexer
+    assert (ix.heads, ix.head_dim, ix.budget, ix.pool) == (2, 32, 512, 4)

@@ -24,13 +24,14 @@ TOL = 1e-5  # relative to the largest |logit|: fp32 sums in another order (the a
 PRUNING = {
     "glm53": {"index_topk": 16},
     "glm53_flash": {"text_config": {"index_topk": 16, "index_kpool": 4}},
+    "qwen38_flash_next": {"indexer_budget": 8},  # QSA: the best 2 blocks of 4 + the query's own
 }
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     base = tmp_path_factory.mktemp("tp")
-    families = ("llama", "beam", "glm53", "glm53_flash", "qwen38")
+    families = ("llama", "beam", "glm53", "glm53_flash", "qwen38", "qwen38_flash_next")
     return {f: write_tiny(f, base / f, seed=11, overrides=PRUNING.get(f)) for f in families}
 
 
@@ -47,6 +48,8 @@ CASES = [
     ("glm53_flash", 2, False, 8),  # + KPool by head, KDA by head with its state, hyper-connections replicated
     ("glm53_flash", 4, True, 9),
     ("qwen38", 2, False, 10),  # Gated DeltaNet by key and value head with its state, gated GQA by head
+    # + QSA by indexer head (index keys replicated), low-rank hyper-connections and n-grams replicated
+    ("qwen38_flash_next", 2, False, 12),
 ]
 
 

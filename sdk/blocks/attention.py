@@ -145,7 +145,10 @@ class GqaAttention(nn.Module):
     Tensor parallel over P ranks: each rank holds H / P query heads (and their gates) and their
     KV heads (Hk / P, or, with Hk < P, the one KV head its query heads read: replicated), its
     columns of W_o; y = sum over ranks of o_r W_o,r (all-reduce), + b_o once; sinks split by
-    head. A q/k norm over all heads is not sharded (its statistic spans the ranks).
+    head. A q/k norm over all heads is not sharded (its statistic spans the ranks). The QSA
+    indexer splits by its query heads (Hi / P; k_i, its cache and K_m replicated): each rank's
+    partial sum over its heads of I is summed over ranks (all-reduce), then every rank takes
+    the same S(t).
     """
 
     linear_weights = ("in_proj", "o_proj", "index_proj")  # may be packed
@@ -206,6 +209,9 @@ class GqaAttention(nn.Module):
             out["gate_bias"] = {"": Slice(-1, p.rank * h, h)}
         if cfg.sinks:
             out["sinks"] = {"": Slice(-1, p.rank * h, h)}
+        if (ix := cfg.indexer) is not None:  # its query heads' rows; the key head's whole
+            hi, di = ix.heads, ix.head_dim
+            out["index_proj"] = {"q": Slice(-2, p.rank * hi * di, hi * di), "k": Slice(-2, 0, di)}
         return out
 
     def _norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -270,6 +276,8 @@ class GqaAttention(nn.Module):
         meta = ctx.paged[g]
         ops.cache_write(ki, cache, meta.slots)
         score = ops.qsa_scores(qi, cache, kw, c.norm_eps, self.inv_freq, c.neox, meta, ix.pool, di**-0.5)
+        if c.par.size > 1:  # this rank's heads' share of sum_h relu(q_h K_m): summed over ranks
+            score = ops.tp.all_reduce(score)
         return ops.index_topk(score, ctx.positions, ix.budget, ix.pool, True)
 
 
@@ -350,8 +358,9 @@ def _resolve_gqa(o: GqaOpts, val) -> GqaCfg:
 def _shard_gqa(c: GqaCfg, par: Parallel) -> GqaCfg:
     if c.qk_norm and c.qk_norm_over == "all":
         raise ValueError("a q/k norm over all heads (qk_norm.over: all) is not tensor-parallel yet")
-    if c.indexer is not None:
-        raise ValueError("the QSA indexer is not tensor-parallel yet")
+    ix = c.indexer
+    if ix is not None:  # by indexer query head; the one key head and its cache replicated
+        ix = dataclasses.replace(ix, heads=par.even(ix.heads, "qsa indexer heads"))
     h = par.even(c.heads, "query heads")
     if c.kv_heads % par.size and par.size % c.kv_heads:
         raise ValueError(
@@ -359,7 +368,7 @@ def _shard_gqa(c: GqaCfg, par: Parallel) -> GqaCfg:
             f"tensor-parallel size {par.size}"
         )
     return dataclasses.replace(
-        c, heads=h, kv_heads=max(c.kv_heads // par.size, 1), par=par, kv_total=c.kv_heads
+        c, heads=h, kv_heads=max(c.kv_heads // par.size, 1), par=par, kv_total=c.kv_heads, indexer=ix
     )
 
 
