@@ -148,6 +148,8 @@ class LowRankHyperResidual(nn.Module):
     the final collapse is this mixer rather than the streams' mean and a norm.
     """
 
+    linear_weights = ("down", "up", "inject")  # may be packed
+
     def __init__(self, cfg: ResidualCfg, ops: OpTable, combine: bool = True, ngram: nn.Module | None = None):
         super().__init__()
         self.cfg, self.ops = cfg, ops

@@ -23,7 +23,7 @@ from torch import nn
 from dayzero.kernels.packed import PackedWeight
 from dayzero.sdk.config.model import Slice
 from dayzero.sdk.errors import SpecError, WeightError
-from dayzero.sdk.quant.layout import expected_shape, slice_component, to_rows
+from dayzero.sdk.quant.layout import expected_shape, slice_component, take_rows, to_rows
 from dayzero.sdk.spec.schema import WeightFormat, WeightRule
 from dayzero.sdk.transforms import TRANSFORMS, bind
 
@@ -337,8 +337,16 @@ class StrictWriter:
     def write_packed(
         self, tensor_name: str, t: Target | Split, comp: str, value: torch.Tensor, convention: str
     ) -> None:
-        """One component of a packed weight (sdk/quant/layout.py: names, shapes, per-row form)."""
-        if isinstance(t, Split) or t.transform is not None:
+        """One component of a packed weight (sdk/quant/layout.py: names, shapes, per-row form).
+        A rule that cuts the weight into parts by whole rows (split, split_heads) cuts each
+        component by the same rows; any other transform is refused (packed weights are written
+        as stored)."""
+        if isinstance(t, Split):
+            for part, rows in zip(t.parts, self._row_pieces(tensor_name, t), strict=True):
+                piece = take_rows(convention, self.packed_format(part), comp, value, rows, tensor_name)
+                self.write_packed(tensor_name, part, comp, piece, convention)
+            return
+        if t.transform is not None:
             raise WeightError(
                 f"checkpoint tensor {tensor_name} is a packed component of a weight whose rule "
                 f"transforms it; packed weights are written as stored"
@@ -372,6 +380,32 @@ class StrictWriter:
             if bad:  # E8M0 255 is NaN
                 raise WeightError(f"checkpoint tensor {tensor_name} holds NaN or inf")
         self._store(tensor_name, t.param, dst, cov, to_rows(fmt, comp, value, dst.shape[0]))
+
+    def packed_format(self, t: Target) -> str:
+        pw = self.packed.get(t.param)
+        if pw is None:
+            raise WeightError(f"a packed checkpoint tensor maps to {t.param}, which is not packed")
+        return pw.format.name
+
+    def _row_pieces(self, tensor_name: str, t: Split) -> list[list[int]]:
+        """The float weight's rows each part of a split takes: the rule's transform applied to
+        the row numbers; one that does more than move whole rows is refused."""
+        sizes = [
+            self.parts.get(p.param, {}).get(str(p.selectors[-1]) if p.selectors else "", (0, 0))[1]
+            for p in t.parts
+        ]
+        n = sum(sizes)
+        try:
+            pieces = t.transform(torch.arange(n, dtype=torch.float64)[:, None])
+        except ValueError as e:
+            raise WeightError(f"checkpoint tensor {tensor_name}: {e}") from None
+        rows = [p.flatten().tolist() if p.dim() == 2 and p.shape[1] == 1 else None for p in pieces]
+        if any(r is None for r in rows) or sorted(x for r in rows for x in r) != list(range(n)):
+            raise WeightError(
+                f"checkpoint tensor {tensor_name} is packed, and its rule's transform does more than "
+                f"cut whole rows into parts; packed weights are written as stored"
+            )
+        return [[int(x) for x in r] for r in rows]
 
     def _gaps(self, name: str) -> str:
         """Which parts / leading indices of a partly written parameter are missing."""

@@ -99,8 +99,9 @@ def slice_component(
     """One tensor-parallel rank's part of a stored component, for the slice `sl` of the float
     weight (sdk/config/model.py): rows split by row (fp8_block scales by whole 128-row blocks),
     columns by the format's blocks (two codes a byte, a scale per 16 / 32 / 128 columns); a
-    slice that cuts a block is refused, naming the tensor. Scalars (global, input) stay whole."""
-    if component in ("global", "input"):
+    slice that cuts a block is refused, naming the tensor. Scalars (global, input, a per-tensor
+    scale) stay whole."""
+    if component in ("global", "input") or t.dim() == 0:
         return t
     if sl.dim == -3:  # experts stacked in one tensor: the expert index leads
         return t.narrow(0, sl.start, sl.length)
@@ -120,3 +121,36 @@ def slice_component(
             f"{sl.start}..{end - 1} cut its {fmt} blocks of {per}; tensor parallelism needs them whole"
         )
     return t.narrow(dim, sl.start // per, -(-sl.length // per))
+
+
+def take_rows(
+    convention: str, fmt: str, component: str, t: torch.Tensor, rows: list[int], name: str
+) -> torch.Tensor:
+    """A stored component's part for the float weight's rows `rows` (any order: a split by head
+    picks runs of rows), each run taken as a tensor-parallel slice is (blocks kept whole), the
+    runs joined along the component's row dim. Scalars (global, input, a per-tensor scale) stay
+    whole. fp8_block scales: each 128 rows of the part take the scale block of their source
+    rows, which must all lie in one block (a part of 32 rows inside a block takes its scale)."""
+    if component in ("global", "input") or t.dim() == 0:
+        return t
+    if (fmt, component) == ("fp8_block", "scale"):
+        t = t[:, 0, :, 0] if t.dim() == 4 else t  # ModelOpt's [rb, 1, kb, 1]
+        picks = []
+        for j in range(0, len(rows), FP8_BLOCK):
+            src = {r // FP8_BLOCK for r in rows[j : j + FP8_BLOCK]}
+            if len(src) != 1:
+                last = rows[min(j + FP8_BLOCK, len(rows)) - 1]
+                raise WeightError(
+                    f"checkpoint tensor {name}: a part's rows {rows[j]}..{last} come from several "
+                    f"fp8_block blocks of {FP8_BLOCK} rows; their scales cannot be kept"
+                )
+            picks.append(src.pop())
+        return t.index_select(0, torch.tensor(picks, device=t.device))
+    runs, start = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[i - 1] + 1:
+            runs.append(Slice(-2, rows[start], i - start))
+            start = i
+    pieces = [slice_component(convention, fmt, component, t, sl, name) for sl in runs]
+    blocked = convention == "gpt_oss" and component == "codes"
+    return torch.cat(pieces, dim=pieces[0].dim() - (3 if blocked else 2))
