@@ -1,4 +1,4 @@
-# generated from spec.yaml@93081f484c4a, do not edit
+# generated from spec.yaml@8fc728218aec, do not edit
 """Qwen3.8-Flash-Next: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

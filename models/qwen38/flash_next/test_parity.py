@@ -1,4 +1,4 @@
-# generated from spec.yaml@93081f484c4a, do not edit
+# generated from spec.yaml@8fc728218aec, do not edit
 """Qwen3.8-Flash-Next: parity against transformers.Qwen4ExpForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
@@ -47,7 +47,7 @@ SHAPES = [
 SEEDS = [0, 1, 7, 2026]
 
 
-@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("seed", SEEDS[:1])
 @pytest.mark.parametrize("shape", range(len(SHAPES)))
 def test_parity(tmp_path, shape, seed):
     ckpt = write_tiny("qwen38_flash_next", tmp_path / "ckpt", seed=seed, overrides=SHAPES[shape])
