@@ -33,9 +33,8 @@ class GdnOpts(Strict):
     value_dim: IntV  # value head size Dv
     conv_kernel: IntV = 4
     norm_eps: FloatV = 1e-6  # the gated output RMSNorm
-    gate: Literal["silu", "sigmoid"] | Ref = (
-        "silu"  # the output gate's activation (Qwen4-Exp: output_gate_type)
-    )
+    # the output gate's activation (Qwen4-Exp: output_gate_type)
+    gate: Literal["silu", "sigmoid"] | Ref = "silu"
 
 
 @dataclass(frozen=True)
