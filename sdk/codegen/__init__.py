@@ -107,6 +107,17 @@ def _release(fam: Family, groups: list[dict], model_source: str) -> dict | None:
     return {"command": command, "needs": n.line(rel.format), "status": status}
 
 
+def _residual_text(spec) -> str:
+    r, ng = spec.residual, spec.embedding.ngram
+    text = r.kind + (", depth-scaled" if r.depth_scaled else "")
+    text += f" ({r.mixer} mixer, streams={r.streams})" if r.kind == "hyper" else ""
+    if ng is not None:
+        text += (
+            f"; n-gram embeddings into the streams before layers {ng.layers} (counted from {ng.counted_from})"
+        )
+    return text
+
+
 def _describe(opts) -> str:
     d = opts.model_dump(exclude_defaults=True, exclude={"kind"}, by_alias=True)
     return ", ".join(f"{k}={json.dumps(v) if isinstance(v, dict) else v}" for k, v in d.items()) or "-"
@@ -165,7 +176,6 @@ def render(fam: Family) -> dict[str, str]:
     spec = loaded.spec
     header = f"# generated from spec.yaml@{loaded.hash}, do not edit"
     groups = _groups(fam)
-    residual = spec.residual
     ctx = {
         "header": header,
         "header_md": f"<!-- generated from spec.yaml@{loaded.hash}, do not edit -->",
@@ -186,7 +196,7 @@ def render(fam: Family) -> dict[str, str]:
         ],
         "layer_types_attention": _rule_text(spec.layers.attention),
         "layer_types_mlp": _rule_text(spec.layers.mlp),
-        "residual": f"{residual.kind}{', depth-scaled' if residual.depth_scaled else ''}",
+        "residual": _residual_text(spec),
         "head": f"tie={spec.head.tie}, softcap={spec.head.softcap}",
         "parity_shapes": 1 + len(spec.shapes),
         "support": support_matrix(fam, _decls(groups)),
