@@ -8,7 +8,6 @@ by name. Two gloo ranks give one rank's logits: tests/test_tensor_parallel.py.""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -150,7 +149,8 @@ def test_refused_by_name(tmp_path: Path) -> None:
     # hidden_act is the MoE's and the short convs' activation: silu only
     with pytest.raises(SpecError, match=r"hidden_act.*'gelu' is not implemented"):
         fam.config(flat | {"hidden_act": "gelu"})
-    assert dataclasses.is_dataclass(fam.config(flat))
+    assert fam.config(flat).layers[0].attn.gate == "silu"  # the default gate resolves (hidden_act's)
+    assert fam.config(flat | {"output_gate_type": "sigmoid"}).layers[0].attn.gate == "sigmoid"
     # tensor parallel: the QSA indexer splits by its query heads
     wide = flat | {"linear_num_key_heads": 4, "linear_num_value_heads": 8}
     with pytest.raises(SpecError, match=r"qsa indexer heads \(2\) does not split over tensor-parallel size"):

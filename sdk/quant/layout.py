@@ -93,6 +93,11 @@ _COLS = {
 }  # fmt: skip
 
 
+def _block_scales(t: torch.Tensor) -> torch.Tensor:
+    """fp8_block scales as [row blocks, column blocks] (ModelOpt stores [rb, 1, kb, 1])."""
+    return t[:, 0, :, 0] if t.dim() == 4 else t
+
+
 def slice_component(
     convention: str, fmt: str, component: str, t: torch.Tensor, sl: Slice, name: str
 ) -> torch.Tensor:
@@ -105,8 +110,8 @@ def slice_component(
         return t
     if sl.dim == -3:  # experts stacked in one tensor: the expert index leads
         return t.narrow(0, sl.start, sl.length)
-    if fmt == "fp8_block" and component == "scale" and t.dim() == 4:
-        t = t[:, 0, :, 0]  # ModelOpt's [rb, 1, kb, 1]
+    if fmt == "fp8_block" and component == "scale":
+        t = _block_scales(t)
     blocked = convention == "gpt_oss" and component == "codes"  # [.., R, K / 32, 16]
     if sl.dim == -2:
         per = FP8_BLOCK if (fmt, component) == ("fp8_block", "scale") else 1
@@ -134,7 +139,7 @@ def take_rows(
     if component in ("global", "input") or t.dim() == 0:
         return t
     if (fmt, component) == ("fp8_block", "scale"):
-        t = t[:, 0, :, 0] if t.dim() == 4 else t  # ModelOpt's [rb, 1, kb, 1]
+        t = _block_scales(t)
         picks = []
         for j in range(0, len(rows), FP8_BLOCK):
             src = {r // FP8_BLOCK for r in rows[j : j + FP8_BLOCK]}
