@@ -79,17 +79,21 @@ class WorkPool:
 
 
 @functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim (None elsewhere: macOS, musl, Windows)."""
+def _glibc(name: str, argtypes: tuple, restype) -> Callable | None:
+    """glibc's function `name`, typed (None elsewhere: macOS, musl, Windows; or a glibc too old
+    to have it)."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    return _glibc("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -109,17 +113,8 @@ class _Mallinfo2(ctypes.Structure):
     ]
 
 
-@functools.cache
 def _mallinfo2() -> Callable[[], _Mallinfo2] | None:
-    """glibc's mallinfo2 (None elsewhere, and on glibc before 2.33)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        info = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
-    except (OSError, AttributeError):
-        return None
-    info.argtypes, info.restype = [], _Mallinfo2
-    return info
+    return _glibc("mallinfo2", (), _Mallinfo2)  # glibc 2.33+
 
 
 def heap_bytes() -> tuple[int, int] | None:
@@ -154,15 +149,11 @@ def fix_malloc_thresholds(environ: dict[str, str] | None = None) -> bool:
     +0.2 to +0.7 MiB. Nothing is changed where the user set malloc's own environment variables,
     or where there is no glibc."""
     env = os.environ if environ is None else environ
-    if not sys.platform.startswith("linux") or any(k in env for k in MALLOC_ENV):
+    mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
+    if mallopt is None or any(k in env for k in MALLOC_ENV):
         return False
     if "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
         return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
         mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
     )
