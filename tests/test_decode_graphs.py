@@ -16,7 +16,7 @@ from conftest import SEEDS
 
 from dayzero.sdk.api import LLM
 from dayzero.sdk.engine.engine import EngineConfig, SamplingParams
-from dayzero.sdk.engine.graphs import decode_only
+from dayzero.sdk.engine.graphs import _where, decode_only
 from dayzero.sdk.parity.runner import RETRACTION, retraction_budget
 from dayzero.sdk.parity.tiny import write_tiny
 
@@ -97,6 +97,18 @@ def _padding_rows_write_only_scratch(eng) -> None:
 def test_decode_graphs_mode_is_checked() -> None:
     with pytest.raises(ValueError, match="decode_graphs 'on'; known: auto, off, buffers"):
         EngineConfig(decode_graphs="on")
+
+
+def test_a_failed_capture_names_the_op_outside_torch() -> None:
+    """The capture report says which of our ops was not capturable (torch's frames skipped)."""
+
+    def not_capturable(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x], dim=5)  # raises inside torch
+
+    with pytest.raises(IndexError) as e:
+        not_capturable(torch.ones(2))
+    assert _where(e.value).startswith("at tests/test_decode_graphs.py:"), _where(e.value)
+    assert _where(e.value).endswith(" in not_capturable")
 
 
 # A padding row changes the step's matmul shapes and with them the rounding of the real rows

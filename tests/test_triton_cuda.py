@@ -179,6 +179,19 @@ def checkpoint(request, tmp_path_factory):
     return write_tiny(fam, tmp_path_factory.mktemp(fam) / "ckpt", seed=5, overrides=MEDIUM.get(fam, {}))
 
 
+# every cache group a decode graph holds: paged KV, MLA latents with DSA / KPool indexers, the state
+# slots of KDA / Gated DeltaNet / short convolutions, QSA's pooled keys, n-gram histories
+FAMILIES = ["llama", "beam", "glm53", "glm53_flash", "qwen38", "qwen38_flash_next"]
+# families whose kernels are not all graph-safe yet: decode must run eagerly (and still equal)
+EAGER = {"qwen38_flash_next": "QSA scores and its attention run the reference kernels"}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def any_checkpoint(request, tmp_path_factory):
+    fam = request.param
+    return fam, write_tiny(fam, tmp_path_factory.mktemp(fam) / "ckpt", seed=5, overrides=MEDIUM.get(fam, {}))
+
+
 def _engine(path, dtype: str, mode: str, overlap: str = "auto") -> LLM:
     cfg = EngineConfig(
         block_size=16, kv_cache_bytes=256 << 20, max_batch_size=8, decode_graphs=mode, overlap=overlap
@@ -205,15 +218,16 @@ def test_replay_equals_the_buffers_run_eagerly(checkpoint) -> None:
     assert torch.equal(replayed, eager)
 
 
-def test_graph_decode_equals_the_eager_path(checkpoint) -> None:
+def test_graph_decode_equals_the_eager_path(any_checkpoint) -> None:
     prompts = [list(range(3, 3 + n)) for n in (7, 33, 64, 2)]
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (20, 6, 14, 9)]
     params[1] = SamplingParams(max_tokens=6, temperature=0.8, top_k=30, top_p=0.9, min_p=0.02, seed=7)
     outs = {}
+    fam, path = any_checkpoint
     for mode in ("off", "auto"):  # eager and synchronous; graphs with overlap (device-filled inputs)
-        llm = _engine(checkpoint, "float32", mode, "off" if mode == "off" else "on")
+        llm = _engine(path, "float32", mode, "off" if mode == "off" else "on")
         outs[mode] = llm.engine.generate(prompts, params)
-        assert (llm.engine.stats["graph_steps"] > 0) == (mode == "auto")
+        assert (llm.engine.stats["graph_steps"] > 0) == (mode == "auto" and fam not in EAGER), fam
         assert (llm.engine.stats["device_inputs"] > 0) == (mode == "auto")
     for a, b in zip(outs["off"], outs["auto"], strict=True):
         assert a.token_ids == b.token_ids

@@ -156,8 +156,9 @@ def check_moe_skip(g: torch.Generator) -> list[str]:
 
 
 def check_norm(g: torch.Generator) -> list[str]:
-    """RMSNorm (both weight orders, [T, D] and [T, H, D]), RoPE (neox and interleaved, full and
-    partial, on a strided view), the attention splits' merge (a query no split saw gives 0)."""
+    """RMSNorm (both weight orders, [T, D] and [T, H, D], a weight a head), RoPE (neox and
+    interleaved, full and partial, on a strided view), the attention splits' merge (a query no
+    split saw gives 0)."""
     from dayzero.kernels.reference import basic
     from dayzero.kernels.triton import attention, fused, norm
 
@@ -168,6 +169,12 @@ def check_norm(g: torch.Generator) -> list[str]:
             want = basic.rms_norm(x, w, 1e-6, fp32)
             err = (norm.rms_norm(x, w, 1e-6, fp32) - want).abs().max() / want.abs().max()
             out.append(f"rms_norm {shape} weight_in_fp32={fp32} {err:.2e}")
+    x = torch.randn(2, 5, 3, 24, generator=g)[:, :, :, :16]  # strided, one more leading dim
+    w = torch.randn(3, 16, generator=g)  # a weight a stream (low-rank hyper-connections)
+    for fp32 in (False, True):
+        want = basic.rms_norm(x, w, 1e-6, fp32)
+        err = (norm.rms_norm(x, w, 1e-6, fp32) - want).abs().max() / want.abs().max()
+        out.append(f"rms_norm per head weight_in_fp32={fp32} {err:.2e}")
     x = torch.randn(7, 3, 40, generator=g)[:, :, :32]  # a q-like view: rows strided
     pos = torch.randint(0, 500, (7,), generator=g)
     for half in (16, 12, 5):  # 12, 5: partial rotary dims, 5 not a power of 2
@@ -397,7 +404,8 @@ def test_triton_kernels_in_the_interpreter(seed: int) -> None:
         3 * 9 + 2 * 4 * 2 + 2 * 2 * 2 + 6 + 1 + 3 * 2 + 3 * 2 + 2 + 4 + 6 + 1 + 4 + 6 + 2 + 2 + 4 + 1 + 2 + 2
     )
     skip = 2 + 2 * 2  # expert id -1: packed (2 shapes), dense (2 shapes x 2 ranks)
-    assert len(lines) == fixed + 3 * (2 * 2 + 1) + skip, r.stdout  # + check_linear
+    per_head = 2  # rms_norm with a weight a head (both weight orders)
+    assert len(lines) == fixed + 3 * (2 * 2 + 1) + skip + per_head, r.stdout  # + check_linear
     for ln in lines:  # bf16 rows: a few bf16 ulps of the output's scale
         assert float(ln.split()[-1]) <= (2e-2 if " bf16 " in ln else 1e-5), ln
 

@@ -7,7 +7,9 @@ reference's (kernels/reference/basic.py), in fp32:
 (RoPE is kernels/triton/fused.py's norm_rope with only its rotation on.)
 
 A row is one vector of the last dim: x [.., D] with any strides over its (at most two) leading
-dims, so q / k views of a fused projection are read in place.
+dims, so q / k views of a fused projection are read in place. The weight is w [D], or w [H, D]
+for x [T, H, D]: one weight a head or stream (low-rank hyper-connections norm each stream with
+its own).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm(
-    x_ptr, w_ptr, y_ptr, H, stride_t, stride_h, D, eps, BD: tl.constexpr, W_FP32: tl.constexpr
+    x_ptr, w_ptr, y_ptr, H, stride_t, stride_h, stride_wh, D, eps, BD: tl.constexpr, W_FP32: tl.constexpr
 ):  # fmt: skip
     r = tl.program_id(0)
     t, h = r // H, r % H
@@ -27,7 +29,7 @@ def _rms_norm(
     m = d < D
     x = tl.load(x_ptr + t.to(tl.int64) * stride_t + h * stride_h + d, mask=m, other=0.0).to(tl.float32)
     hx = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
-    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + h * stride_wh + d, mask=m, other=0.0).to(tl.float32)
     dt = x_ptr.dtype.element_ty
     y = w * hx if W_FP32 else w * hx.to(dt).to(tl.float32)
     tl.store(y_ptr + r.to(tl.int64) * D + d, y.to(y_ptr.dtype.element_ty), mask=m)
@@ -41,8 +43,14 @@ def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: bool = False) -> torch.Tensor:
-    if x.dim() > 3 or x.stride(-1) != 1:
-        x = x.reshape(-1, x.shape[-1]).contiguous()
+    shape, per_head = x.shape, weight.dim() == 2  # w [H, D] against x [.., H, D]
+    if per_head and (x.dim() < 3 or weight.shape != x.shape[-2:]):
+        raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+    if x.dim() > 3:
+        x = x.reshape(-1, *x.shape[-2:]) if per_head else x.reshape(-1, x.shape[-1])
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
     # the reference's result dtype: x's when the product is rounded once, else w * (h in x's dtype)
     dtype = x.dtype if weight_in_fp32 else torch.promote_types(weight.dtype, x.dtype)
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
@@ -50,6 +58,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
     if rows:
         d = x.shape[-1]
         _rms_norm[(rows,)](
-            x, weight, y, h, st, sh, d, eps, BD=triton.next_power_of_2(d), W_FP32=weight_in_fp32
-        )
-    return y
+            x, weight, y, h, st, sh, d if per_head else 0, d, eps, BD=triton.next_power_of_2(d),
+            W_FP32=weight_in_fp32,
+        )  # fmt: skip
+    return y.view(shape)

@@ -286,8 +286,9 @@ def _align(ids: torch.Tensor, experts: int, bm: int) -> tuple[torch.Tensor, torc
         0, key, torch.ones_like(key)
     )
     # (not bincount: on CUDA it reads the largest id back to size its output, a host sync)
-    padded = (counts + bm - 1) // bm * bm
-    padded[experts] = 0  # the skipped pairs' bin: no run, no block
+    # the skipped pairs' bin gets no run and no block (padded on the device: an item assignment
+    # copies its value from the host, which a CUDA graph cannot capture)
+    padded = torch.nn.functional.pad((counts[:experts] + bm - 1) // bm * bm, (0, 1))
     ends = padded.cumsum(0)
     sorted_e = key[order]
     rank = torch.arange(p, device=ids.device) - (counts.cumsum(0) - counts)[sorted_e]

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -200,7 +202,9 @@ class DecodeGraphs:
         """Warm up and capture every bucket, largest first, in one memory pool. A capture that
         fails (a kernel that syncs with the host after all) leaves every bucket eager, said so
         in the log and the report: serving goes on without graphs rather than not at all."""
-        t0, free0 = time.perf_counter(), torch.cuda.mem_get_info(self.device)[0]
+        # the memory the graphs hold: what the allocator reserved for them (free device memory moves
+        # with everything else on the device, e.g. a reference model freed meanwhile)
+        t0, held0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         try:
@@ -210,11 +214,13 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             for bucket in self.buckets.values():
                 bucket.graph, bucket.logits = None, None
-            self.report = f"CUDA graph capture failed, decode runs eagerly: {str(e).splitlines()[0]}"
+            self.report = (
+                f"CUDA graph capture failed, decode runs eagerly: {str(e).splitlines()[0]} ({_where(e)})"
+            )
             log.warning(self.report)
             return
         torch.cuda.synchronize(self.device)
-        used = free0 - torch.cuda.mem_get_info(self.device)[0]
+        used = torch.cuda.memory_reserved(self.device) - held0
         self.report = (
             f"CUDA graphs: batch sizes {', '.join(map(str, self.sizes))} captured in "
             f"{time.perf_counter() - t0:.1f} s, {used / 2**20:.0f} MiB"
@@ -245,3 +251,12 @@ class DecodeGraphs:
             s[f : f + size] = self.pool.scratch_state_slot()
             s[f + b : f + b + size] = 1
         self.vec.copy_(self.staging)
+
+
+def _where(e: BaseException) -> str:
+    """The innermost frame of the failing call outside torch (the op that is not capturable)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/torch/" not in f.filename]
+    if not frames:
+        return "in torch"
+    f = frames[-1]
+    return f"at {'/'.join(Path(f.filename).parts[-2:])}:{f.lineno} in {f.name}"

@@ -160,7 +160,10 @@ class Ours:
     @torch.inference_mode()
     def prefill_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
         """All prompts prefilled in one step; logits at every position of every prompt."""
-        eng = self.engine(max_tokens_per_step=sum(map(len, prompts)), max_batch_size=len(prompts))
+        # prefill only: no decode graphs (their capture would also run the layer diff's hooks)
+        eng = self.engine(
+            max_tokens_per_step=sum(map(len, prompts)), max_batch_size=len(prompts), decode_graphs="off"
+        )
         return eng.prompt_logits(prompts)
 
 
