@@ -45,43 +45,55 @@ declare -A MEDIUM=(
    "qk_nope_head_dim": 64, "v_head_dim": 64, "n_routed_experts": 32, "num_experts_per_tok": 4,
    "index_topk": 128, "index_head_dim": 64, "index_n_heads": 8, "linear_num_heads": 8, "linear_head_dim": 64,
    "vocab_size": 4096}}'
+  [qwen38]='{"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
+   "head_dim": 128, "linear_num_key_heads": 8, "linear_num_value_heads": 16, "linear_key_head_dim": 64,
+   "linear_value_head_dim": 64, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 512,
+   "num_experts": 32, "num_experts_per_tok": 4, "vocab_size": 4096, "max_position_embeddings": 4096}'
+  [qwen38_flash_next]='{"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
+   "head_dim": 128, "linear_num_key_heads": 8, "linear_num_value_heads": 16, "linear_key_head_dim": 64,
+   "linear_value_head_dim": 64, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 512,
+   "num_experts": 32, "num_experts_per_tok": 4, "vocab_size": 4096, "max_position_embeddings": 4096,
+   "ple_layer_ids": [1, 3, 5], "ple_embed_dim": 128, "indexer_n_heads": 4, "indexer_head_dim": 64,
+   "indexer_budget": 4096, "indexer_compress_ratio": 16}'
 )
+# each parity or bench command under a time limit, so that one hang leaves the call's other parts
+T="timeout -s ABRT ${PART_TIMEOUT:-300}"
 for t in ${TESTS-}; do
-  echo "== pytest $t"
-  python3 -m pytest -q -x -p no:cacheprovider "$t" >>"$OUT/tests.log" 2>&1; tail -25 "$OUT/tests.log"
+  echo "[${SECONDS}s] == pytest $t"
+  $T python3 -m pytest -q -rfE --tb=short -p no:cacheprovider $t >>"$OUT/tests.log" 2>&1; tail -25 "$OUT/tests.log"
 done
 for which in ${QPARITY-}; do
   dir=${which%:*}; dtype=${which#*:}; [ "$dtype" = bf16 ] && dtype=bfloat16 || dtype=float32
-  echo "== parity $dir $dtype"
-  $DZ parity --checkpoint "$dir" --seed 3 --device cuda --dtype $dtype 2>&1 \
+  echo "[${SECONDS}s] == parity $dir $dtype"
+  $T $DZ parity --checkpoint "$dir" --seed 3 --device cuda --dtype $dtype 2>&1 \
     | grep -v "Loading weights\|falling back" | tee -a "$OUT/parity.log"
 done
 PARITY=${PARITY-"glm53:fp32 glm53:bf16 glm53_flash:fp32 glm53_flash:bf16"}
 for which in $PARITY; do
   fam=${which%:*}; dtype=${which#*:}; [ "$dtype" = bf16 ] && dtype=bfloat16 || dtype=float32
   [ -d "$TMP/$fam" ] || $DZ tiny "$fam" "$TMP/$fam" --seed 3 --set "${MEDIUM[$fam]}" >/dev/null
-  echo "== parity $fam medium $dtype"
-  $DZ parity --checkpoint "$TMP/$fam" --seed 3 --device cuda --dtype $dtype 2>&1 \
+  echo "[${SECONDS}s] == parity $fam medium $dtype"
+  $T $DZ parity --checkpoint "$TMP/$fam" --seed 3 --device cuda --dtype $dtype 2>&1 \
     | grep -v "Loading weights\|falling back" | tee -a "$OUT/parity.log"
 done
 for fam in ${BENCH-glm53_flash}; do
   for q in ${QUANT:-bf16}; do
    for run in $(seq "${REPEAT:-1}"); do
-    echo "== bench decode $fam $q (run $run)"
+    echo "[${SECONDS}s] == bench decode $fam $q (run $run)"
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-      $DZ bench decode --family "$fam" --batches ${BATCHES:-1,8,32} --prompt-len 512 --new-tokens 64 \
+      $T $DZ bench decode --family "$fam" --batches ${BATCHES:-1,8,32} --prompt-len 512 --new-tokens 64 \
       $([ "$q" = bf16 ] || echo --quantization "$q") ${BENCH_FLAGS-} 2>&1 \
       | tr "\r" "\n" | grep -v "loading weights\|falling back\|^$" | tee -a "$OUT/bench.log"
    done
   done
 done
 for run in $(seq "${AGENTIC:-0}"); do
-  echo "== bench agentic beam (run $run)"
-  $DZ bench agentic --random-weights --family beam --agents 1 --dtype bfloat16 --tokenizer "${TOKENIZER:-.tok}" \
+  echo "[${SECONDS}s] == bench agentic beam (run $run)"
+  $T $DZ bench agentic --random-weights --family beam --agents 1 --dtype bfloat16 --tokenizer "${TOKENIZER:-.tok}" \
     --serve-flags "--max-num-batched-tokens 8192" 2>&1 | grep -v "^$" | tee -a "$OUT/agentic.log" | tail -4
 done
 if [ -n "${FLA-}" ] && [ -d .fla ]; then
-  echo "== pytest tests/test_fla_bindings.py (fla-core)"
+  echo "[${SECONDS}s] == pytest tests/test_fla_bindings.py (fla-core)"
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .fla/*.whl
   PYTHONPATH=/tmp/site:/tmp/fla timeout -s ABRT "${FLA_TIMEOUT:-300}" python3 -X faulthandler -m pytest -q -x \
     -p no:cacheprovider tests/test_fla_bindings.py >>"$OUT/fla.log" 2>&1; tail -40 "$OUT/fla.log"

@@ -1,4 +1,4 @@
-# generated from spec.yaml@74019530496f, do not edit
+# generated from spec.yaml@961e02b7b875, do not edit
 """Qwen3.8: parity against transformers.Qwen3_5MoeForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
