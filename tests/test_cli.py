@@ -96,7 +96,7 @@ def test_specs_lists_the_families_with_their_support():
     rows = {ln.split()[0]: ln for ln in r.stdout.splitlines()[1:]}
     assert set(rows) >= {"beam", "llama"}
     assert "moe" in rows["beam"] and "nextn (soon)" in rows["glm53"]
-    assert "yes (batched, reference)" in rows["llama"]
+    assert "yes (batched, batched_select, reference)" in rows["llama"]
 
 
 def test_kernels_shows_every_op_and_the_selection():

@@ -211,3 +211,23 @@ def test_sparse_indexer_decodes_through_the_buffers(tmp_path) -> None:
     assert llm.engine.ops.chosen()["dsa_index"] == "batched"  # the fixed-width indexer
     assert llm.engine.graphs.tables[0].shape[1] == 16  # 64 tokens / 4
     _compare_modes(path, cfg, [(prompts, _greedy(12, 4, 9, 15, 1))], "graph_steps")
+
+
+def test_qsa_and_ngram_embeddings_decode_through_the_buffers(tmp_path) -> None:
+    """Qwen3.8-Flash-Next (Gated DeltaNet states, n-gram histories, QSA with a budget of two
+    pools of 4 below most prompts): every op of its decode step has a graph-safe kernel (QSA's
+    scores over the graph's fixed width, the attention over each token's selection, the n-gram
+    ids and dilated conv as one step over the rows' slots; the CPU's expert loop aside: CUDA takes
+    the Triton experts), and decode steps through the buffers give the plain path's tokens,
+    logits within FLASH_LOGIT_TOL, with buckets padded and prefix hits in both."""
+    over = {"indexer_budget": 8, "indexer_compress_ratio": 4}
+    path = write_tiny("qwen38_flash_next", tmp_path / "ckpt", seed=3, overrides=over)
+    rng = np.random.default_rng(SEEDS[0])
+    prompts = [rng.integers(3, 100, n).tolist() for n in (3, 9, 17, 6, 25)]
+    cfg = EngineConfig(block_size=4, kv_cache_bytes=4 << 20, max_batch_size=6, max_model_len=64)
+    llm = LLM(path, device="cpu", progress=False, engine=replace(cfg, decode_graphs="buffers"))
+    assert set(llm.engine.ops.not_graph_safe()) <= {"moe_experts"}, llm.engine.ops.not_graph_safe()
+    chosen = llm.engine.ops.chosen()
+    assert (chosen["gqa_attention"], chosen["qsa_scores"]) == ("batched_select", "batched"), chosen
+    waves = [(prompts, _greedy(12, 4, 9, 15, 1)), (prompts[2:4], _greedy(6, 6))]
+    _compare_modes(path, cfg, waves, "cached")

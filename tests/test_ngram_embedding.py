@@ -123,3 +123,44 @@ def test_ngram_injection_matches_the_reference(seed: int) -> None:
         mixed = ours(both, step).flatten(1)
         assert (torch.cat((first, mixed[:1])) - want[:10]).abs().max().item() < TOL
         assert (mixed[1:] - (px + ref(px[None], pids[None], None)[0])).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_batched_decode_steps_equal_the_reference(seed: int) -> None:
+    """The graph-safe decode step of kernels/batched/ngram.py (ngram_ids, dilated_conv: device
+    slots and fresh flags only) against the reference's row loop, on one decode step of 4 rows in
+    scattered slots: one fresh over a slot of garbage, one with an eos in its history, one whose
+    token is an eos; 3-grams with 2 heads an order and 4-grams with 3; dilation 1 and 3. Ids equal,
+    conv outputs and states within 1e-6, every other slot unchanged."""
+    from dayzero.kernels.batched import ngram as batched
+    from dayzero.kernels.reference import ngram as reference
+
+    g = torch.Generator().manual_seed(seed)
+    slots, fresh, eos, vocab = [5, 0, 7, 2], [False, True, False, False], 2, 50
+    meta = StateMeta(
+        None, tuple(slots), tuple(not f for f in fresh), tuple(range(5)),
+        slots=torch.tensor(slots), fresh=torch.tensor(fresh, dtype=torch.int64), decode=True,
+    )  # fmt: skip
+    for n, hg in ((3, 2), (4, 3)):
+        ids = torch.randint(3, vocab, (4,), generator=g)
+        ids[3] = eos
+        history = torch.randint(3, vocab, (9, n - 1), generator=g)
+        history[7, 0] = eos  # row 2: a document boundary in its history
+        mult = torch.randint(1, 1000, (n,), generator=g) * 2 + 1
+        sizes = torch.randint(50, 90, ((n - 1) * hg,), generator=g)
+        offs = torch.cumsum(sizes, 0) - sizes
+        h_ref, h_got = history.clone(), history.clone()
+        want = reference.ngram_ids(ids, h_ref, mult, sizes, offs, hg, eos, meta)
+        got = batched.ngram_ids(ids, h_got, mult, sizes, offs, hg, eos, meta)
+        assert torch.equal(got, want) and torch.equal(h_got, h_ref), (n, got, want)
+    for k, d in ((3, 1), (2, 3), (4, 3)):
+        x, w = torch.randn(4, 6, generator=g), torch.randn(6, 1, k, generator=g)
+        state = torch.randn(9, 6, (k - 1) * d, generator=g)
+        state[0] = float("nan")  # the fresh row's slot is not read
+        s_ref, s_got = state.clone(), state.clone()
+        want = reference.dilated_conv(x, w, d, s_ref, meta)
+        got = batched.dilated_conv(x, w, d, s_got, meta)
+        assert (got - want).abs().max().item() < 1e-6, (k, d)
+        assert torch.allclose(s_got[slots], s_ref[slots], atol=1e-6)
+        unused = [i for i in range(9) if i not in slots]
+        assert torch.equal(s_got[unused], state[unused]) and torch.equal(s_ref[unused], state[unused])

@@ -12,9 +12,13 @@ budget at least the sequence (every key selected) equals dense attention.
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
+
 import pytest
 import torch
 from one_row import context
+from paged_meta import paged_meta
 
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks import BLOCKS
@@ -128,3 +132,106 @@ def test_qsa_with_the_budget_over_the_sequence_is_dense(seed: int) -> None:
     got, want, _, sel, _ = _run(seed, budget=T, pool=4)
     assert [set(r[r >= 0].tolist()) for r in sel] == [set(range(t + 1)) for t in range(T)]
     assert (got - want).abs().max().item() < TOL
+
+
+# ---- the graph-safe batched kernels (kernels/batched) against the reference ops -------------
+# decode, a chunk after a prefix, a fresh prompt, a row with no token this step, a long row
+ROWS = [(1, 13), (7, 9), (5, 5), (0, 8), (1, 40), (16, 36)]
+DECODE = [(1, 5), (1, 30), (0, 9), (1, 17)]
+
+
+def _selection(g: torch.Generator, meta, k: int) -> torch.Tensor:
+    """[T, k] random key positions below the row's length (later ones than the query too), a fifth
+    -1, repeats (token 0's first position twice), the last token selecting nothing."""
+    t = meta.positions.shape[0]
+    qs = meta.query_start_cpu
+    lens = torch.repeat_interleave(meta.kv_lens, torch.tensor([b - a for a, b in itertools.pairwise(qs)]))
+    sel = (torch.rand(t, k, generator=g) * lens[:, None]).long()
+    sel = torch.where(torch.rand(t, k, generator=g) < 0.2, -1, sel)
+    sel[0, 1] = sel[0, 0]
+    sel[-1] = -1
+    return sel
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("rows", [ROWS, DECODE], ids=["mixed", "decode"])
+def test_batched_sparse_gqa_equals_the_reference(seed: int, rows) -> None:
+    """gqa_attention/batched_select against the reference with the same selection (repeats, -1,
+    positions after the query), plain, windowed, soft-capped and with sinks: relative 1e-5; a
+    token that reads no key gives zeros (the reference: NaN, or zeros with sinks)."""
+    from dayzero.kernels.batched.attention import gqa_attention_select
+    from dayzero.kernels.reference.attention import gqa_attention
+
+    g = torch.Generator().manual_seed(seed)
+    meta, blocks = paged_meta(rows, 4, g)
+    t = meta.positions.shape[0]
+    q = torch.randn(t, H, D, generator=g)
+    k, v = torch.randn(blocks * 4, HK, D, generator=g), torch.randn(blocks * 4, HK, D, generator=g)
+    sel = _selection(g, meta, 24)
+    sinks = torch.randn(H, generator=g)
+    for window, cap, sink in ((None, None, None), (6, None, None), (None, 20.0, None), (None, None, sinks)):
+        want = gqa_attention(q, k, v, meta, 0.3, window, cap, sink, sel)
+        got = gqa_attention_select(q, k, v, meta, 0.3, window, cap, sink, sel)
+        fine = torch.isfinite(want).all(-1).all(-1)  # tokens that read at least one key
+        assert (got[-1] == 0).all() and (got[~fine] == 0).all() and (sink is not None or not fine[-1])
+        err = (got[fine] - want[fine]).abs().max() / want[fine].abs().max()
+        assert err < TOL, (window, cap, err)
+        if sink is None:  # no selection: dense attention (the batched kernel's)
+            dense = gqa_attention(q, k, v, meta, 0.3, window, cap)
+            got = gqa_attention_select(q, k, v, meta, 0.3, window, cap)
+            err = (got - dense).abs().max() / dense.abs().max()
+            assert err < TOL, (window, cap, err)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("rows", [ROWS, DECODE, [(1, 70), (3, 41)]], ids=["mixed", "decode", "long"])
+def test_batched_qsa_scores_equal_the_reference_at_any_width(seed: int, rows) -> None:
+    """qsa_scores/batched (over the block table's width, as a CUDA graph holds it) against the
+    reference: the same -inf pattern, finite scores within 1e-5 relative, -inf past the
+    reference's width; and the same budget selections (index_topk) with the table widened by 5
+    columns of stale block ids or -1. Pools of 4 (a block) and 8 (two), with and without RoPE."""
+    from dayzero.kernels.batched.indexer import qsa_scores
+    from dayzero.kernels.reference.mla import index_topk
+    from dayzero.kernels.reference.qsa import qsa_scores as reference
+
+    g = torch.Generator().manual_seed(seed)
+    meta, blocks = paged_meta(rows, 4, g)
+    t = meta.positions.shape[0]
+    q = torch.randn(t, HI, DI, generator=g)
+    cache = torch.randn(blocks * 4, DI + 3, generator=g)[:, :DI]  # a strided view, as the cache is
+    w = 1 + 0.1 * torch.randn(DI, generator=g)
+    stale = torch.randint(-1, blocks, (meta.block_table.shape[0], 5), generator=g)
+    wide = replace(meta, block_table=torch.cat((meta.block_table, stale), dim=1), memo={})
+    for pool in (4, 8):
+        for inv in (None, 1.0 / 10000 ** (torch.arange(DI // 4) / (DI // 4))):
+            args = (q, cache, w, EPS, inv, True)
+            want = reference(*args, meta, pool, DI**-0.5)
+            got = qsa_scores(*args, meta, pool, DI**-0.5)
+            n = want.shape[1]
+            assert (got[:, n:] == float("-inf")).all()
+            seen = torch.isfinite(want)
+            assert torch.equal(seen, torch.isfinite(got[:, :n]))
+            if seen.any():
+                err = (got[:, :n][seen] - want[seen]).abs().max() / want[seen].abs().max()
+                assert err < TOL, (pool, err)
+            got_wide = qsa_scores(*args, wide, pool, DI**-0.5)
+            for budget in (pool, 2 * pool):
+                a = index_topk(want, meta.positions, budget, pool, True)
+                b = index_topk(got_wide, meta.positions, budget, pool, True)
+                assert torch.equal(a.sort(-1).values, b.sort(-1).values), (pool, budget)
+
+
+def test_sparse_kernels_are_selected_and_graph_safe() -> None:
+    """On the CPU and on CUDA a QSA layer's selection and attention take the batched kernels,
+    both graph-safe (a Flash-Next decode step can be captured)."""
+    from dayzero.kernels.registry import KERNELS
+    from dayzero.kernels.selection import Need, select
+
+    for need, backend in (
+        (Need("gqa_attention", frozenset({"causal", "select"})), "batched_select"),
+        (Need("qsa_scores", frozenset()), "batched"),
+    ):
+        assert select(need, torch.device("cpu"), torch.float32).backend == backend
+        assert KERNELS.get(f"{need.op}/{backend}").caps.graphs
+    plain = Need("gqa_attention", frozenset({"causal"}))
+    assert select(plain, torch.device("cpu"), torch.float32).backend == "batched"  # unchanged

@@ -102,3 +102,75 @@ def gqa_attention(
         out = torch.einsum("rhql,rhld->rhqd", p.to(q.dtype), vt)
     out = out.transpose(1, 2).reshape(-1, h, q.shape[2])  # [R * Q, H, D]
     return out[sel]  # back to [T, H, D] in token order
+
+
+CHUNK_BYTES = 256 << 20  # the selected keys, values and scores of a chunk of tokens, at most (about)
+
+
+@register(
+    "gqa_attention",
+    "batched_select",
+    Capabilities(
+        features=frozenset({"causal", "sliding_window", "softcap", "sinks", "select"}),
+        priority=3,
+        graphs=True,
+    ),
+)
+def gqa_attention_select(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedMeta,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    select: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Sparse GQA (a sparse indexer's selection): the reference's math (kernels/reference/
+    attention.py) over each token's selected key positions only, read from the paged cache.
+
+    select [T, S] key positions (-1 padded; a repeat counts once, as set membership does; None:
+    every position of the block table, i.e. dense causal attention over [T, W B]). For
+    query token t of row r at position p_t, selected j is read iff j <= p_t, j < kv_lens[r], its
+    block is held (and j > p_t - window when windowed):
+        out[t, h] = sum_j softmax_j(scale <q[t, h], K_r[j]>) V_r[j]     over the read j
+    A token that reads no key (a graph's padding row) gets zeros. Memory: [Tc, S, Hk, D] keys
+    and values and [Tc, H, S] scores for token chunks of Tc; only device tensors are read (no
+    host copy, no sync): graph-safe.
+    q [T, H, D], caches [N, Hk, D] -> [T, H, D].
+    """
+    t, h, d = q.shape
+    hk, bs, table = k_cache.shape[1], meta.block_size, meta.block_table
+    if select is None:  # dense: every position the block table can hold (a graph's fixed width)
+        select = torch.arange(table.shape[1] * bs, device=q.device).expand(t, -1)
+    rows = torch.searchsorted(meta.query_start, torch.arange(t, device=q.device), right=True) - 1  # [T]
+    sel = select.sort(-1).values  # [T, S]: a repeat next to its first
+    first = torch.ones_like(sel, dtype=torch.bool)
+    first[:, 1:] = sel[:, 1:] != sel[:, :-1]
+    pos = meta.positions[:, None]  # [T, 1]
+    blk = table[rows[:, None], (sel.clamp(min=0) // bs).clamp(max=table.shape[1] - 1)]  # [T, S]
+    read = first & (sel >= 0) & (sel <= pos) & (sel < meta.kv_lens[rows][:, None]) & (blk >= 0)
+    if window is not None:
+        read &= sel > pos - window
+    slots = blk.clamp(min=0) * bs + sel.clamp(min=0) % bs  # [T, S]
+    out = torch.empty_like(q)
+    s_len = sel.shape[1]
+    step = max(1, CHUNK_BYTES // max(1, s_len * (2 * hk * d * q.element_size() + 8 * h)))
+    for a in range(0, t, step):
+        b = min(t, a + step)
+        keys = k_cache[slots[a:b]].to(q.dtype).repeat_interleave(h // hk, dim=2)  # [Tc, S, H, D]
+        vals = v_cache[slots[a:b]].to(q.dtype).repeat_interleave(h // hk, dim=2)
+        s = torch.einsum("thd,tshd->ths", q[a:b].float(), keys.float()) * scale  # [Tc, H, S]
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        ok = read[a:b, None, :]  # [Tc, 1, S]
+        s = s.masked_fill(~ok, float("-inf"))
+        if sinks is not None:  # the sink logit joins the softmax, then is dropped
+            sink = sinks.float()[None, :, None].expand(b - a, h, 1)
+            p = torch.softmax(torch.cat((s, sink), dim=-1), -1)[..., :-1]
+        else:
+            p = torch.softmax(s.masked_fill(~ok.any(-1, keepdim=True), 0.0), -1)  # no key read: not NaN
+        p = torch.where(ok, p, 0.0)  # [Tc, H, S]
+        out[a:b] = torch.einsum("ths,tshd->thd", p.to(q.dtype), vals)
+    return out

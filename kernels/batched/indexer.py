@@ -1,4 +1,4 @@
-"""The sparse-attention indexers (DSA, KPool) vectorised over rows, over a width fixed by the
+"""The sparse-attention indexers (DSA, KPool, QSA) vectorised over rows, over a width fixed by the
 block table: what a CUDA graph's decode step needs (the Triton indexer's contract,
 kernels/triton/indexer.py), in torch, on any device.
 
@@ -13,6 +13,7 @@ no host copy, no sync: graph-safe.
 DSA:   I[t, j] = sum_h w[t, h] relu(scale <q[t, h], k_j>)                            (fp32)
 KPool: K_m = sum_{i < P} softmax_i(g[mP + i] + ape[i]) k[mP + i]   (per channel),
        I[t, m] = sum_h w[t, h] relu(scale <q[t, h], K_m>),  pool m complete and m P + P - 1 <= p_t
+QSA:   K_m = rope(rmsnorm(mean_{i < P} k[mP + i]) w_k, mP),  I[t, m] = scale sum_h relu(<q[t, h], K_m>)
 Memory: the rows' keys [R, W B, Di] (and gates), the scores of a chunk of tokens [Tc, Hi, W B]
 with Tc from CHUNK_BYTES.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from dayzero.kernels.ops import PagedMeta
+from dayzero.kernels.reference.basic import rms_norm, rope
 from dayzero.kernels.reference.mla import index_topk
 from dayzero.kernels.registry import Capabilities, register
 
@@ -117,3 +119,37 @@ def kpool_index(
     """The pooled indexer's selection [T, topk (+ P - 1)] (kernels/reference `kpool_index`)."""
     scores = kpool_scores(q, weights, cache, ape, meta, pool, scale)
     return index_topk(scores, meta.positions, topk, pool, tail)
+
+
+@register("qsa_scores", "batched", Capabilities(**_CAPS))
+def qsa_scores(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor | None,
+    neox: bool,
+    meta: PagedMeta,
+    pool: int,
+    scale: float,
+) -> torch.Tensor:
+    """The QSA indexer's scores by block of `pool` keys (kernels/reference `qsa_scores`) over the
+    block table's width: q [T, Hi, Di] (normed and roped), cache [N, Di] raw index keys ->
+    [T, W B / P] fp32, -inf where a block is not complete before the query.
+
+        K_m = rope(rmsnorm(mean_{i < P} k[m P + i]) w_k, position m P)
+        I[t, m] = scale sum_h relu(<q[t, h], K_m>)
+    """
+    t, di = q.shape[0], q.shape[-1]
+    rows, slots, visible = _layout(meta, t)
+    m = slots.shape[1] // pool
+    slots, visible = slots[:, : m * pool], visible[:, : m * pool]
+    r = slots.shape[0]
+    keys = cache[slots].view(r, m, pool, di).float().mean(2).to(cache.dtype)  # [R, M, Di]
+    keys = rms_norm(keys, k_weight, eps, True)
+    if inv_freq is not None:  # block m's key at its first position, m P
+        starts = (torch.arange(m, device=q.device) * pool).repeat(r)  # [R M]
+        keys = rope(keys.reshape(r * m, 1, di), starts, inv_freq, neox).view(r, m, di)
+    seen = visible.view(t, m, pool)[..., -1]  # [T, M]: the block's last position is visible
+    ones = torch.ones(q.shape[:2], dtype=torch.float32, device=q.device)  # [T, Hi]: heads summed
+    return _scores(q, ones, keys, rows, scale).masked_fill(~seen, float("-inf"))

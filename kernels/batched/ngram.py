@@ -1,0 +1,71 @@
+"""The per-layer n-gram embedding ops' decode step for all rows at once (kernels/reference/ngram.py
+has the math and every other step).
+
+A decode step (StateMeta.decode: token r is row r's only token) reads the device copies of the
+rows' slots and fresh flags alone: each row's history or conv inputs gathered by slot, one step
+for all rows, the new state written back into the slots in place. No host copy is read and no
+shape depends on a row's length: graph-safe (a CUDA graph's padding rows read and write the
+pool's scratch slot, with fresh set).
+
+    ngram_ids:    seq = [history ; token] [R, n]; the token s places back is seq[:, n - 1 - s], or
+                  eos once an eos lies between it and the token; h_k = xor_{s < k} sh_s m_s
+    dilated_conv: u = [state ; x] [R, C, (K - 1) d + 1]; y = silu(sum_i w[:, i] u[:, :, i d])
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dayzero.kernels.batched.linear_attention import DECODE_GRAPHS, _initial
+from dayzero.kernels.reference import ngram as reference
+from dayzero.kernels.registry import Capabilities, register
+
+
+@register("ngram_ids", "batched", Capabilities(**DECODE_GRAPHS))
+def ngram_ids(
+    ids: torch.Tensor,
+    history: torch.Tensor,
+    multipliers: torch.Tensor,
+    sizes: torch.Tensor,
+    offsets: torch.Tensor,
+    heads_per_ngram: int,
+    eos: int,
+    meta,
+) -> torch.Tensor:
+    """ids [R] (one a row), history [slots, n - 1] -> [R, (n - 1) Hg] hashed ids (the
+    reference's); the rows' histories move on by the token."""
+    if not (meta.decode and meta.slots is not None):
+        return reference.ngram_ids(ids, history, multipliers, sizes, offsets, heads_per_ngram, eos, meta)
+    n = multipliers.shape[0]
+    prev = history.index_select(0, meta.slots)  # [R, n - 1]
+    prev = torch.where((meta.fresh != 0)[:, None], eos, prev)  # a fresh row's history: eos
+    seq = torch.cat((prev, ids[:, None]), dim=1)  # [R, n]
+    mixed = seq[:, n - 1] * multipliers[0]
+    blocked = torch.zeros_like(ids, dtype=torch.bool)
+    out = ids.new_empty(ids.shape[0], sizes.shape[0])
+    for s in range(1, n):  # the token s places back, eos past a document boundary
+        back = seq[:, n - 1 - s]
+        blocked |= back == eos
+        mixed = torch.bitwise_xor(mixed, torch.where(blocked, eos, back) * multipliers[s])  # h_{s+1}
+        cols = slice((s - 1) * heads_per_ngram, s * heads_per_ngram)
+        out[:, cols] = torch.remainder(mixed[:, None], sizes[cols]) + offsets[cols]
+    history.index_copy_(0, meta.slots, seq[:, 1:])
+    return out
+
+
+@register("dilated_conv", "batched", Capabilities(**DECODE_GRAPHS))
+def dilated_conv(
+    x: torch.Tensor, weight: torch.Tensor, dilation: int, state: torch.Tensor, meta
+) -> torch.Tensor:
+    """x [R, C] (one token a row), weight [C, 1, K], state [slots, C, (K - 1) d] -> [R, C] in x's
+    dtype (the reference's); the slots keep the last (K - 1) d inputs."""
+    if not (meta.decode and meta.slots is not None):
+        return reference.dilated_conv(x, weight, dilation, state, meta)
+    seq = torch.cat((_initial(state, meta).to(x.dtype), x[:, :, None]), dim=2)  # [R, C, (K - 1) d + 1]
+    w = weight[:, 0, :]  # [C, K]
+    y = seq[:, :, 0].to(w.dtype) * w[:, 0]
+    for i in range(1, w.shape[1]):
+        y += seq[:, :, i * dilation].to(w.dtype) * w[:, i]
+    state.index_copy_(0, meta.slots, seq[:, :, 1:].to(state.dtype))
+    return F.silu(y).to(x.dtype)
