@@ -164,3 +164,37 @@ def test_batched_decode_steps_equal_the_reference(seed: int) -> None:
         assert torch.allclose(s_got[slots], s_ref[slots], atol=1e-6)
         unused = [i for i in range(9) if i not in slots]
         assert torch.equal(s_got[unused], state[unused]) and torch.equal(s_ref[unused], state[unused])
+
+
+def test_the_table_splits_by_rows_over_ranks() -> None:
+    """Tensor parallel: each rank holds its runs of every checkpoint part's rows (its `shards`
+    slice of the whole table) and looks up only the ids there; the ranks' lookups (here summed
+    by hand: the ranks' all-reduce) equal the whole table's, at 2, 3 and 4 ranks, on ids over the
+    whole table; 5 ranks (276 rows a part) are refused by name."""
+    from dataclasses import replace
+
+    from dayzero.sdk.config.model import Parallel
+
+    ops = OpTable(torch.device("cpu"), torch.float32)
+    for op, features, head_dim in ngram_needs(CFG):
+        ops.need(op, features, head_dim)
+    ops = ops.resolve()
+    g = torch.Generator().manual_seed(SEEDS[0])
+    whole = NgramInjection(CFG, ops, (0, 256))
+    with torch.no_grad():
+        whole.table.copy_(torch.randn(whole.table.shape, generator=g))
+    ids = torch.randint(0, whole.table.shape[0] * whole.table.shape[1], (9, CFG.heads), generator=g)
+    want = whole._lookup(ids)  # [T, Hn, E / Hn]
+    for size in (2, 3, 4):
+        total = torch.zeros_like(want)
+        for rank in range(size):
+            cfg = replace(CFG, par=Parallel(size, rank))
+            part = NgramInjection(cfg, ops, (0, 256))
+            (cut,) = NgramInjection.shards(cfg)["table"].values()
+            with torch.no_grad():
+                part.table.copy_(whole.table.narrow(cut.dim, cut.start, cut.length))
+            total += part._lookup(ids)  # the one-rank group's all-reduce leaves the rank's share
+        assert torch.equal(total, want), size
+    refused = r"n-gram table rows of a part \(276\) does not split over .* size 5"
+    with pytest.raises(ValueError, match=refused):
+        NgramInjection(replace(CFG, par=Parallel(5, 0)), ops, (0, 256))

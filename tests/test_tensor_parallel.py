@@ -48,7 +48,8 @@ CASES = [
     ("glm53_flash", 2, False, 8),  # + KPool by head, KDA by head with its state, hyper-connections replicated
     ("glm53_flash", 4, True, 9),
     ("qwen38", 2, False, 10),  # Gated DeltaNet by key and value head with its state, gated GQA by head
-    # + QSA by indexer head (index keys replicated), low-rank hyper-connections and n-grams replicated
+    # + QSA by indexer head (index keys replicated), low-rank hyper-connections replicated, n-gram
+    # tables split by rows
     ("qwen38_flash_next", 2, False, 12),
 ]
 

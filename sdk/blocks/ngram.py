@@ -14,6 +14,7 @@ from torch import nn
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import CacheDecl, StaticCache
 from dayzero.sdk.blocks.norm import zero_centred
+from dayzero.sdk.config.model import ONE_RANK, Parallel, Slice
 from dayzero.sdk.config.options import IntV, Ref, Strict
 
 _MASK64 = (1 << 64) - 1
@@ -54,6 +55,7 @@ class NgramCfg:
     conv_kernel: int
     eos: int
     norm_eps: float
+    par: Parallel = ONE_RANK  # tensor parallel: the table's rows split over the ranks
 
     @property
     def heads(self) -> int:  # Hn = (n - 1) Hg
@@ -109,6 +111,10 @@ class NgramInjection(nn.Module):
     Every RMSNorm is zero-centred: (1 + w) in fp32. The request's last n - 1 tokens and the
     conv's last (K - 1) n inputs live in its state slot (two state parts): chunked prefill,
     prefix hits (the slot's snapshot) and retraction continue the same history.
+    Tensor parallel over P ranks: the table (the release's largest tensor) is split by rows, each
+    of its checkpoint parts [R, E / Hn] into P runs of R / P rows; a rank looks up the ids in its
+    runs (the others give 0) and the ranks' lookups are summed (one all-reduce of [T, E]); the
+    rest is replicated.
     """
 
     linear_weights = ("key_proj", "value_proj")  # may be packed
@@ -121,7 +127,9 @@ class NgramInjection(nn.Module):
         if rows % cfg.parts:
             raise ValueError(f"n-gram table rows {rows} do not split into {cfg.parts} checkpoint parts")
         nd = cfg.streams * cfg.hidden
-        self.table = nn.Parameter(torch.empty(cfg.parts, rows // cfg.parts, cfg.dim // cfg.heads))
+        self.part_rows = rows // cfg.parts  # R: rows of a checkpoint part
+        self.rows = cfg.par.even(self.part_rows, "n-gram table rows of a part")  # this rank's of each
+        self.table = nn.Parameter(torch.empty(cfg.parts, self.rows, cfg.dim // cfg.heads))
         self.key_proj = nn.Parameter(torch.empty(nd, cfg.dim))
         self.value_proj = nn.Parameter(torch.empty(cfg.hidden, cfg.dim))
         self.norm_key = nn.Parameter(torch.empty(nd))
@@ -131,6 +139,24 @@ class NgramInjection(nn.Module):
         self.register_buffer("multipliers", torch.tensor(mults, dtype=torch.long), persistent=False)
         self.register_buffer("sizes", torch.tensor(sizes, dtype=torch.long), persistent=False)
         self.register_buffer("offsets", torch.tensor(offs, dtype=torch.long), persistent=False)
+
+    @staticmethod
+    def shards(cfg: NgramCfg) -> dict[str, dict[str, Slice]]:
+        if cfg.par.size == 1:
+            return {}
+        rows = hash_tables(cfg)[3] // cfg.parts // cfg.par.size
+        return {"table": {"": Slice(-2, cfg.par.rank * rows, rows)}}
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T, Hn] into the whole (concatenated) table -> [T, Hn, E / Hn]."""
+        table = self.table.flatten(0, 1)  # [parts R / P, E / Hn]
+        par = self.cfg.par
+        if par.size == 1:
+            return self.ops.embedding(ids.flatten(), table).view(*ids.shape, -1)
+        part, row = ids // self.part_rows, ids % self.part_rows - par.rank * self.rows
+        mine = (row >= 0) & (row < self.rows)
+        e = self.ops.embedding(torch.where(mine, part * self.rows + row, 0).flatten(), table)
+        return self.ops.tp.all_reduce(e.view(*ids.shape, -1) * mine[..., None])
 
     def _state(self, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the token history [slots, n - 1] int64 and the conv inputs [slots, N D,
@@ -153,7 +179,7 @@ class NgramInjection(nn.Module):
         history, conv_state = self._state(ctx)
         tables = (self.multipliers, self.sizes, self.offsets)
         ids = ops.ngram_ids(ctx.input_ids, history, *tables, c.heads_per_order, c.eos, ctx.state)  # [T, Hn]
-        e = ops.embedding(ids.flatten(), self.table.flatten(0, 1)).reshape(t, c.dim).to(x.dtype)  # [T, E]
+        e = self._lookup(ids).reshape(t, c.dim).to(x.dtype)  # [T, E]
         key = self._norm(ops.linear(e, self.key_proj).view(t, c.streams, c.hidden), self.norm_key)
         value = ops.linear(e, self.value_proj)  # [T, D]
         q = self._norm(x, self.norm_query)  # [T, N, D]
@@ -192,6 +218,7 @@ def resolve_ngram(
     streams: int,
     norm_eps: float,
     n_layers: int,
+    par: Parallel = ONE_RANK,
 ) -> dict[int, NgramCfg]:
     """Each injecting layer's (zero-based) config; its place among them picks its hash tables."""
     listed = val(o.layers)
@@ -232,6 +259,7 @@ def resolve_ngram(
                 conv_kernel=int(val(o.conv_kernel)),
                 eos=eos,
                 norm_eps=norm_eps,
+                par=par,
             )
         )
     return out

@@ -250,8 +250,11 @@ def _ngram(
     n: int,
     spath: str,
     source: str,
+    par: Parallel,
 ) -> dict[int, Any]:
-    """embedding.ngram resolved: {layer index: NgramCfg} of the layers that inject."""
+    """embedding.ngram resolved: {layer index: NgramCfg} of the layers that inject (their tables
+    split by rows under tensor parallelism; whole with data-parallel attention, whose ranks
+    each run the residual streams of their own requests)."""
     o = spec.embedding.ngram
     if o is None:
         return {}
@@ -264,8 +267,9 @@ def _ngram(
         )
     try:
         return resolve_ngram(
-            o, r.value, vocab=vocab, hidden=hidden, streams=hyper.streams, norm_eps=eps, n_layers=n
-        )
+            o, r.value, vocab=vocab, hidden=hidden, streams=hyper.streams, norm_eps=eps, n_layers=n,
+            par=ONE_RANK if par.attention_dp else par,
+        )  # fmt: skip
     except (ValueError, TypeError) as e:
         if isinstance(e, SpecError):
             raise
@@ -311,7 +315,7 @@ def resolve(
     if branch != 1.0 and hyper is not None:
         raise SpecError(r.source, "residual.branch_scale", "is not implemented with hyper-connections")
     vocab = r.number(spec.embedding.vocab, int, "embedding.vocab")
-    ngram = _ngram(spec, r, hyper, vocab, hidden, norm.eps, n, spath, source)
+    ngram = _ngram(spec, r, hyper, vocab, hidden, norm.eps, n, spath, source, par)
     layers = []
     for i in range(n):
         a, m = attn_types[i], mlp_types[i]
