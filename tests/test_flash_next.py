@@ -100,6 +100,30 @@ def test_hash_tables_in_the_checkpoint_are_checked_against_the_config(tmp_path: 
         load_weights(model, opened, progress=False)
 
 
+def test_modelopts_single_table_tensor_loads_like_the_shards(tmp_path: Path) -> None:
+    """ModelOpt's export (through transformers' save) writes each layer's n-gram table as one
+    `ple_embedding.shard_.weight`, its parts' rows stacked: loaded by its own rule (a reshape to
+    the parts), the model's parameters equal the ones loaded from the shards, bit for bit."""
+    ckpt = write_tiny(FAMILY, tmp_path / "ckpt", seed=3)
+    opened = open_checkpoint(ckpt)
+    cfg = opened.family.config(opened.hf)
+    model, _ = build(opened.family, cfg, opened.hf, torch.device("cpu"), torch.float32)
+    load_weights(model, opened, progress=False)
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    sd = load_file(ckpt / "model.safetensors")
+    for i in (0, 2):  # the PLE layers (ple_layer_ids 1, 3 counted from one)
+        stem = f"model.layers.{i}.ple.ple_embedding"
+        parts = [sd.pop(f"{stem}.ngram_embedding.shard_{e}.weight") for e in range(2)]
+        sd[f"{stem}.shard_.weight"] = torch.cat(parts)  # [2 R, E / Hn]
+    save_file(sd, ckpt / "model.safetensors")
+    opened = open_checkpoint(ckpt)
+    model, _ = build(opened.family, cfg, opened.hf, torch.device("cpu"), torch.float32)
+    load_weights(model, opened, progress=False)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, want[n]), n
+
+
 def _ngram_opts(**kw) -> NgramOpts:
     return NgramOpts(**({"layers": [1, 3], "counted_from": 1, "dim": 8, "heads_per_order": 4} | kw))
 

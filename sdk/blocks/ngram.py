@@ -163,7 +163,7 @@ class NgramInjection(nn.Module):
         (K - 1) n] in the model dtype."""
         c, pool = self.cfg, ctx.state.pool
         h = pool[:, self.history_off : self.history_off + 8 * (c.size - 1)].view(torch.int64)
-        dt = self.key_proj.dtype
+        dt = self.conv.dtype  # the model dtype (the projections may be packed)
         span = (c.conv_kernel - 1) * c.size
         n_conv = c.streams * c.hidden * span * dt.itemsize
         conv = pool[:, self.conv_off : self.conv_off + n_conv].view(dt).view(-1, c.streams * c.hidden, span)

@@ -1,4 +1,4 @@
-# generated from spec.yaml@1cc15d6d84e9, do not edit
+# generated from spec.yaml@0ddd31f0d155, do not edit
 """Qwen3.8-Flash-Next: parity against transformers.Qwen4ExpForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
