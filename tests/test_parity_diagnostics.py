@@ -49,3 +49,23 @@ def test_the_retraction_budget_forces_retraction_on_a_model_of_sliding_windows()
 
     budget = retraction_budget(groups, lengths, len(lengths))
     assert held(lengths[-1]) <= budget < held(lengths[-1]) + held(lengths[-2])
+
+
+def test_a_reference_that_misses_weights_is_refused_by_name(tmp_path):
+    """A checkpoint the reference class cannot fully load (a tensor under a name it does not
+    know) is refused naming the missing and the unused tensors, rather than comparing against
+    the reference's random initialisation."""
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    from dayzero.sdk.loader import open_checkpoint
+    from dayzero.sdk.parity.runner import Reference
+
+    path = write_tiny("llama", tmp_path / "ckpt", seed=1)
+    sd = load_file(path / "model.safetensors")
+    sd["model.norm.weight_renamed"] = sd.pop("model.norm.weight")
+    save_file(sd, path / "model.safetensors")
+    with pytest.raises(
+        RuntimeError, match=r"did not find 1 of its weights .*: model\.norm\.weight; unused there: "
+    ):
+        Reference(open_checkpoint(path), path, torch.device("cpu"), torch.float32)

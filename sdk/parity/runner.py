@@ -119,7 +119,15 @@ class Reference:
         where: dict = {}
         if ckpt.format == "gguf":  # transformers' GGUF reader drops RoPE scaling; the config read here has it
             where = {"gguf_file": ckpt.path.name, "config": cls.config_class(**ckpt.hf)}
-        model = cls.from_pretrained(folder, dtype=dtype, attn_implementation=attn, **where)
+        model, info = cls.from_pretrained(
+            folder, dtype=dtype, attn_implementation=attn, output_loading_info=True, **where
+        )
+        if missing := sorted(info.get("missing_keys") or ()):  # else their random values are compared
+            unused = sorted(info.get("unexpected_keys") or ())
+            raise RuntimeError(
+                f"the reference {cls.__name__} did not find {len(missing)} of its weights in {folder}: "
+                f"{', '.join(missing[:4])}; unused there: {', '.join(unused[:4]) or 'none'}"
+            )
         self.model = model.to(device).eval()
         self.device = device
 
