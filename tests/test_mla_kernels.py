@@ -29,7 +29,7 @@ import sys
 import pytest
 import torch
 from conftest import SEEDS
-from paged_meta import paged_meta
+from paged_meta import paged_meta, selection
 
 from dayzero.kernels.batched import mla as batched
 from dayzero.kernels.ops import PagedMeta
@@ -50,20 +50,6 @@ def inputs(g: torch.Generator, rows, h: int = 3, dn: int = 8, dr: int = 4, dv: i
     cache = torch.randn(blocks * 4, lat + dr + 5, generator=g)[:, : lat + dr]
     w = torch.randn(h, dn + dv, lat, generator=g) / lat**0.5
     return qn, qr, cache, w[:, :dn], w[:, dn:], meta
-
-
-def selection(g: torch.Generator, meta: PagedMeta, k: int) -> torch.Tensor:
-    """[T, k] random positions below the token's row length (later ones than the query too,
-    repeats where the row is shorter than the longest or than k), a fifth of them -1, token 0's first
-    position repeated, the last token selecting nothing."""
-    t, longest = meta.positions.shape[0], max(meta.kv_lens_cpu)
-    qs = meta.query_start_cpu
-    lens = torch.repeat_interleave(meta.kv_lens, torch.tensor([b - a for a, b in itertools.pairwise(qs)]))
-    sel = torch.rand(t, max(longest, k), generator=g).argsort(-1)[:, :k] % lens[:, None]
-    sel = torch.where(torch.rand(t, k, generator=g) < 0.2, -1, sel)
-    sel[0, 1] = sel[0, 0]
-    sel[-1] = -1
-    return sel
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:

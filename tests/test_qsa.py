@@ -12,13 +12,12 @@ budget at least the sequence (every key selected) equals dense attention.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import replace
 
 import pytest
 import torch
 from one_row import context
-from paged_meta import paged_meta
+from paged_meta import paged_meta, selection
 
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks import BLOCKS
@@ -140,19 +139,6 @@ ROWS = [(1, 13), (7, 9), (5, 5), (0, 8), (1, 40), (16, 36)]
 DECODE = [(1, 5), (1, 30), (0, 9), (1, 17)]
 
 
-def _selection(g: torch.Generator, meta, k: int) -> torch.Tensor:
-    """[T, k] random key positions below the row's length (later ones than the query too), a fifth
-    -1, repeats (token 0's first position twice), the last token selecting nothing."""
-    t = meta.positions.shape[0]
-    qs = meta.query_start_cpu
-    lens = torch.repeat_interleave(meta.kv_lens, torch.tensor([b - a for a, b in itertools.pairwise(qs)]))
-    sel = (torch.rand(t, k, generator=g) * lens[:, None]).long()
-    sel = torch.where(torch.rand(t, k, generator=g) < 0.2, -1, sel)
-    sel[0, 1] = sel[0, 0]
-    sel[-1] = -1
-    return sel
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("rows", [ROWS, DECODE], ids=["mixed", "decode"])
 def test_batched_sparse_gqa_equals_the_reference(seed: int, rows) -> None:
@@ -167,7 +153,7 @@ def test_batched_sparse_gqa_equals_the_reference(seed: int, rows) -> None:
     t = meta.positions.shape[0]
     q = torch.randn(t, H, D, generator=g)
     k, v = torch.randn(blocks * 4, HK, D, generator=g), torch.randn(blocks * 4, HK, D, generator=g)
-    sel = _selection(g, meta, 24)
+    sel = selection(g, meta, 24)
     sinks = torch.randn(H, generator=g)
     for window, cap, sink in ((None, None, None), (6, None, None), (None, 20.0, None), (None, None, sinks)):
         want = gqa_attention(q, k, v, meta, 0.3, window, cap, sink, sel)
