@@ -298,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--prefill-len", type=int, default=8192, help="decode: prefill tokens timed at batch 1 (0: skip)"
     )
+    b.add_argument(
+        "--prefill-chunk", type=int, default=8192, help="decode: tokens a step of that prefill (chunked)"
+    )
     b.add_argument("--enforce-eager", action="store_true", help="decode: no CUDA graphs (as vLLM's flag)")
     b.add_argument(
         "--disable-overlap-schedule",

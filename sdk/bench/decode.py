@@ -32,6 +32,8 @@ from dayzero.sdk.loader import Checkpoint, load_weights
 from dayzero.sdk.quant.packing import PackedParam
 from dayzero.sdk.spec.reference import merge, reference_class, reference_config
 
+KV_BYTES = 8 << 30  # the engines' KV pool: the budget a long prefill runs within
+
 
 def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The in-memory reference model under its checkpoint names (transformers' own reversal of
@@ -156,9 +158,11 @@ def gpu_step_ms(eng: Engine, prompt_len: int, vocab: int, steps: int = 16) -> fl
     return float(np.median(times))
 
 
-def time_prefill_ours(eng: Engine, n: int, vocab: int, runs: int = 3) -> float:
-    """Seconds from submitting one n-token prompt to its first token (median of runs)."""
+def time_prefill_ours(eng: Engine, n: int, vocab: int, runs: int = 3) -> tuple[float, int]:
+    """Seconds from submitting one n-token prompt to its first token (median of runs), and the
+    peak of allocated device memory over the runs (weights and the KV pool included), bytes."""
     rng, times = np.random.default_rng(n), []
+    torch.cuda.reset_peak_memory_stats()
     for _ in range(runs + 1):  # the first run warms the kernels up
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -166,7 +170,7 @@ def time_prefill_ours(eng: Engine, n: int, vocab: int, runs: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         eng.scheduler.flush_prefix_cache()
-    return float(np.median(times[1:]))
+    return float(np.median(times[1:])), torch.cuda.max_memory_allocated()
 
 
 def time_prefill_transformers(ref: torch.nn.Module, n: int, vocab: int, runs: int = 3) -> float:
@@ -224,7 +228,7 @@ def profile_decode(
         cfg,
         ops,
         EngineConfig(
-            kv_cache_bytes=8 << 30,  # room for a long --prompt-len (60k tokens of Beam: 1.9 GB)
+            kv_cache_bytes=KV_BYTES,  # room for a long --prompt-len (60k tokens of Beam: 1.9 GB)
             host_cache_bytes=0,
             block_size=64,
             max_batch_size=1,
@@ -325,7 +329,7 @@ def main(args: argparse.Namespace) -> int:
             cfg,
             ops,
             EngineConfig(
-                kv_cache_bytes=8 << 30,
+                kv_cache_bytes=KV_BYTES,
                 host_cache_bytes=0,
                 block_size=64,
                 max_batch_size=b,
@@ -354,15 +358,28 @@ def main(args: argparse.Namespace) -> int:
     prefill = None
     if args.prefill_len:
         n = min(args.prefill_len, (cfg.max_position or args.prefill_len + 1) - 1)  # room for the token
+        chunk = min(n, args.prefill_chunk)
+        base = torch.cuda.memory_allocated()  # the weights (and transformers' copy, when it runs)
         eng = Engine(
             model, cfg, ops,
-            EngineConfig(kv_cache_bytes=8 << 30, host_cache_bytes=0, block_size=64, max_batch_size=1,
-                         max_tokens_per_step=n, decode_graphs="off"),
+            EngineConfig(kv_cache_bytes=KV_BYTES, host_cache_bytes=0, block_size=64, max_batch_size=1,
+                         max_tokens_per_step=chunk, decode_graphs="off"),
         )  # fmt: skip
-        ours_s = time_prefill_ours(eng, n, cfg.embedding.vocab)
+        ours_s, peak = time_prefill_ours(eng, n, cfg.embedding.vocab)
+        print(
+            f"prefill {n} tokens in chunks of {chunk}: peak device memory {peak / 2**30:.2f} GiB, of which "
+            f"{base / 2**30:.2f} GiB before the engine and {KV_BYTES / 2**30:.2f} GiB the KV pool; "
+            f"the rest (activations, state slots, workspace) {(peak - base - KV_BYTES) / 2**30:.2f} GiB"
+        )
         del eng
         torch.cuda.empty_cache()
-        theirs_s = time_prefill_transformers(ref, n, cfg.embedding.vocab) if ref is not None else float("nan")
+        theirs_s = float("nan")
+        if ref is not None:
+            try:
+                theirs_s = time_prefill_transformers(ref, n, cfg.embedding.vocab)
+            except torch.cuda.OutOfMemoryError:
+                print(f"prefill {n}: transformers ran out of GPU memory (reported as nan)")
+                torch.cuda.empty_cache()
         prefill = (n, ours_s, theirs_s)
     if args.profile:
         n = min(args.prefill_len, (cfg.max_position or args.prefill_len + 1) - 1)
