@@ -39,6 +39,18 @@ def test_chunked_delta_rule_equals_the_steps(seed: int, chunk: int) -> None:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_chunked_delta_rule_in_groups_of_chunks_equals_the_steps(seed: int, group: int) -> None:
+    """The decays D [H, C, C, Dk] of `group` chunks at a time (the memory budget), 37 tokens in
+    chunks of 8: the same result as the steps and as all chunks at once."""
+    args = _inputs(seed)
+    o1, s1 = kda_steps(*args)
+    o2, s2 = kda_chunks(*args, chunk=8, budget=group * 3 * 8 * 8 * 8 * 4)
+    assert (o1 - o2).abs().max().item() < TOL
+    assert (s1 - s2).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_delta_rule_continued_from_its_state_equals_one_pass(seed: int) -> None:
     q, k, v, g, b, s0 = _inputs(seed)
     whole, s_whole = kda_chunks(q, k, v, g, b, s0, chunk=8)
