@@ -217,7 +217,7 @@ def time_transformers(
 
 
 def profile_decode(
-    model, cfg, ops, prompt_len: int, vocab: int, prefill_len: int = 0, steps: int = 8
+    model, cfg, ops, prompt_len: int, vocab: int, prefill_len: int = 0, chunk: int = 8192, steps: int = 8
 ) -> None:
     """Batch-1 decode steps under torch.profiler: the ops that cost most host and device time;
     then one prefill of prefill_len tokens (0: none): the kernels that cost most device time."""
@@ -232,7 +232,7 @@ def profile_decode(
             host_cache_bytes=0,
             block_size=64,
             max_batch_size=1,
-            max_tokens_per_step=max(8192, prefill_len),
+            max_tokens_per_step=chunk,  # the prefill in chunks, as timed
             decode_graphs="off",  # the kernels one by one (a graph replays them as one launch)
         ),
     )
@@ -356,9 +356,9 @@ def main(args: argparse.Namespace) -> int:
             f"batch {b}: dayzero {ours:.1f} tok/s ({step_ms:.2f} ms a step), transformers {theirs:.1f} tok/s"
         )
     prefill = None
+    n = min(args.prefill_len, (cfg.max_position or args.prefill_len + 1) - 1)  # room for the token
+    chunk = min(n, args.prefill_chunk) or args.prefill_chunk
     if args.prefill_len:
-        n = min(args.prefill_len, (cfg.max_position or args.prefill_len + 1) - 1)  # room for the token
-        chunk = min(n, args.prefill_chunk)
         base = torch.cuda.memory_allocated()  # the weights (and transformers' copy, when it runs)
         eng = Engine(
             model, cfg, ops,
@@ -382,8 +382,7 @@ def main(args: argparse.Namespace) -> int:
                 torch.cuda.empty_cache()
         prefill = (n, ours_s, theirs_s)
     if args.profile:
-        n = min(args.prefill_len, (cfg.max_position or args.prefill_len + 1) - 1)
-        profile_decode(model, cfg, ops, args.prompt_len, cfg.embedding.vocab, n)
+        profile_decode(model, cfg, ops, args.prompt_len, cfg.embedding.vocab, n, chunk)
     print(
         f"{'batch':>5} {'dayzero tok/s':>14} {'transformers tok/s':>19} {'ratio':>6} "
         f"{'roofline tok/s':>15} {'dayzero/roofline':>17}"
