@@ -41,14 +41,13 @@ def paged_meta(
 
 
 def selection(g: torch.Generator, meta: PagedMeta, k: int) -> torch.Tensor:
-    """[T, k] random positions below the token's row length (later ones than the query too,
-    repeats where the row is shorter than the longest or than k), a fifth of them -1, token 0's first
-    position repeated, the last token selecting nothing."""
+    """[T, k] distinct random positions in random order (an indexer's contract), below the token's
+    row length (later ones than the query too), -1 for the draws past the row and a fifth of the
+    rest, the last token selecting nothing."""
     t, longest = meta.positions.shape[0], max(meta.kv_lens_cpu)
     qs = meta.query_start_cpu
     lens = torch.repeat_interleave(meta.kv_lens, torch.tensor([b - a for a, b in itertools.pairwise(qs)]))
-    sel = torch.rand(t, max(longest, k), generator=g).argsort(-1)[:, :k] % lens[:, None]
-    sel = torch.where(torch.rand(t, k, generator=g) < 0.2, -1, sel)
-    sel[0, 1] = sel[0, 0]
+    sel = torch.rand(t, max(longest, k), generator=g).argsort(-1)[:, :k]
+    sel = torch.where((sel >= lens[:, None]) | (torch.rand(t, k, generator=g) < 0.2), -1, sel)
     sel[-1] = -1
     return sel

@@ -3,12 +3,13 @@ on random inputs from the recorded seeds: the batched backend (kernels/batched/m
 decode, sparse selections, expanded prefill) in-process, the Triton kernel (kernels/triton/mla.py)
 in Triton's CPU interpreter in a fresh process (see check_triton), and the Triton lightning
 and pooled (KPool) indexers (kernels/triton/indexer.py) against the reference `dsa_scores` /
-`dsa_index` / `kpool_scores` / `kpool_index` there too.
+`dsa_index` / `kpool_scores` / `kpool_index` there too, and their top-k's radix select
+(kernels/triton/topk.py) against the reference `index_topk` on scores full of exact ties.
 
 Each step mixes decode rows, prefill chunks with a cached prefix and fresh prompts, on shuffled
 blocks of a strided cache view (as the pool's rows are); with RoPE keys and fully NoPE (Dr = 0);
 dense and with a top-k selection below the context (random positions, some unused (-1), some
-after the query (causal), a repeated one, queries that select nothing: 0). fp32 tolerance: 1e-5
+after the query (causal), in random order, queries that select nothing: 0). fp32 tolerance: 1e-5
 of the output's scale (the same numbers summed in another order; measured up to 6e-7). bf16 is
 judged against the fp32 reference, next to the reference's own bf16 error.
 
@@ -101,7 +102,8 @@ def test_sparse_memory_is_tokens_times_topk() -> None:
     n, kv, topk, h, dn, dr, lat = 2048, 8192, 256, 2, 16, 8, 32
     qn, qr, cache, w_k, w_v, meta = inputs(g, [(n, kv)], h=h, dn=dn, dr=dr, dv=16, lat=lat)
     pos = meta.positions
-    sel = (torch.rand(n, topk, generator=g) * (pos[:, None] + 1)).long()  # [n, topk] <= p_t
+    back = torch.rand(n, kv, generator=g).argsort(-1)[:, :topk]  # [n, topk] distinct
+    sel = torch.where(back <= pos[:, None], pos[:, None] - back, -1)  # distinct positions <= p_t
     peak, out = _peak_bytes(lambda: batched.mla_attention(qn, qr, cache, w_k, w_v, meta, 0.3, sel))
     print(f"sparse MLA peak {peak / 2**20:.1f} MiB (budget {MEMORY_BUDGET >> 20} MiB)")
     assert peak < MEMORY_BUDGET
@@ -153,7 +155,40 @@ def check_triton(seed: int) -> list[str]:
             out.append(
                 f"triton long rows select={s is not None} splits={splits} tiles={tiles} {_err(got, want):.2e}"
             )
-    return out + check_indexer(g)
+    return out + check_indexer(g) + check_topk(g)
+
+
+def topk_scores(g: torch.Generator, t: int, n: int, ties: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [t, n], positions [t]): integers 0..3 (ties everywhere) or normal draws with a
+    fifth set to +0 and another to -0 (ReLU's zeros, equal as floats), a third -inf; positions
+    from 0 to 2n (rows that see part of the columns, and all of them)."""
+    if ties:
+        s = torch.randint(0, 4, (t, n), generator=g).float()
+    else:
+        s = torch.randn(t, n, generator=g)
+        zero = torch.rand(t, n, generator=g)
+        s[zero < 0.2], s[zero > 0.8] = 0.0, -0.0
+    s[torch.rand(t, n, generator=g) < 0.3] = float("-inf")
+    return s, torch.randint(0, 2 * n, (t,), generator=g)
+
+
+def check_topk(g: torch.Generator) -> list[str]:
+    """index_topk's radix select against the reference, exact: one row block (40 columns) and
+    two (1,500), single keys and pools of 4 with and without the tail, k from 4 (several radix
+    passes) to past the visible columns (all taken). The last field: positions that differ."""
+    from dayzero.kernels.reference.mla import index_topk as ref
+    from dayzero.kernels.triton.topk import index_topk
+
+    out = []
+    for n, ties in ((40, False), (1500, True), (1500, False)):
+        s, pos = topk_scores(g, 7, n, ties)
+        for pool, tail in ((1, False), (4, True), (4, False)):
+            bad = sum(
+                int((ref(s, pos, k, pool, tail) != index_topk(s, pos, k, pool, tail)).sum())
+                for k in (4, 64, 2048)
+            )
+            out.append(f"triton topk n={n} ties={ties} pool={pool} tail={tail} {bad:.2e}")
+    return out
 
 
 def indexer_inputs(g: torch.Generator, rows, hi: int, di: int, pool: int = 0):
@@ -281,7 +316,7 @@ def test_triton_matches_reference_in_the_interpreter(seed: int) -> None:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("triton ")]
-    assert len(lines) == 2 * 2 * 2 * 2 + 2 * 2 + 3 * 3, r.stdout
+    assert len(lines) == 2 * 2 * 2 * 2 + 2 * 2 + 3 * 3 + 3 * 3, r.stdout
     for ln in lines:
         assert float(ln.split()[-1]) < TOL, ln
 
@@ -325,6 +360,22 @@ def test_triton_indexer_on_cuda(dtype: torch.dtype) -> None:
         err, same = indexer_errors((*x, meta), topks=(256,), pool=pool)
         assert err < (TOL if dtype == torch.float32 else 1e-2), (pool, err)
         assert same or dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_topk_on_cuda() -> None:
+    """Compiled on the GPU at GLM-5.3's top-k (2,048) over rows of up to 12,000 columns (several
+    1,024-column blocks, all four radix passes), ties and zeros of both signs: the reference's
+    positions exactly; QSA-like pools of 16 with the tail too."""
+    from dayzero.kernels.reference.mla import index_topk as ref
+    from dayzero.kernels.triton.topk import index_topk
+
+    g = torch.Generator().manual_seed(SEEDS[0])
+    for ties in (True, False):
+        s, pos = topk_scores(g, 64, 6000, ties)
+        for k, pool, tail in ((2048, 1, False), (256, 1, False), (4096, 16, True)):
+            want = ref(s, pos, k, pool, tail)
+            assert torch.equal(index_topk(s.cuda(), pos.cuda(), k, pool, tail).cpu(), want), (ties, k, pool)
 
 
 if __name__ == "__main__":

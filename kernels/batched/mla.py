@@ -86,15 +86,12 @@ def dense_layout(meta: PagedMeta) -> dict:
 
 
 def _select_layout(meta: PagedMeta, select: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """select [T, K] positions (-1 unused) -> (slots [T, K], allowed [T, K]): j <= p_t, cached,
-    and counted once (a repeated position is allowed at its first place only)."""
+    """select [T, K] distinct positions (-1 unused) -> (slots [T, K], allowed [T, K]): j <= p_t
+    and cached."""
     tokens = torch.arange(select.shape[0], device=select.device)
     row = torch.searchsorted(meta.query_start, tokens, right=True) - 1  # [T] each token's row
-    pos = select.sort(dim=-1).values
-    slots, held = _slots(meta, row[:, None], pos)
-    allowed = held & (pos <= meta.positions[:, None])
-    allowed[:, 1:] &= pos[:, 1:] != pos[:, :-1]
-    return slots, allowed
+    slots, held = _slots(meta, row[:, None], select)
+    return slots, held & (select <= meta.positions[:, None])
 
 
 def _absorbed(

@@ -40,6 +40,8 @@ def mla_attention(
         k[j, h] = [w_k[h] c_j ; k_r[j]]        v[j, h] = w_v[h] c_j
         s[t, h, j] = scale * <[q_nope[t, h] ; q_rope[t, h]], k[j, h]>
         allowed iff j <= p_t and (select is None or j in select[t])
+    select [T, K]: distinct positions per token, -1 unused, in any order (every indexer's
+    selection is: the other backends count a repeated position twice).
         out[t, h] = sum_j softmax_j(s)[j] v[j, h]      (scores and softmax fp32; 0 if none allowed)
     q_nope [T, H, Dn], q_rope [T, H, Dr] (Dr may be 0) -> [T, H, Dv].
     """
@@ -158,14 +160,26 @@ def index_topk(
     single keys, DSA), positions [T] the queries' -> the positions of the topk / P best groups
     [T, topk], -1 where fewer are visible; with `tail` + the positions of the query's
     incomplete group [P floor((p_t + 1) / P), p_t] ([T, P - 1] more, -1 padded).
+    Query t sees the complete groups before it, m < (p_t + 1) // P: later columns are not read
+    (every indexer's scores are -inf there).
     """
-    best = _topk_positions(scores, torch.arange(scores.shape[1], device=scores.device), topk // pool)
-    span = torch.arange(pool, device=scores.device)
-    out = torch.where(best[..., None] >= 0, best[..., None] * pool + span, -1).flatten(1)  # [T, topk]
+    cols = torch.arange(scores.shape[1], device=scores.device)
+    seen = cols[None, :] < ((positions + 1) // pool)[:, None]  # [T, M]
+    best = _topk_positions(scores.masked_fill(~seen, float("-inf")), cols, topk // pool)
+    return expand_groups(best, positions, pool, tail)
+
+
+def expand_groups(best: torch.Tensor, positions: torch.Tensor, pool: int, tail: bool) -> torch.Tensor:
+    """best [T, k] chosen groups (-1 padded), positions [T] -> their key positions [T, k P]
+    (+ with `tail` the query's incomplete group's [T, P - 1], -1 padded)."""
+    if pool == 1:  # single keys: no span, no incomplete group
+        return best
+    span = torch.arange(pool, device=best.device)
+    out = torch.where(best[..., None] >= 0, best[..., None] * pool + span, -1).flatten(1)  # [T, k P]
     if not tail:
         return out
     t = (positions + 1) // pool * pool
-    t = t[:, None] + torch.arange(pool - 1, device=scores.device)  # [T, P - 1]
+    t = t[:, None] + torch.arange(pool - 1, device=best.device)  # [T, P - 1]
     return torch.cat((out, torch.where(t <= positions[:, None], t, -1)), dim=1)
 
 

@@ -1,9 +1,9 @@
 """Triton backend (CUDA): packed-weight GEMMs (`packed`), dense decode GEMVs (`linear`), paged GQA
 attention reading the cache in place (`attention`), absorbed-MLA decode and sparse attention over
-the latent cache in place (`mla`), the DSA and KPool indexers' scores (`indexer`), stacked
-experts read in place (`moe`), MoE routing (`routing`), RMSNorm (`norm`), the fused small ops
-(`fused`: residual add + norm, head norm + RoPE, output gate, SwiGLU, the K/V cache write), the
-greedy sampler (`sampling`).
+the latent cache in place (`mla`), the DSA and KPool indexers' scores (`indexer`) and their top-k
+(`topk`), stacked experts read in place (`moe`), MoE routing (`routing`), RMSNorm (`norm`), the
+fused small ops (`fused`: residual add + norm, head norm + RoPE, output gate, SwiGLU, the K/V
+cache write), the greedy sampler (`sampling`).
 Registered only where `triton` imports (CUDA builds of torch bring it); every kernel is checked
 against the reference backend in Triton's CPU interpreter in CI (tests/test_triton_interpreter.py,
 tests/test_mla_kernels.py) and on the GPU (scripts/gpu_bringup.sh runs tests/test_triton_packed.py,
@@ -28,6 +28,7 @@ if importlib.util.find_spec("triton") is not None:
         packed,
         routing,
         sampling,
+        topk,
     )
 
     _half = dict(  # the packed GEMMs: shapes from the tensors alone, no host sync (graph-safe)
@@ -60,11 +61,12 @@ if importlib.util.find_spec("triton") is not None:
     register("mla_attention", "triton", Capabilities(features=frozenset({"causal", "select"}), **_any))(
         mla.mla_attention
     )
-    # the indexers' scores over the paged index keys in place, their top-k in torch
+    # the indexers' scores over the paged index keys in place, their top-k by a radix select
     register("dsa_scores", "triton", Capabilities(**_any))(indexer.dsa_scores)
     register("dsa_index", "triton", Capabilities(**_any))(indexer.dsa_index)
     register("kpool_scores", "triton", Capabilities(**_any))(indexer.kpool_scores)
     register("kpool_index", "triton", Capabilities(features=frozenset({"tail"}), **_any))(indexer.kpool_index)
+    register("index_topk", "triton", Capabilities(features=frozenset({"tail"}), **_any))(topk.index_topk)
     # decode-sized dense linears as a GEMV (F.linear past linear.GEMV_ROWS rows)
     register("linear", "triton", Capabilities(features=frozenset({"bias"}), **_any))(linear.linear)
     register("rms_norm", "triton", Capabilities(features=frozenset({"weight_in_fp32"}), **_any))(

@@ -1,5 +1,5 @@
 """The sparse-attention indexers in Triton, reading the paged index-key cache in place: DeepSeek's
-lightning indexer (DSA) and the pooled one (KPool); their top-k in torch (ops `index_topk`).
+lightning indexer (DSA) and the pooled one (KPool); their top-k by kernels/triton/topk.py.
 Graph-safe: the grid and every shape come from the tensors (the block table's width), never from
 a row's length read back to the host.
 
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from dayzero.kernels.ops import PagedMeta
-from dayzero.kernels.reference.mla import index_topk
+from dayzero.kernels.triton.topk import index_topk
 
 
 # the block table's width and the output's change with the step's rows: not specialised on,

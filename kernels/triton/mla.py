@@ -6,8 +6,8 @@ Math (kernels/reference/mla.py `mla_attention`, in the absorbed form): cache row
     q_lat[t, h] = w_k[h]^T q_n[t, h]                                   [T, H, L]   (torch)
     s[t, h, j]  = scale (<q_lat[t, h], c_j> + <q_r[t, h], k_r[j]>)      over j in S(t)
     o[t, h]     = w_v[h] sum_j softmax_j(s)[j] c_j                      [T, H, Dv]  (w_v: torch)
-S(t): the cached j <= p_t (dense), or the selection select[t] ([T, K] positions, -1 unused;
-repeats dropped first) with j <= p_t; 0 when S(t) allows nothing. Scores and the online softmax
+S(t): the cached j <= p_t (dense), or the selection select[t] ([T, K] distinct positions in any
+order, -1 unused: an indexer's) with j <= p_t; 0 when S(t) allows nothing. Scores and the online softmax
 in fp32; the probabilities are rounded to the latent's dtype before the c product.
 
 A program takes one query token, BH heads of it (so each latent tile is loaded once for all of
@@ -152,13 +152,6 @@ def _mla_decode(
     tl.store(lse_ptr + row, tl.where(seen, lse, float("-inf")), mask=hm)
 
 
-def _distinct(select: torch.Tensor) -> torch.Tensor:
-    """select [T, K] sorted per token, a repeated position replaced by -1 (the reference's set)."""
-    s = select.sort(dim=-1).values
-    s[:, 1:] = torch.where(s[:, 1:] == s[:, :-1], -1, s[:, 1:])
-    return s
-
-
 def _latent(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
@@ -219,8 +212,7 @@ def mla_attention(
     decode = all(b - a <= 1 for a, b in itertools.pairwise(meta.query_start_cpu))
     if select is not None or decode:  # every token one program
         toks = torch.arange(t, device=q_nope.device)
-        sel = None if select is None else _distinct(select)
-        o = _latent(*args, toks, sel, splits, min_split_tiles)
+        o = _latent(*args, toks, select, splits, min_split_tiles)
         return torch.einsum("thl,hvl->thv", o, w_v)
     out = q_nope.new_zeros(t, h, w_v.shape[1])
     layout = batched.dense_layout(meta)  # a dense step with prefill rows: those through SDPA

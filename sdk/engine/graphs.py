@@ -202,9 +202,7 @@ class DecodeGraphs:
         """Warm up and capture every bucket, largest first, in one memory pool. A capture that
         fails (a kernel that syncs with the host after all) leaves every bucket eager, said so
         in the log and the report: serving goes on without graphs rather than not at all."""
-        # the memory the graphs hold: what the allocator reserved for them (free device memory moves
-        # with everything else on the device, e.g. a reference model freed meanwhile)
-        t0, held0 = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+        t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         try:
@@ -220,7 +218,7 @@ class DecodeGraphs:
             log.warning(self.report)
             return
         torch.cuda.synchronize(self.device)
-        used = torch.cuda.memory_reserved(self.device) - held0
+        used = _pool_bytes(self.device, pool)
         self.report = (
             f"CUDA graphs: batch sizes {', '.join(map(str, self.sizes))} captured in "
             f"{time.perf_counter() - t0:.1f} s, {used / 2**20:.0f} MiB"
@@ -260,3 +258,16 @@ def _where(e: BaseException) -> str:
         return "in torch"
     f = frames[-1]
     return f"at {'/'.join(Path(f.filename).parts[-2:])}:{f.lineno} in {f.name}"
+
+
+def _pool_bytes(device: torch.device, pool) -> int:
+    """The device memory the graphs' private pool holds: its segments in the allocator's snapshot
+    (the allocator's reserved total moves with everything else on the device, e.g. a reference
+    model freed meanwhile, and printed negative sizes)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    return sum(
+        s["total_size"]
+        for s in torch.cuda.memory_snapshot()
+        if s["device"] == index and tuple(s.get("segment_pool_id", ())) == tuple(pool)
+    )
