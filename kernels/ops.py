@@ -178,7 +178,10 @@ declare_op(
     features={"chunked"},
 )
 # the gated activations past silu: kernels/reference/basic.py ACTIVATIONS (silu needs no feature)
-GATED_ACTS = ("gelu_pytorch_tanh", "clamped_swiglu")
+GATED_ACTS = ("gelu_pytorch_tanh", "clamped_swiglu", "situ")
+# an activation's constants (c0, c1), the ops' `consts`: clamped_swiglu (alpha, unused), situ (beta,
+# the linear beta or 0 for none); silu and gelu read none
+DEFAULT_CONSTS = (1.702, 0.0)
 ACTIVATIONS = ("silu", *GATED_ACTS)
 declare_op("swiglu", "act(gate) * up, optionally in fp32", features={"fp32", "limit", *GATED_ACTS})
 declare_op(

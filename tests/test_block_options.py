@@ -260,8 +260,9 @@ def test_batched_experts_with_biases_equal_the_reference(seed: int) -> None:
     gub, db = torch.randn(e, 2 * i, generator=g), torch.randn(e, dm, generator=g)
     ids = torch.rand(t, e, generator=g).topk(k, dim=-1).indices
     w = torch.rand(t, k, generator=g)
-    for act in ("silu", "gelu_pytorch_tanh", "clamped_swiglu"):
-        args = (x, gu, down, w, ids, False, 2.0, act, 1.702, gub, db)
+    acts = (("silu", (0.0, 0.0)), ("gelu_pytorch_tanh", (0.0, 0.0)), ("clamped_swiglu", (1.702, 0.0)))
+    for act, consts in (*acts, ("situ", (4.0, 25.0)), ("situ", (2.0, 0.0))):
+        args = (x, gu, down, w, ids, False, 2.0, act, consts, gub, db)
         assert _rel(batched_experts(*args), reference_experts(*args)) < TOL
 
 
@@ -282,6 +283,56 @@ def test_geglu_matches_gemma3_mlp(seed: int) -> None:
         block.down.copy_(ref.down_proj.weight)
     x = torch.randn(7, 32) * 2
     assert _rel(block(x), ref(x)) < TOL
+
+
+def _situ(g: torch.Tensor, u: torch.Tensor, beta: float, linear: float | None) -> torch.Tensor:
+    """Kimi K3's SiTU as its fact sheet writes it, in fp64: [b tanh(g / b) sigmoid(g)] [b_l tanh(u / b_l)]."""
+    g, u = g.double(), u.double()
+    lin = u if linear is None else linear * torch.tanh(u / linear)
+    return beta * torch.tanh(g / beta) * torch.sigmoid(g) * lin
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("linear", [25.0, None])
+def test_situ_mlp_and_experts_match_the_formula(seed: int, linear: float | None) -> None:
+    """SiTU (Kimi K3) as the swiglu block's and the MoE block's activation, fp32 inside, against
+    the formula in fp64 on weights scaled so that g and u reach past both bounds (|g| up to ~30,
+    |u| up to ~80: tanh saturates); the linear beta null leaves u as is. Not SiLU: the outputs
+    differ from SwiGLU's by far more than the tolerance."""
+    torch.manual_seed(seed)
+    opts = {"activation": "situ", "situ_beta": 4.0, "situ_linear_beta": linear, "fp32": True}
+    block, cfg = _block("swiglu", {"intermediate": 48} | opts, {"hidden": 32})
+    assert (cfg.act, cfg.consts) == ("situ", (4.0, linear or 0.0))
+    with torch.no_grad():
+        block.gate_up.copy_(torch.randn(96, 32) * 2)
+        block.down.copy_(torch.randn(32, 48) / 48**0.5)
+    x = torch.randn(7, 32) * 2
+    g, u = (x @ block.gate_up.T).chunk(2, dim=-1)
+    assert g.abs().max() > 3 * 4.0 and (linear is None or u.abs().max() > 2 * linear)
+    want = _situ(g, u, 4.0, linear) @ block.down.double().T
+    assert _rel(block(x), want.float()) < TOL
+    silu = (torch.nn.functional.silu(g) * u) @ block.down.T
+    assert _rel(silu, want.float()) > 0.1
+    moe, _ = _block("moe", {"experts": 4, "top_k": 2, "intermediate": 24} | opts, {"hidden": 32})
+    with torch.no_grad():
+        moe.router.copy_(torch.randn(4, 32))
+        moe.gate_up.copy_(torch.randn(4, 48, 32) * 2)
+        moe.down.copy_(torch.randn(4, 32, 24) / 24**0.5)
+    w, ids = torch.softmax(x @ moe.router.T, -1).topk(2, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    want = torch.zeros(7, 32, dtype=torch.float64)
+    for t in range(7):
+        for slot in range(2):
+            e = int(ids[t, slot])
+            ge, ue = (moe.gate_up[e] @ x[t]).chunk(2)
+            want[t] += w[t, slot].double() * (moe.down[e].double() @ _situ(ge, ue, 4.0, linear))
+    assert _rel(moe(x), want.float()) < TOL
+
+
+def test_situ_betas_must_be_positive() -> None:
+    for opts in ({"situ_beta": 0.0}, {"situ_linear_beta": -1.0}):
+        with pytest.raises(ValueError, match="situ's betas must be > 0"):
+            _block("swiglu", {"intermediate": 8, "activation": "situ"} | opts, {"hidden": 16})
 
 
 def test_an_activation_the_blocks_lack_is_refused_by_name() -> None:

@@ -50,18 +50,18 @@ def test_each_rank_gives_the_full_result_restricted_to_its_experts(seed: int, to
     gate_up, down, gub, db = _experts(gen, bias)
     w, ids = moe_route(torch.randn(tokens, E, generator=gen), K, "sigmoid")  # [T, k]
     ids[0] = torch.tensor([0, 5, 11])  # a pick on every rank
-    full = reference(x, gate_up, down, w, ids, False, None, "silu", 1.702, gub, db)  # [T, Dm]
+    full = reference(x, gate_up, down, w, ids, False, None, "silu", (1.702, 0.0), gub, db)  # [T, Dm]
     n = E // P
     summed = {"reference": torch.zeros_like(full), "batched": torch.zeros_like(full)}
     for r in range(P):
         mine = ids // n == r  # [T, k]
         kept = torch.where(mine, w, 0.0)  # [T, k]: the others' picks weigh 0
-        want = reference(x, gate_up, down, kept, ids, False, None, "silu", 1.702, gub, db)
+        want = reference(x, gate_up, down, kept, ids, False, None, "silu", (1.702, 0.0), gub, db)
         local = torch.where(mine, ids - r * n, -1)  # [T, k] this rank's expert ids, -1: another rank's
         part = slice(r * n, (r + 1) * n)
         biases = (None, None) if gub is None else (gub[part], db[part])
         for name, fn in (("reference", reference), ("batched", batched)):
-            got = fn(x, gate_up[part], down[part], w, local, False, None, "silu", 1.702, *biases)
+            got = fn(x, gate_up[part], down[part], w, local, False, None, "silu", (1.702, 0.0), *biases)
             err = _rel(got, want)
             print(f"{name} rank={r} {err:.1e}", end="; ")
             assert err <= 1e-5, (name, r, err)

@@ -112,20 +112,13 @@ def check_moe(g: torch.Generator) -> list[str]:
             err = (moe.moe_experts(x, up, down, wts, ids, fp32, limit) - want).abs().max() / want.abs().max()
             out.append(f"moe t={t} fp32={fp32} limit={limit} {err:.2e}")
         gub, db = torch.randn(8, 80, generator=g), torch.randn(8, 96, generator=g)  # expert biases
-        for act in ("gelu_pytorch_tanh", "clamped_swiglu"):
-            args = (
-                x,
-                up,
-                down,
-                wts,
-                ids,
-                False,
-                0.7 if act == "clamped_swiglu" else None,
-                act,
-                1.702,
-                gub,
-                db,
-            )
+        for act, consts in (
+            ("gelu_pytorch_tanh", (0.0, 0.0)),
+            ("clamped_swiglu", (1.702, 0.0)),
+            ("situ", (4.0, 25.0)),
+        ):
+            limit = 0.7 if act == "clamped_swiglu" else None
+            args = (x, up, down, wts, ids, False, limit, act, consts, gub, db)
             err = (moe.moe_experts(*args) - reference(*args)).abs().max() / reference(*args).abs().max()
             out.append(f"moe t={t} act={act} biases {err:.2e}")
     return out
@@ -271,11 +264,13 @@ def check_fused(g: torch.Generator) -> list[str]:
     for fp32, limit in ((False, None), (True, 2.0)):
         err = _rel(fused.swiglu(gt, up, fp32, limit), basic.swiglu(gt, up, fp32, limit))
         out.append(f"swiglu fp32={fp32} limit={limit} {err:.2e}")
-    for act, fp32, limit in (("gelu_pytorch_tanh", False, None), ("clamped_swiglu", True, 7.0)):
-        err = _rel(
-            fused.swiglu(gt, up, fp32, limit, act, 1.702), basic.swiglu(gt, up, fp32, limit, act, 1.702)
-        )
-        out.append(f"swiglu act={act} fp32={fp32} limit={limit} {err:.2e}")
+    for act, fp32, limit, consts in (
+        ("gelu_pytorch_tanh", False, None, (0.0, 0.0)), ("clamped_swiglu", True, 7.0, (1.702, 0.0)),
+        ("situ", True, None, (4.0, 25.0)), ("situ", True, 7.0, (3.0, 0.0)),
+    ):  # fmt: skip
+        want = basic.swiglu(gt * 4, up * 10, fp32, limit, act, consts)  # past situ's bounds too
+        err = _rel(fused.swiglu(gt * 4, up * 10, fp32, limit, act, consts), want)
+        out.append(f"swiglu act={act} fp32={fp32} limit={limit} consts={consts} {err:.2e}")
     for e, k, score, bias, groups, topg, renorm, scale in (
         (64, 8, "sigmoid", True, 8, 4, True, 2.5), (12, 3, "softmax", False, 1, 1, False, 1.0),
         (32, 6, "sigmoid", False, 4, 2, False, 1.0), (40, 5, "softmax", True, 1, 1, True, 0.5),
@@ -403,9 +398,10 @@ def test_triton_kernels_in_the_interpreter(seed: int) -> None:
     fixed = (
         3 * 9 + 2 * 4 * 2 + 2 * 2 * 2 + 6 + 1 + 3 * 2 + 3 * 2 + 2 + 4 + 6 + 1 + 4 + 6 + 2 + 2 + 4 + 1 + 2 + 2
     )
+    situ = 3 + 2  # SiTU: the expert kernels (3 shapes) and the fused SwiGLU (2 constant pairs)
     skip = 2 + 2 * 2  # expert id -1: packed (2 shapes), dense (2 shapes x 2 ranks)
     per_head = 2  # rms_norm with a weight a head (both weight orders)
-    assert len(lines) == fixed + 3 * (2 * 2 + 1) + skip + per_head, r.stdout  # + check_linear
+    assert len(lines) == fixed + 3 * (2 * 2 + 1) + skip + per_head + situ, r.stdout  # + check_linear
     for ln in lines:  # bf16 rows: a few bf16 ulps of the output's scale
         assert float(ln.split()[-1]) <= (2e-2 if " bf16 " in ln else 1e-5), ln
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.kernels.ops import GATED_ACTS
+from dayzero.kernels.ops import DEFAULT_CONSTS, GATED_ACTS
 from dayzero.kernels.reference.basic import swiglu
 from dayzero.kernels.reference.moe import moe_experts as expert_loop
 from dayzero.kernels.registry import Capabilities, register
@@ -28,7 +28,7 @@ def moe_experts(
     fp32: bool = False,
     limit: float | None = None,
     act: str = "silu",
-    alpha: float = 1.702,
+    consts: tuple[float, float] = DEFAULT_CONSTS,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -49,12 +49,12 @@ def moe_experts(
         xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [P, Dm, 1]
         gu = torch.bmm(gate_up[pick], xs).squeeze(-1)  # [P, 2I]
         g, u = (gu if gate_up_bias is None else gu + gate_up_bias[pick]).chunk(2, dim=-1)  # [P, I]
-        hidden = swiglu(g, u, fp32, limit, act, alpha)
+        hidden = swiglu(g, u, fp32, limit, act, consts)
         y = torch.bmm(down[pick], hidden[:, :, None]).squeeze(-1)  # [P, Dm]
         y = y if down_bias is None else y + down_bias[pick]
         return torch.where(live, y.float() * w, 0.0).view(t, k, -1).sum(1).to(x.dtype)
     if gate_up.shape[1] % 16 or x.shape[1] % 8:  # grouped GEMM needs 16-byte aligned rows
-        return expert_loop(x, gate_up, down, weights, ids, fp32, limit, act, alpha, gate_up_bias, down_bias)
+        return expert_loop(x, gate_up, down, weights, ids, fp32, limit, act, consts, gate_up_bias, down_bias)
     key = torch.where(live[:, 0], flat, e)  # [P]: skipped pairs sort after every expert's
     order = key.argsort(stable=True)  # (token, slot) pairs grouped by expert
     counts = torch.zeros(e + 1, dtype=torch.int64, device=x.device).scatter_add_(0, key, torch.ones_like(key))
@@ -64,7 +64,7 @@ def moe_experts(
     xs = x[order // k]  # [P, Dm]
     gu = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [P, 2I]
     g, u = (gu if gate_up_bias is None else gu + gate_up_bias[pick[order]]).chunk(2, dim=-1)  # [P, I]
-    hidden = swiglu(g, u, fp32, limit, act, alpha)
+    hidden = swiglu(g, u, fp32, limit, act, consts)
     y = torch._grouped_mm(hidden, down.transpose(1, 2), offs=offs)  # [P, Dm]
     y = y if down_bias is None else y + down_bias[pick[order]]
     out = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dayzero.kernels.ops import ACTIVATIONS
+from dayzero.kernels.ops import ACTIVATIONS, DEFAULT_CONSTS
 from dayzero.kernels.registry import register
 
 
@@ -118,15 +118,29 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None 
     return o * torch.sigmoid(gate)
 
 
-def gated_act(g: torch.Tensor, u: torch.Tensor, act: str = "silu", alpha: float = 1.702) -> torch.Tensor:
-    """act(g) * u in g's dtype: silu(g) u (SwiGLU), gelu_tanh(g) u (GeGLU, torch's tanh
-    approximation), or g sigmoid(alpha g) (u + 1) (`clamped_swiglu`, gpt-oss's experts)."""
+def gated_act(
+    g: torch.Tensor, u: torch.Tensor, act: str = "silu", consts: tuple[float, float] = DEFAULT_CONSTS
+) -> torch.Tensor:
+    """act(g) * u in g's dtype, with (c0, c1) = consts:
+    silu               silu(g) u  (SwiGLU)
+    gelu_pytorch_tanh  gelu_tanh(g) u  (GeGLU, torch's tanh approximation)
+    clamped_swiglu     g sigmoid(c0 g) (u + 1)  (gpt-oss's experts, c0 = alpha)
+    situ               [c0 tanh(g / c0) sigmoid(g)] [c1 tanh(u / c1)]  (Kimi K3; c0 = beta,
+                       c1 = the linear beta; c1 = 0: u unchanged)"""
     if act == "silu":
         return F.silu(g) * u
     if act == "gelu_pytorch_tanh":
         return F.gelu(g, approximate="tanh") * u
     if act == "clamped_swiglu":
-        return g * torch.sigmoid(g * alpha) * (u + 1)
+        return g * torch.sigmoid(g * consts[0]) * (u + 1)
+    if act == "situ":
+        beta, linear = consts
+        return (
+            beta
+            * torch.tanh(g / beta)
+            * torch.sigmoid(g)
+            * (linear * torch.tanh(u / linear) if linear else u)
+        )
     raise ValueError(f"activation {act!r} is not implemented; known: {', '.join(ACTIVATIONS)}")
 
 
@@ -137,15 +151,15 @@ def swiglu(
     fp32: bool = False,
     limit: float | None = None,
     act: str = "silu",
-    alpha: float = 1.702,
+    consts: tuple[float, float] = DEFAULT_CONSTS,
 ) -> torch.Tensor:
-    """act(min(gate, limit)) * clamp(up, -limit, limit) (no clamp without a limit; `act` as
-    gated_act); with fp32 the activation and product run in fp32 and are cast back."""
+    """act(min(gate, limit)) * clamp(up, -limit, limit) (no clamp without a limit; `act` and its
+    constants as gated_act); with fp32 the activation and product run in fp32 and are cast back."""
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     if fp32:
-        return gated_act(gate.float(), up.float(), act, alpha).to(gate.dtype)
-    return gated_act(gate, up, act, alpha)
+        return gated_act(gate.float(), up.float(), act, consts).to(gate.dtype)
+    return gated_act(gate, up, act, consts)
 
 
 @register("softcap", "reference", graphs=True)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from dayzero.kernels.ops import DEFAULT_CONSTS
 from dayzero.kernels.reference.basic import swiglu
 from dayzero.kernels.registry import register
 
@@ -57,7 +58,7 @@ def moe_experts(
     fp32: bool = False,
     limit: float | None = None,
     act: str = "silu",
-    alpha: float = 1.702,
+    consts: tuple[float, float] = DEFAULT_CONSTS,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -77,7 +78,7 @@ def moe_experts(
         fp32,
         limit,
         act,
-        alpha,
+        consts,
     )
 
 
@@ -90,7 +91,7 @@ def expert_loop(
     fp32: bool,
     limit: float | None,
     act: str = "silu",
-    alpha: float = 1.702,
+    consts: tuple[float, float] = DEFAULT_CONSTS,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * down(swiglu(up(x[t], e)), e), e = ids[t, k], over the pairs with
     e >= 0 (-1: no expert), one picked expert at a time (up / down: expert e's projection,
@@ -101,6 +102,6 @@ def expert_loop(
             continue
         tok, slot = (ids == e).nonzero(as_tuple=True)
         g, u = up(x[tok], e).chunk(2, dim=-1)
-        y = down(swiglu(g, u, fp32, limit, act, alpha), e) * weights[tok, slot, None]
+        y = down(swiglu(g, u, fp32, limit, act, consts), e) * weights[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out

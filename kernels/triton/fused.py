@@ -11,7 +11,8 @@ the unfused ops round them:
                 past R pass through
   sigmoid_gate  o * sigmoid(g (+ b[h]))                                           [T, H, D]
   swiglu        act(min(g, limit)) * clamp(u, -limit, limit)  (fp32: rounded once)  [T, I];
-                act: silu, gelu (tanh approximation), or g sigmoid(alpha g) with u + 1 (clamped_swiglu)
+                act: silu, gelu (tanh approximation), g sigmoid(alpha g) with u + 1 (clamped_swiglu),
+                or SiTU (kernels/triton/act.py)
   kv_write      k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]      [T, Hk, D] each
   qk_norm_rope_write  q' = norm_rope(q) (with its log scaling), k' = norm_rope(k), kv_write(k', v)
 
@@ -26,9 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dayzero.kernels.ops import HeadPrep
+from dayzero.kernels.ops import DEFAULT_CONSTS, HeadPrep
 from dayzero.kernels.reference import attention as ref_attention
 from dayzero.kernels.reference import basic
+from dayzero.kernels.triton.act import ACT_CODES, _tanh
 from dayzero.kernels.triton.norm import _rows
 
 
@@ -292,7 +294,7 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None 
 
 @triton.jit
 def _swiglu(
-    g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, limit, alpha,
+    g_ptr, u_ptr, y_ptr, N, stride_g, stride_u, limit, c0, c1,
     BN: tl.constexpr, FP32: tl.constexpr, LIMIT: tl.constexpr, ACT: tl.constexpr,
 ):  # fmt: skip
     t, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -306,20 +308,22 @@ def _swiglu(
         u = tl.minimum(tl.maximum(u, -limit), limit).to(dt).to(tl.float32)
     if ACT == 0:  # silu
         act = g / (1.0 + tl.exp(-g))
-    elif ACT == 1:  # gelu, tanh approximation: tanh(z) = 1 - 2 / (exp(2z) + 1)
+    elif ACT == 1:  # gelu, tanh approximation
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        act = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
-    else:  # clamped_swiglu: g sigmoid(alpha g) (u + 1)
-        act = g / (1.0 + tl.exp(-alpha * g))
+        act = 0.5 * g * (1.0 + _tanh(z))
+    elif ACT == 2:  # clamped_swiglu: g sigmoid(c0 g) (u + 1)
+        act = g / (1.0 + tl.exp(-c0 * g))
         u = u + 1.0
+        if not FP32:
+            u = u.to(dt).to(tl.float32)
+    else:  # situ: [c0 tanh(g / c0) sigmoid(g)] [c1 tanh(u / c1)] (c1 = 0: u)
+        act = c0 * _tanh(g / c0) / (1.0 + tl.exp(-g))
+        u = tl.where(c1 != 0.0, c1 * _tanh(u / tl.where(c1 != 0.0, c1, 1.0)), u)
         if not FP32:
             u = u.to(dt).to(tl.float32)
     if not FP32:
         act = act.to(dt).to(tl.float32)
     tl.store(y_ptr + t * N + n, (act * u).to(dt), mask=m)
-
-
-_ACT_CODES = {"silu": 0, "gelu_pytorch_tanh": 1, "clamped_swiglu": 2}
 
 
 def swiglu(
@@ -328,17 +332,17 @@ def swiglu(
     fp32: bool = False,
     limit: float | None = None,
     act: str = "silu",
-    alpha: float = 1.702,
+    consts: tuple[float, float] = DEFAULT_CONSTS,
 ) -> torch.Tensor:
     if gate.dim() != 2 or up.shape != gate.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
-        return basic.swiglu(gate, up, fp32, limit, act, alpha)
+        return basic.swiglu(gate, up, fp32, limit, act, consts)
     t, n = gate.shape
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if t:
         bn = min(1024, triton.next_power_of_2(n))
         _swiglu[(t, triton.cdiv(n, bn))](
-            gate, up, y, n, gate.stride(0), up.stride(0), limit or 0.0, alpha,
-            BN=bn, FP32=fp32, LIMIT=limit is not None, ACT=_ACT_CODES[act],
+            gate, up, y, n, gate.stride(0), up.stride(0), limit or 0.0, *consts,
+            BN=bn, FP32=fp32, LIMIT=limit is not None, ACT=ACT_CODES[act],
         )  # fmt: skip
     return y
 

@@ -25,23 +25,10 @@ import triton
 import triton.language as tl
 
 from dayzero.kernels.batched.moe import moe_experts as grouped_mm_experts
+from dayzero.kernels.ops import DEFAULT_CONSTS
 from dayzero.kernels.reference.moe import moe_experts as expert_loop
+from dayzero.kernels.triton.act import ACT_CODES, _act
 from dayzero.kernels.triton.packed import _align, _rows_tile, _sms, combine
-
-
-@triton.jit
-def _act(g, u, alpha, ACT: tl.constexpr):
-    """a(g) u in fp32: silu (0), gelu with the tanh approximation (1), g sigmoid(alpha g) (u + 1) (2)."""
-    if ACT == 0:
-        return g / (1.0 + tl.exp(-g)) * u
-    elif ACT == 1:  # tanh(z) = 1 - 2 / (exp(2z) + 1)
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        return 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)) * u
-    else:
-        return g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
-
-
-ACT_CODES = {"silu": 0, "gelu_pytorch_tanh": 1, "clamped_swiglu": 2}
 
 
 @triton.jit
@@ -60,7 +47,8 @@ def _gate_up_swiglu(
     stride_be,
     x_row_div,
     limit,
-    alpha,
+    c0,
+    c1,
     LIMIT: tl.constexpr,
     BIAS: tl.constexpr,
     ACT: tl.constexpr,
@@ -94,7 +82,7 @@ def _gate_up_swiglu(
     if LIMIT:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
-    act = _act(g, u, alpha, ACT)
+    act = _act(g, u, c0, c1, ACT)
     tl.store(h_ptr + p.to(tl.int64) * stride_hm + offs_n, act.to(dt), mask=n_ok)
 
 
@@ -158,7 +146,8 @@ def _grouped(
     stride_be,
     x_row_div,
     limit,
-    alpha,
+    c0,
+    c1,
     SWIGLU: tl.constexpr,
     LIMIT: tl.constexpr,
     BIAS: tl.constexpr,
@@ -215,7 +204,7 @@ def _grouped(
         if LIMIT:
             out = tl.minimum(out, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
-        out = _act(out, u, alpha, ACT)
+        out = _act(out, u, c0, c1, ACT)
     dst = y_ptr + rows[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(dst, out.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -249,7 +238,7 @@ def moe_experts(
     fp32: bool = False,
     limit: float | None = None,
     act: str = "silu",
-    alpha: float = 1.702,
+    consts: tuple[float, float] = DEFAULT_CONSTS,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -258,7 +247,7 @@ def moe_experts(
     activation runs in fp32 (`fp32` asks for no more than that)."""
     t, k = ids.shape
     e, two_i, dm = gate_up.shape
-    more = (act, alpha, gate_up_bias, down_bias)
+    more = (act, consts, gate_up_bias, down_bias)
     if gate_up.stride(-1) != 1 or down.stride(-1) != 1:  # rows must be contiguous (never so far)
         return expert_loop(x, gate_up, down, weights, ids, fp32, limit, *more)
     if t * k >= GROUPED_MM_PAIRS * e and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
@@ -273,7 +262,7 @@ def moe_experts(
     gub = gate_up if gate_up_bias is None else gate_up_bias.contiguous()
     _gate_up_swiglu[(p, triton.cdiv(i, bn))](
         x, h, gate_up, gub, flat, i, dm, x.stride(0), h.stride(0), gate_up.stride(0), gate_up.stride(1),
-        gub.stride(0), k, limit or 0.0, alpha, LIMIT=limit is not None, BIAS=gate_up_bias is not None,
+        gub.stride(0), k, limit or 0.0, *consts, LIMIT=limit is not None, BIAS=gate_up_bias is not None,
         ACT=ACT_CODES[act], BN=bn, BK=GEMV["bk"], num_warps=GEMV["warps"],
     )  # fmt: skip
     y = torch.empty(p, dm, dtype=torch.float32, device=x.device)
@@ -294,7 +283,7 @@ def _grouped_experts(
     ids: torch.Tensor,
     limit,
     act: str = "silu",
-    alpha: float = 1.702,
+    consts: tuple[float, float] = DEFAULT_CONSTS,
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -310,14 +299,14 @@ def _grouped_experts(
     gub = gate_up if gate_up_bias is None else gate_up_bias.contiguous()
     _grouped[(blocks.shape[0], triton.cdiv(i, 64))](
         x, h, gate_up, gub, rows, blocks, p, i, dm, x.stride(0), h.stride(0), gate_up.stride(0),
-        gate_up.stride(1), gub.stride(0), k, limit or 0.0, alpha, SWIGLU=True, LIMIT=limit is not None,
+        gate_up.stride(1), gub.stride(0), k, limit or 0.0, *consts, SWIGLU=True, LIMIT=limit is not None,
         BIAS=gate_up_bias is not None, ACT=ACT_CODES[act], IEEE=ieee, BM=bm, BN=64, BK=64, num_warps=4,
     )  # fmt: skip
     y = torch.empty(p, dm, dtype=torch.float32, device=x.device)
     db = down if down_bias is None else down_bias.contiguous()
     _grouped[(blocks.shape[0], triton.cdiv(dm, 64))](
         h, y, down, db, rows, blocks, p, dm, i, h.stride(0), y.stride(0), down.stride(0), down.stride(1),
-        db.stride(0), 1, 0.0, 1.0, SWIGLU=False, LIMIT=False, BIAS=down_bias is not None, ACT=0, IEEE=ieee,
-        BM=bm, BN=64, BK=64, num_warps=4,
+        db.stride(0), 1, 0.0, 1.0, 0.0, SWIGLU=False, LIMIT=False, BIAS=down_bias is not None, ACT=0,
+        IEEE=ieee, BM=bm, BN=64, BK=64, num_warps=4,
     )  # fmt: skip
     return combine(y, weights, ids, x.dtype)

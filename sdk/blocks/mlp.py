@@ -9,15 +9,16 @@ from typing import Literal
 import torch
 from torch import nn
 
-from dayzero.kernels.ops import ACTIVATIONS
+from dayzero.kernels.ops import ACTIVATIONS, DEFAULT_CONSTS
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef
 from dayzero.sdk.config.model import ONE_RANK, Parallel, Slice
 from dayzero.sdk.config.options import BoolV, FloatV, IntV, Ref, Strict
 
-# the gated MLPs' activations: a(g) u with a = silu (SwiGLU), gelu_pytorch_tanh (GeGLU), or
-# clamped_swiglu: g sigmoid(alpha g) (u + 1) (gpt-oss; with its limit)
-Activation = Literal["silu", "gelu_pytorch_tanh", "clamped_swiglu"]
+# the gated MLPs' activations: a(g) u with a = silu (SwiGLU), gelu_pytorch_tanh (GeGLU),
+# clamped_swiglu: g sigmoid(alpha g) (u + 1) (gpt-oss; with its limit), or situ (Kimi K3):
+# [b tanh(g / b) sigmoid(g)] [b_l tanh(u / b_l)], b = situ_beta, b_l = situ_linear_beta (null: u)
+Activation = Literal["silu", "gelu_pytorch_tanh", "clamped_swiglu", "situ"]
 
 
 class SwigluOpts(Strict):
@@ -28,6 +29,8 @@ class SwigluOpts(Strict):
     # the activation, or a $symbol reading it from the config (hidden_act / hidden_activation)
     activation: Activation | Ref = "silu"
     alpha: FloatV = 1.702  # clamped_swiglu's sigmoid slope
+    situ_beta: FloatV = 4.0  # situ's gate bound
+    situ_linear_beta: FloatV | None = 25.0  # situ's bound on up (null: up unbounded)
 
 
 @dataclass(frozen=True)
@@ -39,17 +42,19 @@ class SwigluCfg:
     par: Parallel = ONE_RANK
     reduce: bool = True  # sum the ranks' outputs here (False: the enclosing block does)
     act: str = "silu"
-    alpha: float = 1.702
+    consts: tuple[float, float] = DEFAULT_CONSTS  # the activation's (kernels/ops.py)
 
 
 def act_args(c: SwigluCfg | MoeCfg) -> tuple:
-    """The swiglu op's trailing (activation, alpha), passed only past the default silu."""
-    return () if c.act == "silu" else (c.act, c.alpha)
+    """The swiglu op's trailing (activation, constants), passed only past the default silu."""
+    return () if c.act == "silu" else (c.act, c.consts)
 
 
 class SwiGLU(nn.Module):
     """y = W_down (a(g) * u), g = x W_gate, u = x W_up; [gate; up] is one fused projection;
-    a = silu (SwiGLU), gelu_tanh (GeGLU), or clamped_swiglu: a(g) u = g sigmoid(alpha g) (u + 1).
+    a = silu (SwiGLU), gelu_tanh (GeGLU), clamped_swiglu: a(g) u = g sigmoid(alpha g) (u + 1), or
+    SiTU: a(g) u = [b tanh(g / b) sigmoid(g)] [b_l tanh(u / b_l)] (Kimi K3; not SiLU: both halves
+    bounded, by b and b_l).
     With a limit: g <- min(g, limit), u <- clamp(u, -limit, limit) before the product.
     Tensor parallel over P ranks: each holds I / P of the intermediate (rows of W_gate, W_up,
     columns of W_down); y = sum over ranks of its partial product (all-reduce)."""
@@ -100,6 +105,8 @@ class MoeOpts(Strict):
     limit: FloatV | None = None  # SwiGLU clamp of routed and shared experts (see swiglu)
     activation: Activation | Ref = "silu"  # of routed and shared experts (see swiglu)
     alpha: FloatV = 1.702
+    situ_beta: FloatV = 4.0
+    situ_linear_beta: FloatV | None = 25.0
     router_bias: BoolV = False  # a bias [E] added to the router logits before top-k (gpt-oss)
     expert_bias: BoolV = False  # gate_up [E, 2I] and down [E, Dm] biases of the routed experts
 
@@ -121,7 +128,7 @@ class MoeCfg:
     fp32: bool
     limit: float | None = None
     act: str = "silu"
-    alpha: float = 1.702
+    consts: tuple[float, float] = DEFAULT_CONSTS  # the activation's (kernels/ops.py)
     router_bias: bool = False
     expert_bias: bool = False
     par: Parallel = ONE_RANK  # sharded: `experts` (expert parallel) or the intermediates are this rank's
@@ -164,7 +171,7 @@ class MoE(nn.Module):
         self.gate_up_bias = nn.Parameter(torch.empty(e, 2 * i)) if cfg.expert_bias else None
         self.down_bias = nn.Parameter(torch.empty(e, h)) if cfg.expert_bias else None
         si = cfg.shared_intermediate
-        shared = SwigluCfg(h, si, cfg.fp32, cfg.limit, cfg.par, reduce=False, act=cfg.act, alpha=cfg.alpha)
+        shared = SwigluCfg(h, si, cfg.fp32, cfg.limit, cfg.par, reduce=False, act=cfg.act, consts=cfg.consts)
         self.shared = SwiGLU(shared, ops) if si else None
         self.shared_gate = nn.Parameter(torch.empty(1, h)) if si and cfg.shared_gate else None
 
@@ -214,7 +221,7 @@ class MoE(nn.Module):
             local = ids - self.first
             ids = torch.where((local >= 0) & (local < c.experts), local, -1)
         extra = (
-            act_args(c) if self.gate_up_bias is None else (c.act, c.alpha, self.gate_up_bias, self.down_bias)
+            act_args(c) if self.gate_up_bias is None else (c.act, c.consts, self.gate_up_bias, self.down_bias)
         )
         y = ops.moe_experts(x, self.gate_up, self.down, w, ids, c.fp32, c.limit, *extra)
         if self.shared is not None:
@@ -232,24 +239,32 @@ def _limit(o, val) -> float | None:
     return None if v is None else float(v)
 
 
-def _activation(o, val) -> tuple[str, float]:
-    """(activation, alpha); an activation the blocks do not implement is refused by name."""
+def _activation(o, val) -> tuple[str, tuple[float, float]]:
+    """(activation, its constants); an activation the blocks do not implement is refused by name."""
     act = val(o.activation)
     if act not in ACTIVATIONS:
         raise ValueError(
             f"activation {act!r} is not implemented by the gated MLPs; known: {', '.join(ACTIVATIONS)}"
         )
-    return str(act), float(val(o.alpha))
+    if act == "clamped_swiglu":
+        return act, (float(val(o.alpha)), 0.0)
+    if act == "situ":
+        beta = float(val(o.situ_beta))
+        linear = None if o.situ_linear_beta is None else val(o.situ_linear_beta)
+        if beta <= 0 or (linear is not None and float(linear) <= 0):
+            raise ValueError(f"situ's betas must be > 0 (situ_linear_beta may be null), got {beta}, {linear}")
+        return act, (beta, 0.0 if linear is None else float(linear))
+    return str(act), DEFAULT_CONSTS
 
 
 def _resolve_swiglu(o: SwigluOpts, val) -> SwigluCfg:
-    act, alpha = _activation(o, val)
+    act, consts = _activation(o, val)
     h, i = int(val("$hidden")), int(val(o.intermediate))
-    return SwigluCfg(h, i, bool(val(o.fp32)), _limit(o, val), act=act, alpha=alpha)
+    return SwigluCfg(h, i, bool(val(o.fp32)), _limit(o, val), act=act, consts=consts)
 
 
 def _resolve_moe(o: MoeOpts, val) -> MoeCfg:
-    act, alpha = _activation(o, val)
+    act, consts = _activation(o, val)
     c = MoeCfg(
         hidden=int(val("$hidden")),
         experts=int(val(o.experts)),
@@ -266,7 +281,7 @@ def _resolve_moe(o: MoeOpts, val) -> MoeCfg:
         fp32=bool(val(o.fp32)),
         limit=_limit(o, val),
         act=act,
-        alpha=alpha,
+        consts=consts,
         router_bias=bool(val(o.router_bias)),
         expert_bias=bool(val(o.expert_bias)),
     )
@@ -320,7 +335,7 @@ def _moe_needs(c: MoeCfg):
         ("moe_route", frozenset(route), None),
         ("moe_experts", _act_features(c) | ({"bias"} if c.expert_bias else set()) | _skip(c), None),
     ]
-    shared = SwigluCfg(c.hidden, c.shared_intermediate, c.fp32, c.limit, act=c.act, alpha=c.alpha)
+    shared = SwigluCfg(c.hidden, c.shared_intermediate, c.fp32, c.limit, act=c.act, consts=c.consts)
     return needs + (_swiglu_needs(shared) if c.shared_intermediate else [])
 
 
