@@ -113,6 +113,35 @@ def test_kda_layer_matches_the_reference(flash, seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", SEEDS[:2])
+def test_kda_full_rank_gate_equals_the_low_rank_product(flash, seed: int) -> None:
+    """KDA with the full-rank output gate (Kimi K3's g_proj [H D, Dm]) holding W_gb W_ga gives
+    the low-rank layer's output (which matches transformers above) over 70 tokens (more than
+    one 64-token chunk); a random full-rank gate changes it."""
+    import dataclasses
+
+    from dayzero.sdk.blocks.kda import KdaAttention
+
+    ours, _ = flash
+    low = ours.model.layers[0].attn
+    caches = ((0, low.conv_off), (0, low.state_off))
+    full = KdaAttention(dataclasses.replace(low.cfg, full_rank_gate=True), low.ops, caches)
+    assert not hasattr(full, "g_a") and full.g_proj.shape == (low.g_b.shape[0], low.g_a.shape[1])
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(70, ours.cfg.embedding.dim, generator=g)
+    with torch.no_grad():
+        for name, p in full.named_parameters():
+            p.copy_(low.g_b @ low.g_a if name == "g_proj" else getattr(low, name))
+
+        def run(layer) -> torch.Tensor:
+            return layer(x, context(70, ours.cfg.cache_groups))
+
+        want, got = run(low), run(full)
+        assert (got - want).abs().max().item() < TOL
+        full.g_proj.copy_(torch.randn(full.g_proj.shape, generator=g))
+        assert (run(full) - want).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
 def test_hyper_connections_match_the_reference(flash, seed: int) -> None:
     ours, ref = flash
     res = ours.model.layers[1].attn_res

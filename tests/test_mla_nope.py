@@ -77,6 +77,43 @@ def _copy(ours: MlaAttention, ref, q_lora: int | None, bias: bool) -> None:
         ours.o_proj.copy_(ref.o_proj.weight)
 
 
+class _Gated(torch.nn.Module):
+    """The reference's output projection behind Kimi K3's MLA gate: o_proj(o * sigmoid(x W_g))."""
+
+    def __init__(self, o_proj: torch.nn.Module, w_g: torch.Tensor, x: torch.Tensor) -> None:
+        super().__init__()
+        self.o_proj, self.w_g, self.x = o_proj, w_g, x
+
+    def forward(self, o: torch.Tensor) -> torch.Tensor:  # o [1, T, H Dv]
+        return self.o_proj(o * torch.sigmoid(self.x @ self.w_g.T))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gated_nope_mla_matches_kimi_linear_with_the_gate(seed: int) -> None:
+    """`output_gate: true` (Kimi K3's mla_use_output_gate): KimiLinearAttention whose output
+    projection reads o * sigmoid(x W_g) (W_g [H Dv, Dm], random), at every position of one
+    causal prefill; the gate's weight is this layer's own tensor (g_proj)."""
+    ref = _kimi(seed, 24, False)
+    opts = {"heads": DIMS["heads"], "q_lora": 24, "kv_lora": DIMS["kv_lora"], "nope_dim": DIMS["nope"],
+            "rope_dim": DIMS["rope"], "v_dim": DIMS["v"], "nope": True, "output_gate": True}  # fmt: skip
+    ours, cfg = _ours({"hidden": DIMS["hidden"]}, opts)
+    assert cfg.output_gate and ours.g_proj.shape == (DIMS["heads"] * DIMS["v"], DIMS["hidden"])
+    _copy(ours, ref, 24, False)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, DIMS["hidden"], generator=g)
+    w_g = torch.randn(DIMS["heads"] * DIMS["v"], DIMS["hidden"], generator=g) / DIMS["hidden"] ** 0.5
+    ctx = context(T, [CacheGroupCfg("mla", "paged", None, DIMS["kv_lora"] + DIMS["rope"], (0,))])
+    with torch.no_grad():
+        ours.g_proj.copy_(w_g)
+        got = ours(x, ctx)
+        ungated = ref(x[None], torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None])[0][0]
+        ref.o_proj = _Gated(ref.o_proj, w_g, x[None])
+        want = ref(x[None], torch.full((T, T), torch.finfo(torch.float32).min).triu(1)[None, None])[0][0]
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err < TOL, err
+    assert ((ungated - want).abs().max() / want.abs().max()).item() > 0.1  # the gate is seen
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("q_lora,bias", [(None, False), (24, False), (24, True)])
 def test_nope_mla_matches_kimi_linear_attention(seed: int, q_lora: int | None, bias: bool) -> None:

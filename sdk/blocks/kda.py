@@ -29,6 +29,8 @@ class KdaOpts(Strict):
     conv_kernel: IntV = 4
     gate_lower_bound: FloatV | None = None  # the "safe gate": g = lb * sigmoid(exp(A) (f + dt))
     norm_eps: FloatV = 1e-6  # the gated output RMS norm
+    # the output gate's projection: low_rank (x W_ga) W_gb (kimi_linear) or full_rank x W_g (Kimi K3)
+    output_gate: Literal["low_rank", "full_rank"] = "low_rank"
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class KdaCfg:
     conv_kernel: int
     gate_lower_bound: float | None
     norm_eps: float
+    full_rank_gate: bool = False
     par: Parallel = ONE_RANK  # tensor parallel: `heads` above are this rank's
 
 
@@ -51,16 +54,17 @@ class KdaAttention(nn.Module):
     beta = sigmoid(x W_b)                                             [T, H]
     S_t = diag(exp(g_t)) S_{t-1} + k_t beta_t (v_t - k_t^T diag(exp(g_t)) S_{t-1})^T, o_t = q_t^T S_t
           (q, k l2-normalised, q / sqrt(D); S [H, D, D] fp32)
-    o <- rmsnorm_D(o) w_o * sigmoid((x W_ga) W_gb)   (fp32);   y = o W_o
+    o <- rmsnorm_D(o) w_o * sigmoid(gate)   (fp32);   y = o W_o
+    gate = (x W_ga) W_gb (low rank, W_ga [D, Dm]) or x W_g (full rank, W_g [H D, Dm])
     The state (conv inputs and S) lives in the request's state slot: chunked prefill, prefix
     hits (a snapshot at a block boundary) and retraction all continue the same recurrence.
     Tensor parallel over P ranks: each rank holds H / P heads (their rows of W_q, W_k, W_v, the
-    conv, W_fb, W_gb, W_b, dt_bias, A_log; their columns of W_o) and their state; the low-rank
-    W_fa, W_ga and the output norm are replicated; y = sum over ranks of o_r W_o,r (all-reduce).
+    conv, W_fb, W_gb or W_g, W_b, dt_bias, A_log; their columns of W_o) and their state; the
+    low-rank W_fa, W_ga and the output norm are replicated; y = sum over ranks of o_r W_o,r (all-reduce).
     """
 
     fp32_params = ("conv", "dt_bias", "A_log")
-    linear_weights = ("in_proj", "f_a", "f_b", "b_proj", "g_a", "g_b", "o_proj")  # may be packed
+    linear_weights = ("in_proj", "f_a", "f_b", "b_proj", "g_a", "g_b", "g_proj", "o_proj")  # may be packed
 
     def __init__(self, cfg: KdaCfg, ops: OpTable, caches: tuple[tuple[int, int], ...]) -> None:
         super().__init__()
@@ -75,8 +79,11 @@ class KdaAttention(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(c))
         self.A_log = nn.Parameter(torch.empty(h))
         self.b_proj = nn.Parameter(torch.empty(h, dm))
-        self.g_a = nn.Parameter(torch.empty(d, dm))
-        self.g_b = nn.Parameter(torch.empty(c, d))
+        if cfg.full_rank_gate:
+            self.g_proj = nn.Parameter(torch.empty(c, dm))
+        else:
+            self.g_a = nn.Parameter(torch.empty(d, dm))
+            self.g_b = nn.Parameter(torch.empty(c, d))
         self.o_norm = nn.Parameter(torch.empty(d))
         self.o_proj = nn.Parameter(torch.empty(dm, c))
 
@@ -96,7 +103,7 @@ class KdaAttention(nn.Module):
             "in_proj": {"q": rows, "k": rows, "v": rows},
             "conv": {"q": conv, "k": conv, "v": conv},
             "f_b": {"": rows},
-            "g_b": {"": rows},
+            ("g_proj" if cfg.full_rank_gate else "g_b"): {"": rows},
             "dt_bias": {"": Slice(-1, rows.start, rows.length)},
             "A_log": {"": Slice(-1, p.rank * h, h)},
             "b_proj": {"": Slice(-2, p.rank * h, h)},
@@ -124,7 +131,10 @@ class KdaAttention(nn.Module):
             g = softplus_decay(self.A_log[None, :, None], f)  # [T, H, D]
         beta = torch.sigmoid(ops.linear(x, self.b_proj))  # [T, H]
         o = ops.kda_recurrence(q, k, v, g, beta, rec_state, ctx.state)  # [T, H, D]
-        gate = ops.linear(ops.linear(x, self.g_a), self.g_b).view(t, h, d)
+        if c.full_rank_gate:
+            gate = ops.linear(x, self.g_proj).view(t, h, d)
+        else:
+            gate = ops.linear(ops.linear(x, self.g_a), self.g_b).view(t, h, d)
         o = ops.rms_norm(o.float(), self.o_norm.float(), c.norm_eps, True) * torch.sigmoid(gate.float())
         y = ops.linear(o.to(x.dtype).reshape(t, -1), self.o_proj)
         return ops.tp.all_reduce(y) if c.par.size > 1 else y
@@ -139,6 +149,7 @@ def _resolve(o: KdaOpts, val) -> KdaCfg:
         conv_kernel=check_kernel(int(val(o.conv_kernel))),
         gate_lower_bound=None if lb is None else float(lb),
         norm_eps=float(val(o.norm_eps)),
+        full_rank_gate=o.output_gate == "full_rank",
     )
     return cfg
 

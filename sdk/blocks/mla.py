@@ -51,6 +51,7 @@ class MlaOpts(Strict):
     nope: BoolV = False
     latent_norm_eps: FloatV = 1e-6  # the q and kv latent RMS norms
     bias: BoolV = False  # biases on the down projections and the output projection
+    output_gate: BoolV = False  # o <- o * sigmoid(x W_g) before W_o (Kimi K3's mla_use_output_gate)
     indexer: IndexerOpts | None = None
 
 
@@ -84,6 +85,7 @@ class MlaCfg:
     bias: bool
     scale: float
     indexer: IndexerCfg | None
+    output_gate: bool = False
     par: Parallel = ONE_RANK  # tensor parallel: `heads` above are this rank's
 
 
@@ -96,6 +98,7 @@ class MlaAttention(nn.Module):
                                                          `nope`: q_r, k_r unrotated, a = 1)
     k[j, h] = [W_k[h] c_j ; k_r[j]],  v[j, h] = W_v[h] c_j   ([W_k; W_v] = W_kvb per head)
     o[t, h] = sum_{j in S(t)} softmax_j(scale <q[t, h], k[j, h]>) v[j, h];  y = o W_o
+    (output_gate: o <- o * sigmoid(x W_g), W_g [H Dv, Dm], elementwise in fp32, before W_o)
     S(t) = all j <= p_t, or the indexer's selection (sparse attention):
       dsa:   I[t, j] = sum_h w[t, h] relu(<q_i[t, h], k_i[j]> / sqrt(Di)), top-k j <= p_t
       kpool: the same over pooled groups of P keys (softmax(gate + ape)-weighted), the top
@@ -104,8 +107,8 @@ class MlaAttention(nn.Module):
     paired as the MLA's RoPE unless the indexer says otherwise; unrotated with `nope`),
     w = x W_iw / sqrt(Hi). A `reuse` layer attends to the last indexer layer's S(t).
 
-    Tensor parallel over P ranks: each rank holds H / P heads (its rows of W_qb, or of W_q, and
-    of W_kvb, its columns of W_o) and Hi / P indexer heads (its rows of W_iq and W_iw); the
+    Tensor parallel over P ranks: each rank holds H / P heads (its rows of W_qb, or of W_q, of
+    W_kvb and of W_g, its columns of W_o) and Hi / P indexer heads (its rows of W_iq and W_iw); the
     latents, the index key (W_ik, its norm, the pool gate and ape) and their caches are
     replicated, so every rank caches the same [c ; k_r] and k_i. Each rank scores with its
     indexer heads (I_r: the sum above over its h, w still scaled by the whole 1 / sqrt(Hi)),
@@ -114,7 +117,9 @@ class MlaAttention(nn.Module):
     """
 
     fp32_params = ("index_weights",)  # the indexer's head weights stay fp32 in every dtype
-    linear_weights = ("a_proj", "q_b", "kv_b", "o_proj", "index_q", "index_k", "index_weights", "pool_gate")
+    linear_weights = (
+        "a_proj", "q_b", "kv_b", "g_proj", "o_proj", "index_q", "index_k", "index_weights", "pool_gate"
+    )  # fmt: skip
 
     def __init__(self, cfg: MlaCfg, ops: OpTable, caches: tuple[tuple[int, int], ...]) -> None:
         super().__init__()
@@ -132,6 +137,7 @@ class MlaAttention(nn.Module):
         self.kv_b = nn.Parameter(torch.empty(h * (cfg.nope_dim + cfg.v_dim), cfg.kv_lora))
         self.o_proj = nn.Parameter(torch.empty(cfg.hidden, h * cfg.v_dim))
         self.o_bias = nn.Parameter(torch.empty(cfg.hidden)) if cfg.bias else None
+        self.g_proj = nn.Parameter(torch.empty(h * cfg.v_dim, cfg.hidden)) if cfg.output_gate else None
         ix = cfg.indexer
         own = ix is not None and not ix.reuse
         di = ix.head_dim if ix else 0
@@ -165,6 +171,8 @@ class MlaAttention(nn.Module):
             "kv_b": {"": Slice(-2, p.rank * h * dkv, h * dkv)},
             "o_proj": {"": Slice(-1, p.rank * h * cfg.v_dim, h * cfg.v_dim)},
         }
+        if cfg.output_gate:
+            out["g_proj"] = {"": Slice(-2, p.rank * h * cfg.v_dim, h * cfg.v_dim)}
         q = Slice(-2, p.rank * h * dq, h * dq)
         ix = cfg.indexer
         if ix is not None and not ix.reuse:  # the indexer's query heads and their weights
@@ -214,6 +222,9 @@ class MlaAttention(nn.Module):
         select = self._select(x, q_res, ctx)
         w_k, w_v = self._kv_b_heads(x.dtype)
         o = ops.mla_attention(q_n, q_r, cache, w_k, w_v, meta, c.scale, select)  # [T, H, Dv]
+        if self.g_proj is not None:  # fp32 gate, rounded once
+            gate = ops.linear(x, self.g_proj).view(t, h, c.v_dim)
+            o = ops.sigmoid_gate(o.float(), gate.float(), None).to(o.dtype)
         if c.par.size == 1:
             return ops.linear(o.reshape(t, -1), self.o_proj, self.o_bias)
         y = ops.tp.all_reduce(ops.linear(o.reshape(t, -1), self.o_proj))  # [T, Dm] summed over ranks
@@ -324,6 +335,7 @@ def _resolve(o: MlaOpts, val) -> MlaCfg:
         bias=bool(val(o.bias)),
         scale=(nope_dim + rope_dim) ** -0.5 * softmax_mscale(params),
         indexer=ix,
+        output_gate=bool(val(o.output_gate)),
     )
 
 
@@ -342,6 +354,8 @@ def _needs(c: MlaCfg):
         ("cache_write", frozenset(), None),
         ("mla_attention", frozenset({"causal"} | ({"select"} if ix else set())), None),
     ]
+    if c.output_gate:
+        out.append(("sigmoid_gate", frozenset(), None))
     if c.rope_dim and not c.nope:
         neox = not c.interleaved or (ix is not None and not ix.reuse and not ix.rope_interleaved)
         out.append(("rope", frozenset({"neox"}) if neox else frozenset(), None))
