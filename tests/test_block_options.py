@@ -329,6 +329,49 @@ def test_situ_mlp_and_experts_match_the_formula(seed: int, linear: float | None)
     assert _rel(moe(x), want.float()) < TOL
 
 
+def _rms(v: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return v / torch.sqrt((v * v).mean(-1, keepdim=True) + eps) * w
+
+
+@pytest.mark.parametrize("seed", SEEDS[:2])
+@pytest.mark.parametrize("norm", [True, False])
+def test_latent_moe_matches_the_formula(seed: int, norm: bool) -> None:
+    """Kimi K3's latent MoE: sigmoid scores + correction bias select the top 2 of 8 (the bias
+    only selects), weights renormalised and scaled by 2.5, experts with SiTU in a latent width
+    of 24 between W_ld and W_lu (with and without the latent RMSNorm, eps 1e-5), the shared
+    expert at the hidden width 32 on x; against a loop over tokens in fp64."""
+    torch.manual_seed(seed)
+    opts = {"experts": 8, "top_k": 2, "intermediate": 16, "score": "sigmoid", "correction_bias": True,
+            "routed_scale": 2.5, "shared_intermediate": 40, "activation": "situ", "fp32": True,
+            "latent": 24, "latent_norm": norm, "latent_norm_eps": 1e-5}  # fmt: skip
+    moe, cfg = _block("moe", opts, {"hidden": 32})
+    assert (cfg.latent, cfg.latent_norm) == (24, norm)
+    assert moe.gate_up.shape == (8, 32, 24) and moe.down.shape == (8, 24, 16)
+    assert (moe.latent_norm is not None) == norm
+    for p in moe.parameters():
+        p.copy_(
+            torch.randn(p.shape) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 1)
+            + (p.dim() == 1 and p.numel() == 24)
+        )
+    x = torch.randn(6, 32)
+    d = {n: p.double() for n, p in moe.named_parameters()}
+    xd = x.double()
+    want = torch.zeros(6, 32, dtype=torch.float64)
+    for t in range(6):
+        sc = torch.sigmoid(d["router"] @ xd[t])  # [E]
+        pick = (sc + d["correction_bias"]).topk(2).indices
+        w = sc[pick] / sc[pick].sum() * 2.5
+        u = d["latent_down"] @ xd[t]  # [L]
+        r = sum(
+            w[j] * (d["down"][e] @ _situ(*(d["gate_up"][e] @ u).chunk(2), 4.0, 25.0))
+            for j, e in enumerate(pick)
+        )
+        r = _rms(r, d["latent_norm"], 1e-5) if norm else r
+        sh = d["shared.down"] @ _situ(*(d["shared.gate_up"] @ xd[t]).chunk(2), 4.0, 25.0)
+        want[t] = d["latent_up"] @ r + sh
+    assert _rel(moe(x), want.float()) < TOL
+
+
 def test_situ_betas_must_be_positive() -> None:
     for opts in ({"situ_beta": 0.0}, {"situ_linear_beta": -1.0}):
         with pytest.raises(ValueError, match="situ's betas must be > 0"):

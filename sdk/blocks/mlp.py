@@ -109,6 +109,11 @@ class MoeOpts(Strict):
     situ_linear_beta: FloatV | None = 25.0
     router_bias: BoolV = False  # a bias [E] added to the router logits before top-k (gpt-oss)
     expert_bias: BoolV = False  # gate_up [E, 2I] and down [E, Dm] biases of the routed experts
+    # latent MoE (Kimi K3): the routed experts work in this width, between a down projection of x
+    # and an up projection of their weighted sum (null: the hidden width, no projections)
+    latent: IntV | None = None
+    latent_norm: BoolV = True  # RMSNorm on the routed sum in the latent width
+    latent_norm_eps: FloatV = 1e-6
 
 
 @dataclass(frozen=True)
@@ -131,6 +136,9 @@ class MoeCfg:
     consts: tuple[float, float] = DEFAULT_CONSTS  # the activation's (kernels/ops.py)
     router_bias: bool = False
     expert_bias: bool = False
+    latent: int = 0  # the routed experts' width (0: hidden, no latent projections)
+    latent_norm: bool = True
+    latent_norm_eps: float = 1e-6
     par: Parallel = ONE_RANK  # sharded: `experts` (expert parallel) or the intermediates are this rank's
     experts_total: int = 0  # the model's routed experts (sharded configs)
 
@@ -145,31 +153,41 @@ class MoE(nn.Module):
     (sigmoid + correction bias + groups is DeepSeek's `noaux_tc` selection; every SwiGLU takes
     the block's limit and activation; expert_bias: SwiGLU_e(x) = W_down,e a([g; u] + b_gu,e) + b_d,e;
     softmax + renormalize over the top-k is softmax over the top-k logits, gpt-oss's router)
+    Latent (Kimi K3): the routed experts read u = x W_ld [T, L] and their sum r [T, L] returns as
+    W_lu rmsnorm(r) (no norm without latent_norm); the shared expert stays at width Dm:
+        y = W_lu rmsnorm(routed_scale * sum_k w_k SwiGLU_{e_k}(x W_ld)) + SwiGLU_shared(x)
 
     Over P ranks the router (and routing) is replicated; expert parallel: rank r holds experts
     [r E / P, (r + 1) E / P) whole and passes the others' picks as id -1 (no expert: no work,
     the op's feature `skip`); tensor parallel: every rank
     holds I / P of every expert's intermediate; the shared expert is split by its intermediate
-    either way; y = sum over ranks (one all-reduce). Expert biases need expert parallel (a
+    either way; y = sum over ranks (one all-reduce). Latent: W_ld, W_lu and the norm are
+    replicated; the ranks' partial r are summed first (an all-reduce in the latent width, as the
+    norm needs all of r), W_lu rmsnorm(r) is then whole on every rank and only the shared
+    expert's part is summed. Expert biases need expert parallel (a
     down bias split over intermediates would be added once per rank).
     """
 
     fp32_params = ("router", "correction_bias", "router_bias")  # routing stays fp32 in every model dtype
-    linear_weights = ("router", "gate_up", "down", "shared_gate")  # may be packed
+    linear_weights = ("router", "gate_up", "down", "shared_gate", "latent_down", "latent_up")  # may be packed
 
     def __init__(self, cfg: MoeCfg, ops: OpTable) -> None:
         super().__init__()
         self.cfg, self.ops = cfg, ops
         e, i, h = cfg.experts, cfg.intermediate, cfg.hidden
-        total = cfg.experts_total or e
+        total, w = cfg.experts_total or e, cfg.latent or cfg.hidden  # w: the routed experts' width
         self.first = cfg.par.rank * e if cfg.par.experts else 0  # this rank's first expert
         self.router = nn.Parameter(torch.empty(total, h))
         self.correction_bias = nn.Parameter(torch.empty(total)) if cfg.correction_bias else None
         self.router_bias = nn.Parameter(torch.empty(total)) if cfg.router_bias else None
-        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.down = nn.Parameter(torch.empty(e, h, i))
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * i, w))
+        self.down = nn.Parameter(torch.empty(e, w, i))
         self.gate_up_bias = nn.Parameter(torch.empty(e, 2 * i)) if cfg.expert_bias else None
-        self.down_bias = nn.Parameter(torch.empty(e, h)) if cfg.expert_bias else None
+        self.down_bias = nn.Parameter(torch.empty(e, w)) if cfg.expert_bias else None
+        latent = bool(cfg.latent)
+        self.latent_down = nn.Parameter(torch.empty(w, h)) if latent else None
+        self.latent_up = nn.Parameter(torch.empty(h, w)) if latent else None
+        self.latent_norm = nn.Parameter(torch.empty(w)) if latent and cfg.latent_norm else None
         si = cfg.shared_intermediate
         shared = SwigluCfg(h, si, cfg.fp32, cfg.limit, cfg.par, reduce=False, act=cfg.act, consts=cfg.consts)
         self.shared = SwiGLU(shared, ops) if si else None
@@ -223,13 +241,33 @@ class MoE(nn.Module):
         extra = (
             act_args(c) if self.gate_up_bias is None else (c.act, c.consts, self.gate_up_bias, self.down_bias)
         )
-        y = ops.moe_experts(x, self.gate_up, self.down, w, ids, c.fp32, c.limit, *extra)
+        u = x if self.latent_down is None else ops.linear(x, self.latent_down)  # [T, L]
+        y = ops.moe_experts(u, self.gate_up, self.down, w, ids, c.fp32, c.limit, *extra)
+        s = None
         if self.shared is not None:
             s = self.shared(x)
             if self.shared_gate is not None:
                 s = s * torch.sigmoid(ops.linear(x, self.shared_gate))
-            y = y + s
-        return ops.tp.reduce(y, rows) if c.par.size > 1 else y
+        if self.latent_up is None:
+            y = y if s is None else y + s
+            return ops.tp.reduce(y, rows) if c.par.size > 1 else y
+        return self._latent_out(y, s, rows)
+
+    def _latent_out(self, r: torch.Tensor, s: torch.Tensor | None, rows) -> torch.Tensor:
+        """r [T, L] the routed sum (this rank's part), s [T, Dm] the shared expert's (this rank's
+        part) or None -> W_lu rmsnorm(r) + s, this rank's rows with data-parallel attention."""
+        c, ops = self.cfg, self.ops
+        if c.par.size > 1:
+            r = ops.tp.all_reduce(r)
+        if self.latent_norm is not None:
+            r = ops.rms_norm(r, self.latent_norm, c.latent_norm_eps)
+        y = ops.linear(r, self.latent_up)  # [T, Dm], whole on every rank
+        if c.par.size > 1 and rows is not None:  # this rank's rows
+            start = sum(rows[: c.par.rank])
+            y = y[start : start + rows[c.par.rank]]
+        if s is None:
+            return y
+        return y + (ops.tp.reduce(s, rows) if c.par.size > 1 else s)
 
 
 def _limit(o, val) -> float | None:
@@ -284,6 +322,9 @@ def _resolve_moe(o: MoeOpts, val) -> MoeCfg:
         consts=consts,
         router_bias=bool(val(o.router_bias)),
         expert_bias=bool(val(o.expert_bias)),
+        latent=int(val(o.latent) or 0),
+        latent_norm=bool(val(o.latent_norm)),
+        latent_norm_eps=float(val(o.latent_norm_eps)),
     )
     if c.experts % c.groups or c.topk_groups > c.groups:
         raise ValueError(f"{c.experts} experts do not split into {c.groups} groups with top {c.topk_groups}")
@@ -335,6 +376,8 @@ def _moe_needs(c: MoeCfg):
         ("moe_route", frozenset(route), None),
         ("moe_experts", _act_features(c) | ({"bias"} if c.expert_bias else set()) | _skip(c), None),
     ]
+    if c.latent and c.latent_norm:
+        needs.append(("rms_norm", frozenset(), None))
     shared = SwigluCfg(c.hidden, c.shared_intermediate, c.fp32, c.limit, act=c.act, consts=c.consts)
     return needs + (_swiglu_needs(shared) if c.shared_intermediate else [])
 
