@@ -548,3 +548,32 @@ def test_a_residual_branch_scale_is_refused_with_hyper_connections(tmp_path: Pat
     hf = reference_config(flash.spec.spec.reference, dict(flash.spec.spec.tiny))
     with pytest.raises(SpecError, match=r"residual.branch_scale: is not implemented with hyper-connections"):
         resolve(load_spec(write_spec(tmp_path, raw)), hf, flash.module("cache").CACHE_GROUPS)
+
+
+def test_attention_residuals_resolve_their_blocks_and_refuse_what_they_lack(tmp_path: Path) -> None:
+    """residual kind attn_res with block 2 on llama's tiny config: every layer's attention
+    residual starts a block at layers 0, 2, ... and the model ends in the output mix; no block,
+    a block on another kind, or depth scaling are refused by field."""
+    from dayzero.sdk.spec.assemble import resolve
+
+    llama = FAMILIES.get("llama")
+    raw = yaml.safe_load(llama.spec_path.read_text())
+    hf = reference_config(llama.spec.spec.reference, dict(llama.spec.spec.tiny))
+    groups = llama.module("cache").CACHE_GROUPS
+
+    def with_residual(res: dict, name: str):
+        (tmp_path / name).mkdir()
+        return resolve(load_spec(write_spec(tmp_path / name, raw | {"residual": res})), hf, groups)
+
+    cfg = with_residual({"kind": "attn_res", "block": 2}, "ok")
+    starts = [layer.attn_res.attn_res.append for layer in cfg.layers]
+    assert starts == [i % 2 == 0 for i in range(len(cfg.layers))]
+    assert not any(layer.mlp_res.attn_res.append for layer in cfg.layers)
+    assert cfg.collapse.kind == "attn_res" and cfg.collapse.attn_res.block == 2
+    for res, said in (
+        ({"kind": "attn_res"}, r"residual.block: attn_res needs its block size"),
+        ({"kind": "prenorm", "block": 2}, r"residual.block: is read by kind attn_res only, not prenorm"),
+        ({"kind": "attn_res", "block": 2, "depth_scaled": True}, r"residual: attn_res needs block >= 1"),
+    ):
+        with pytest.raises(SpecError, match=said):
+            with_residual(res, f"bad{len(list(tmp_path.iterdir()))}")

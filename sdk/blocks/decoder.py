@@ -14,7 +14,15 @@ from torch import nn
 
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.ngram import NgramInjection
-from dayzero.sdk.blocks.norm import Embedding, LMHead, LowRankHyperResidual, RMSNorm, Streams, residual
+from dayzero.sdk.blocks.norm import (
+    AttnResidual,
+    Embedding,
+    LMHead,
+    LowRankHyperResidual,
+    RMSNorm,
+    Streams,
+    residual,
+)
 
 if TYPE_CHECKING:
     from dayzero.sdk.config.model import LayerCfg, ModelConfig
@@ -23,7 +31,8 @@ if TYPE_CHECKING:
 
 class Layer(nn.Module):
     """x <- post(x, attn(h), carry) with (h, carry) = pre(x), then the same around the MLP;
-    pre/post are the spec's residual topology (prenorm, sandwich, postnorm, depth-scaled, hyper). A layer
+    pre/post are the spec's residual topology (prenorm, sandwich, postnorm, depth-scaled, hyper,
+    attention residuals). A layer
     takes its first block's input already normed (h, carry) and hands the next layer's on: each
     residual's post and the next one's pre run as one fused add + norm. With data-parallel
     attention the layer attends for this rank's rows; the MLP gets every rank's rows gathered
@@ -68,10 +77,9 @@ class Decoder(nn.Module):
         self.embed = Embedding(cfg.embedding, ops)
         self.streams = Streams(cfg.streams)
         self.layers = nn.ModuleList(Layer(layer, ops, self.ATTENTION, self.MLP) for layer in cfg.layers)
-        # the streams' low-rank collapse replaces their mean and the final norm
-        self.collapse = (
-            None if cfg.collapse is None else LowRankHyperResidual(cfg.collapse, ops, combine=False)
-        )
+        # the streams' low-rank collapse replaces their mean and the final norm; the attention
+        # residuals' output mix comes with the final norm (its `norm`)
+        self.collapse = _collapse(cfg.collapse, ops)
         self.norm = RMSNorm(cfg.final_norm, ops) if cfg.collapse is None else None
         self.head = LMHead(cfg.head, ops, self.embed)
         self.tp, self.attention_dp = ops.tp, cfg.parallel.attention_dp and cfg.parallel.size > 1
@@ -96,3 +104,11 @@ class Decoder(nn.Module):
         if d is not None:
             z = self.tp.gather_rows(z, d.sampled)  # every rank's sampling rows
         return self.head(z)  # [S, V] fp32
+
+
+def _collapse(cfg, ops: OpTable) -> nn.Module | None:
+    if cfg is None:
+        return None
+    if cfg.kind == "attn_res":
+        return AttnResidual(cfg, ops)
+    return LowRankHyperResidual(cfg, ops, combine=False)

@@ -190,7 +190,59 @@ class LowRankHyperResidual(nn.Module):
         return (x, *nxt.pre(x, ctx))
 
 
+class AttnResidual(nn.Module):
+    """Attention residuals (Kimi K3): the stream is x [T, S, D] = snapshots R_0 .. R_{S-2} and
+    the partial sum p = x[:, -1] (a [T, D] x is p alone: S = 1). Every B layers the partial sum
+    becomes a snapshot: R_0 the embedding, R_j the sum of the outputs of layers
+    [(j - 1) B, j B). A block's input is a learned softmax mix of all of x, then the block's norm:
+        mix(x; u)_t = sum_n a[t, n] x[t, n],   a[t] = softmax_n(<x[t, n], u> / rms(x[t, n]))
+        u = w_rn * w_rp (its RMSNorm weight, which only enters the score, times its projection
+        [1, D]); rms(v) = sqrt(mean(v^2) + eps); in fp32, the mix rounded to the model dtype
+        h = norm(mix(x; u))
+    post: p <- p + f(h); a residual that starts a block (`append`) first keeps p as a snapshot
+    and starts p at 0 (x grows by one slot). The output mix (`forward`, the collapse) is the
+    final norm of mix(x; u_out).
+    The snapshots are activations of the tokens of this step, like the residual stream itself,
+    never cached: a chunked prefill or a decode step recomputes them from its own tokens (each
+    token's mix reads only its own row)."""
+
+    def __init__(self, cfg: ResidualCfg, ops: OpTable) -> None:
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        self.norm = RMSNorm(cfg.norm, ops)
+        self.res_norm = nn.Parameter(torch.empty(cfg.norm.dim))
+        self.res_proj = nn.Parameter(torch.empty(1, cfg.norm.dim))
+
+    def mix(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, S, D] -> [T, D]: the softmax mix of the S slots (above)."""
+        c = x.float()
+        u = self.res_norm.float() * self.res_proj[0].float()  # [D]
+        score = (c @ u) * torch.rsqrt(c.square().mean(-1) + self.cfg.norm.eps)  # [T, S]
+        return (torch.softmax(score, dim=-1)[..., None] * c).sum(1).to(x.dtype)
+
+    def pre(self, x: torch.Tensor, ctx=None) -> tuple[torch.Tensor, None]:
+        return self(x), None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """norm(mix(x)): a block's input, or the output mix's (the final norm's)."""
+        return self.norm(self.mix(x if x.dim() == 3 else x[:, None]))
+
+    def post(self, x: torch.Tensor, y: torch.Tensor, carry: None = None) -> torch.Tensor:
+        x = x if x.dim() == 3 else x[:, None]  # [T, S, D]
+        if self.cfg.attn_res.append:  # p becomes a snapshot, the new p is f(h)
+            return torch.cat((x, y[:, None]), dim=1)
+        return torch.cat((x[:, :-1], (x[:, -1] + y)[:, None]), dim=1)  # out of place: x may be kept
+
+    def post_pre(self, x: torch.Tensor, y: torch.Tensor, carry: None, nxt: nn.Module, ctx=None):
+        x = self.post(x, y, carry)
+        return (x, *nxt.pre(x, ctx))
+
+
 def residual(cfg: ResidualCfg, ops: OpTable, ngram: nn.Module | None = None) -> nn.Module:
+    if cfg.kind == "attn_res":
+        if ngram is not None:
+            raise ValueError("n-gram embeddings are injected into low-rank hyper-connection streams only")
+        return AttnResidual(cfg, ops)
     if cfg.kind == "hyper" and cfg.hyper.mixer == "lowrank":
         return LowRankHyperResidual(cfg, ops, ngram=ngram)
     if ngram is not None:

@@ -65,17 +65,24 @@ class HyperCfg:
 
 
 @dataclass(frozen=True)
+class AttnResCfg:
+    block: int  # B: layers a block of attention residuals spans
+    append: bool  # this residual starts a block: the partial sum becomes a snapshot first
+
+
+@dataclass(frozen=True)
 class ResidualCfg:
     """One residual add around f. kind prenorm: x + f(n(x)); sandwich: x + post(f(n(x)));
     postnorm: x + post(f(x));
-    hyper: see HyperResidual. add_index k > 0 (depth-scaled): x * sqrt((k - 1) / k) + y / sqrt(k).
-    branch_scale m: y is m f (m 1: none)."""
+    hyper: see HyperResidual; attn_res: see AttnResidual. add_index k > 0 (depth-scaled):
+    x * sqrt((k - 1) / k) + y / sqrt(k). branch_scale m: y is m f (m 1: none)."""
 
     kind: str
     norm: NormCfg
     add_index: int = 0
     hyper: HyperCfg | None = None
     branch_scale: float = 1.0
+    attn_res: AttnResCfg | None = None
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     symbols: tuple[tuple[str, Any], ...]  # every resolved symbol (for inspection and debugging)
     parallel: Parallel = ONE_RANK  # the blocks' configs are this rank's shards
-    # the streams' low-rank collapse (hyper-connections, mixer lowrank): replaces their average
-    # and the final norm
+    # what replaces the final norm: the streams' low-rank collapse (hyper-connections, mixer
+    # lowrank), or the attention residuals' output mix and the final norm (attn_res)
     collapse: ResidualCfg | None = None

@@ -15,6 +15,7 @@ from dayzero.sdk.blocks.ngram import PREFIX as NGRAM
 from dayzero.sdk.blocks.ngram import ngram_cache, resolve_ngram
 from dayzero.sdk.config.model import (
     ONE_RANK,
+    AttnResCfg,
     CacheGroupCfg,
     EmbeddingCfg,
     HeadCfg,
@@ -240,6 +241,35 @@ def _hyper(spec: Spec, r: Resolver) -> HyperCfg | None:
     return cfg
 
 
+def _attn_res_block(spec: Spec, r: Resolver) -> int:
+    """Attention residuals' block size B (0: not attn_res)."""
+    res = spec.residual
+    if res.kind != "attn_res":
+        if res.block is not None:
+            raise SpecError(r.source, "residual.block", f"is read by kind attn_res only, not {res.kind}")
+        return 0
+    if res.block is None:
+        raise SpecError(r.source, "residual.block", "attn_res needs its block size")
+    block = r.number(res.block, int, "residual.block")
+    if block < 1 or res.depth_scaled or r.number(res.branch_scale, float, "residual.branch_scale") != 1.0:
+        raise SpecError(
+            r.source, "residual", f"attn_res needs block >= 1 (got {block}), no depth scaling or branch scale"
+        )
+    return block
+
+
+def _attn_res(block: int, append: bool) -> AttnResCfg | None:
+    return AttnResCfg(block, append) if block else None
+
+
+def _collapse(norm: NormCfg, hyper: HyperCfg | None, attn_block: int) -> ResidualCfg | None:
+    """What replaces the final norm of the stream(s): the low-rank streams' collapse, or the
+    attention residuals' output mix (then the final norm)."""
+    if hyper is not None and hyper.mixer == "lowrank":
+        return ResidualCfg("hyper", norm, 0, hyper)
+    return ResidualCfg("attn_res", norm, attn_res=AttnResCfg(attn_block, False)) if attn_block else None
+
+
 def _ngram(
     spec: Spec,
     r: Resolver,
@@ -314,6 +344,11 @@ def resolve(
     branch = r.number(spec.residual.branch_scale, float, "residual.branch_scale")
     if branch != 1.0 and hyper is not None:
         raise SpecError(r.source, "residual.branch_scale", "is not implemented with hyper-connections")
+    attn_block = _attn_res_block(spec, r)
+
+    def starts_block(i: int) -> bool:  # layer i's attention residual starts an attn_res block
+        return bool(attn_block) and i % attn_block == 0
+
     vocab = r.number(spec.embedding.vocab, int, "embedding.vocab")
     ngram = _ngram(spec, r, hyper, vocab, hidden, norm.eps, n, spath, source, par)
     layers = []
@@ -357,8 +392,17 @@ def resolve(
                 attn=resolved[a],
                 mlp_kind=loaded.blocks[m].kind,
                 mlp=resolved[m],
-                attn_res=ResidualCfg(spec.residual.kind, norm, k, hyper, branch),
-                mlp_res=ResidualCfg(spec.residual.kind, norm, k + 1 if k else 0, hyper, branch),
+                attn_res=ResidualCfg(
+                    spec.residual.kind,
+                    norm,
+                    k,
+                    hyper,
+                    branch,
+                    _attn_res(attn_block, i % (attn_block or 1) == 0),
+                ),
+                mlp_res=ResidualCfg(
+                    spec.residual.kind, norm, k + 1 if k else 0, hyper, branch, _attn_res(attn_block, False)
+                ),
                 caches=tuple(caches),
                 ngram=ngram.get(i),
                 ngram_caches=tuple(ngram_caches),
@@ -400,7 +444,7 @@ def resolve(
         layers=tuple(layers),
         final_norm=norm,
         streams=hyper.streams if hyper else 1,
-        collapse=ResidualCfg("hyper", norm, 0, hyper) if hyper and hyper.mixer == "lowrank" else None,
+        collapse=_collapse(norm, hyper, attn_block),
         head=HeadCfg(
             vocab,
             hidden,

@@ -147,9 +147,11 @@ class Residual(Strict):
     streams are averaged before the final norm; with `mixer: lowrank` Qwen4-Exp's low-rank
     dynamic mixer of rank `rank` (`LowRankHyperResidual`), whose collapse replaces the average
     and the final norm. branch_scale m: each add is x + m f (Granite's residual_multiplier; not
-    with hyper)."""
+    with hyper). attn_res: attention residuals over snapshots of the residual stream taken every
+    `block` layers (Kimi K3, `dayzero.sdk.blocks.norm.AttnResidual`): each block's input and the
+    final norm's are learned softmax mixes of the snapshots and the partial sum."""
 
-    kind: Literal["prenorm", "sandwich", "postnorm", "hyper"]
+    kind: Literal["prenorm", "sandwich", "postnorm", "hyper", "attn_res"]
     depth_scaled: bool = False
     branch_scale: FloatV = 1.0
     streams: IntV = 1  # hyper
@@ -157,6 +159,7 @@ class Residual(Strict):
     eps: FloatV = 1e-6  # hyper: floor added to the pre and comb weights and Sinkhorn sums
     mixer: Literal["sinkhorn", "lowrank"] = "sinkhorn"  # hyper: how the streams are mixed
     rank: IntV | None = None  # hyper, lowrank: the mixer's rank
+    block: IntV | None = None  # attn_res: layers a block spans (Kimi K3's attn_res_block_size)
 
 
 class Norm(Strict):
