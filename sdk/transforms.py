@@ -174,6 +174,30 @@ def add(w: torch.Tensor, value: float) -> torch.Tensor:
     return w + value
 
 
+class Head(Strict):
+    length: IntE
+    dim: int = 0
+    zero_padding: bool = True  # the entries past `length` must be zeros
+
+    @model_validator(mode="after")
+    def _check(self) -> Head:
+        _positive("length", self.length)
+        return self
+
+
+@_transform("head", Head)
+def head(w: torch.Tensor, length: int, dim: int = 0, zero_padding: bool = True) -> torch.Tensor:
+    """The first `length` entries along `dim`; the rest is padding the checkpoint stores (Kimi
+    K3's A_log: [128] of which the first num_heads are read). zero_padding: a non-zero entry
+    past `length` is an error (the padding carried data after all); false: they are not read."""
+    if w.shape[dim] < length:
+        raise ValueError(f"dim {dim} has {w.shape[dim]} entries, fewer than {length}")
+    rest = w.narrow(dim, length, w.shape[dim] - length)
+    if zero_padding and rest.numel() and bool(rest.ne(0).any()):
+        raise ValueError(f"{int(rest.ne(0).sum())} non-zero entries past the first {length} along dim {dim}")
+    return w.narrow(dim, 0, length)
+
+
 class Splits(Strict):
     sizes: list[IntE] = Field(min_length=2)
     dim: int = 0

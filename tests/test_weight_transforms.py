@@ -71,6 +71,15 @@ def test_each_kind_on_random_tensors(seed: int) -> None:
         g, rows[:, dq:].reshape(-1, hidden)
     )
 
+    w = torch.cat([rand(3, 5, seed=seed), torch.zeros(3, 2)], dim=1)  # 5 entries, 2 of zero padding
+    assert torch.equal(bind("head", {"length": 5, "dim": 1})(w), w[:, :5])
+    w[1, 6] = 0.5
+    with pytest.raises(ValueError, match="1 non-zero entries past the first 5 along dim 1"):
+        bind("head", {"length": 5, "dim": 1})(w)
+    assert torch.equal(bind("head", {"length": 5, "dim": 1, "zero_padding": False})(w), w[:, :5])
+    with pytest.raises(ValueError, match="fewer than 8"):
+        bind("head", {"length": 8, "dim": 1})(w)
+
     w = rand(7, seed=seed)
     assert torch.equal(bind("add", {"value": 1})(w), w + 1)
     a, b, c = bind("split", {"sizes": [2, 3, 2]})(w)
@@ -101,7 +110,7 @@ def test_every_kind_is_documented_with_its_arguments() -> None:
         assert f"### `{kind}`" in doc and tdef.doc.splitlines()[0] in doc
         for arg in tdef.params.model_fields:
             assert f"| `{arg}` |" in doc
-    with pytest.raises(UnknownKeyError, match="known: add, deinterleave, reshape"):
+    with pytest.raises(UnknownKeyError, match="known: add, deinterleave, head, reshape"):
         TRANSFORMS.get("permute")
 
 
