@@ -1,7 +1,8 @@
 """An independent plain-torch reference for Kimi K3's text model, for tests only: written from the
-fact sheet (../shared/families/kimi_k3.md, sections 1-2 and 4), sharing no code with
-dayzero's blocks or kernels. Slow on purpose: every recurrence is a loop over tokens, every
-attention a full causal softmax, no cache (each call recomputes the whole sequence).
+fact sheet (../shared/families/kimi_k3.md, sections 1-2 and 4), sharing no code with dayzero's
+blocks or kernels (its config classes are the family's: models/kimi_k3/config.py). Slow on
+purpose: every recurrence is a loop over tokens, every attention a full causal softmax, no
+cache (each call recomputes the whole sequence).
 
 Tensor names are the release's, under `language_model.` (section 4). With K3's extras switched
 off (attn_res_block_size null, use_full_rank_gate false, gate_lower_bound null,
@@ -15,108 +16,14 @@ weights. Choices on the fact sheet's open questions, as config fields:
 from __future__ import annotations
 
 import math
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
-
-class KimiK3TextConfig(PretrainedConfig):
-    model_type = "kimi_linear"
-
-    def __init__(
-        self,
-        vocab_size: int = 512,
-        hidden_size: int = 64,
-        intermediate_size: int = 128,
-        num_hidden_layers: int = 4,
-        num_attention_heads: int = 4,
-        num_key_value_heads: int = 4,
-        hidden_act: str = "situ",
-        activation_situ_beta: float = 4.0,
-        activation_situ_linear_beta: float | None = 25.0,
-        rms_norm_eps: float = 1e-5,
-        mla_norm_eps: float | None = None,
-        q_lora_rank: int | None = 32,
-        kv_lora_rank: int = 32,
-        qk_nope_head_dim: int = 16,
-        qk_rope_head_dim: int = 8,
-        v_head_dim: int = 16,
-        mla_use_nope: bool = True,
-        mla_use_output_gate: bool = True,
-        num_experts: int | None = 8,
-        num_experts_per_token: int = 2,
-        num_shared_experts: int = 2,
-        moe_intermediate_size: int = 32,
-        routed_expert_hidden_size: int | None = 32,
-        latent_moe_use_norm: bool = True,
-        moe_renormalize: bool = True,
-        moe_router_activation_func: str = "sigmoid",
-        topk_method: str = "noaux_tc",
-        use_grouped_topk: bool = True,
-        num_expert_group: int = 1,
-        topk_group: int = 1,
-        routed_scaling_factor: float = 2.5,
-        first_k_dense_replace: int = 1,
-        moe_layer_freq: int = 1,
-        attn_res_block_size: int | None = 2,
-        num_nextn_predict_layers: int = 0,
-        linear_attn_config: dict | None = None,
-        tie_word_embeddings: bool = False,
-        **kwargs,
-    ) -> None:
-        self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
-        self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.hidden_act, self.activation_situ_beta = hidden_act, activation_situ_beta
-        self.activation_situ_linear_beta = activation_situ_linear_beta
-        self.rms_norm_eps, self.mla_norm_eps = rms_norm_eps, mla_norm_eps
-        self.q_lora_rank, self.kv_lora_rank = q_lora_rank, kv_lora_rank
-        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = (
-            qk_nope_head_dim,
-            qk_rope_head_dim,
-            v_head_dim,
-        )
-        self.mla_use_nope, self.mla_use_output_gate = mla_use_nope, mla_use_output_gate
-        self.num_experts, self.num_experts_per_token = num_experts, num_experts_per_token
-        self.num_shared_experts, self.moe_intermediate_size = num_shared_experts, moe_intermediate_size
-        self.routed_expert_hidden_size, self.latent_moe_use_norm = (
-            routed_expert_hidden_size,
-            latent_moe_use_norm,
-        )
-        self.moe_renormalize, self.moe_router_activation_func = moe_renormalize, moe_router_activation_func
-        self.topk_method, self.use_grouped_topk = topk_method, use_grouped_topk
-        self.num_expert_group, self.topk_group = num_expert_group, topk_group
-        self.routed_scaling_factor = routed_scaling_factor
-        self.first_k_dense_replace, self.moe_layer_freq = first_k_dense_replace, moe_layer_freq
-        self.attn_res_block_size = attn_res_block_size
-        self.num_nextn_predict_layers = num_nextn_predict_layers
-        self.linear_attn_config = linear_attn_config or {
-            "kda_layers": [1, 2, 3],
-            "full_attn_layers": [4],
-            "num_heads": 4,
-            "head_dim": 16,
-            "short_conv_kernel_size": 4,
-            "use_full_rank_gate": True,
-            "gate_lower_bound": -5.0,
-        }
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
-
-
-class KimiK3Config(PretrainedConfig):
-    model_type = "kimi_k3"
-    sub_configs: ClassVar[dict] = {"text_config": KimiK3TextConfig}
-
-    def __init__(
-        self, text_config: dict | KimiK3TextConfig | None = None, vision_config: dict | None = None, **kw
-    ):
-        if not isinstance(text_config, KimiK3TextConfig):
-            text_config = KimiK3TextConfig(**(text_config or {}))
-        self.text_config, self.vision_config = text_config, vision_config
-        super().__init__(**kw)
+from dayzero.models.kimi_k3.config import KimiK3Config, KimiK3TextConfig
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -240,6 +147,7 @@ class KDA(nn.Module):
             self.g_a_proj = nn.Linear(hid, self.d, bias=False)
             self.g_b_proj = nn.Linear(self.d, p, bias=False)
         self.A_log = nn.Parameter(torch.zeros(max(self.h, self.d), dtype=torch.float32))
+        self.register_state_dict_post_hook(_zero_a_log_padding)  # stored as the release: zero padded
         self.dt_bias = nn.Parameter(torch.zeros(p, dtype=torch.float32))
         self.o_norm = Norm(self.d, c.rms_norm_eps)
         self.o_proj = nn.Linear(p, hid, bias=False)
@@ -270,6 +178,13 @@ class KDA(nn.Module):
         gate = self.g_proj(x) if self.full_rank else self.g_b_proj(self.g_a_proj(x))
         z = rms_norm(o, self.o_norm.weight, self.o_norm.eps) * torch.sigmoid(gate.float().view(t, h, d))
         return self.o_proj(z.to(x.dtype).reshape(t, -1))
+
+
+def _zero_a_log_padding(module: KDA, state: dict, prefix: str, meta) -> None:
+    """Only A_log's first num_heads entries are read; the saved tensor holds zeros after them."""
+    a = state[prefix + "A_log"].clone()
+    a[module.h :] = 0.0
+    state[prefix + "A_log"] = a
 
 
 class MLA(nn.Module):

@@ -145,7 +145,9 @@ def test_the_release_names_round_trip_and_greedy_decoding_recomputes(tmp_path) -
     layer 4, full-rank bounded KDA): saved and loaded by name with nothing missing or unused,
     the same logits, the release's tensor names, and generate's greedy tokens equal to the
     argmax of a full recompute (no cache)."""
-    ours = KimiK3ForCausalLM(KimiK3Config()).eval()
+    from dayzero.sdk.families import FAMILIES
+
+    ours = KimiK3ForCausalLM(KimiK3Config(**FAMILIES.get("kimi_k3").spec.spec.tiny)).eval()
     names = set(ours.state_dict())
     for name in (
         "language_model.model.output_attn_res_proj.weight",

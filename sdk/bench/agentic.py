@@ -42,7 +42,7 @@ from dayzero.sdk.bench.decode import bytes_per_step, copy_bandwidth
 from dayzero.sdk.families import FAMILIES, born_as, kernel_needs
 from dayzero.sdk.loader import Checkpoint, open_checkpoint
 from dayzero.sdk.loader.tokenizer import load_tokenizer
-from dayzero.sdk.spec.reference import merge, reference_config
+from dayzero.sdk.spec.reference import merge, spec_config
 
 SERVER_START_S = 600  # loading a large checkpoint takes a while
 
@@ -131,7 +131,7 @@ def random_model(
     spec = FAMILIES.get(family).spec.spec
     tok = load_tokenizer(Path(tokenizer), "hf") if tokenizer else load_tokenizer(embedded_default(), "gguf")
     base = merge(dict(spec.bench), {"vocab_size": len(tok), "max_position_embeddings": context})
-    hf = reference_config(spec.reference, merge(base, json.loads(overrides) if overrides else {}))
+    hf = spec_config(spec, merge(base, json.loads(overrides) if overrides else {}))
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf, indent=1))
     tok.save_pretrained(str(out))

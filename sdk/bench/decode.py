@@ -30,7 +30,7 @@ from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.families import FAMILIES, born_as, build, kernel_needs
 from dayzero.sdk.loader import Checkpoint, load_weights
 from dayzero.sdk.quant.packing import PackedParam
-from dayzero.sdk.spec.reference import merge, reference_class, reference_config
+from dayzero.sdk.spec.reference import merge, reference_class, spec_config
 
 KV_BYTES = 8 << 30  # the engines' KV pool: the budget a long prefill runs within
 
@@ -273,7 +273,7 @@ def main(args: argparse.Namespace) -> int:
     fam = FAMILIES.get(args.family)
     spec = fam.spec.spec
     overrides = merge(dict(spec.bench), json.loads(args.set) if args.set else {})
-    hf = reference_config(spec.reference, overrides)
+    hf = spec_config(spec, overrides)
     cls = reference_class(spec.reference) if args.reference else None
     print(f"building {spec.reference.rsplit('.', 1)[1]} with {json.dumps(overrides)}")
     torch.manual_seed(0)

@@ -27,7 +27,7 @@ from dayzero.sdk.engine.geometry import GroupDecl
 from dayzero.sdk.families import FAMILIES, Family
 from dayzero.sdk.spec.assemble import resolve
 from dayzero.sdk.spec.checks import rule_blocks
-from dayzero.sdk.spec.reference import reference_config
+from dayzero.sdk.spec.reference import spec_config
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 OUTPUTS = ("__init__.py", "model.py", "cache.py", "README.md", "test_parity.py")
@@ -82,7 +82,7 @@ def _release(fam: Family, groups: list[dict], model_source: str) -> dict | None:
         return None
     cfg = resolve(
         fam.spec,
-        reference_config(fam.spec.spec.reference, dict(rel.config)),
+        spec_config(fam.spec.spec, dict(rel.config)),
         _decls(groups),
         "release config",
     )
@@ -111,6 +111,7 @@ def _residual_text(spec) -> str:
     r, ng = spec.residual, spec.embedding.ngram
     text = r.kind + (", depth-scaled" if r.depth_scaled else "")
     text += f" ({r.mixer} mixer, streams={r.streams})" if r.kind == "hyper" else ""
+    text += f" (snapshots every {r.block} layers)" if r.kind == "attn_res" else ""
     if ng is not None:
         text += (
             f"; n-gram embeddings into the streams before layers {ng.layers} (counted from {ng.counted_from})"
@@ -144,6 +145,8 @@ def _model_py(fam: Family, env: jinja2.Environment, header: str) -> str:
         "prenorm": "Each layer: x + attn(norm(x)), then x + mlp(norm(x))",
         "postnorm": "Each layer: x + post_norm(attn(x)), then x + post_norm(mlp(x))",
         "hyper": "Each layer: N residual streams mixed by hyper-connections around attn, then the MLP",
+        "attn_res": "Each layer: attn, then the MLP, each on its norm of a learned mix of the\n"
+        "residual snapshots (attention residuals)",
     }[residual.kind] + (" (depth-scaled adds)." if residual.depth_scaled else ".")
     return env.get_template("model.py.j2").render(
         header=header,

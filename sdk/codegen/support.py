@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from dayzero.kernels.registry import KERNELS
+from dayzero.kernels.registry import KERNELS, OPS
 from dayzero.kernels.selection import OpTable, load_plugins
 from dayzero.sdk.families import Family, kernel_needs
 from dayzero.sdk.spec.assemble import resolve
-from dayzero.sdk.spec.reference import reference_config
+from dayzero.sdk.spec.reference import spec_config
 
 DEVICES = ("cpu", "cuda")
 
@@ -27,14 +27,11 @@ def _features(fam: Family) -> list[str]:
 
 def device_support(fam: Family, groups: tuple | None = None) -> dict[str, str]:
     """For each device kind: 'yes (backends)' or what is missing, from the kernels' declared capabilities."""
-    load_plugins()
-    tiny = reference_config(fam.spec.spec.reference, dict(fam.spec.spec.tiny))
-    cfg = fam.config(tiny) if groups is None else resolve(fam.spec, tiny, groups, "tiny config")
-    ops = kernel_needs(cfg, OpTable(torch.device("cpu"), torch.float32))
+    needs = _tiny_needs(fam, groups)
     out = {}
     for dev in DEVICES:
         missing, backends = [], set()
-        for op, need in ops.needs().items():
+        for op, need in needs.items():
             fits = [
                 k
                 for _, k in KERNELS.items()
@@ -48,6 +45,30 @@ def device_support(fam: Family, groups: tuple | None = None) -> dict[str, str]:
     return out
 
 
+def _tiny_needs(fam: Family, groups: tuple | None) -> dict:
+    """The ops (and their features) the family's tiny config needs."""
+    load_plugins()
+    tiny = spec_config(fam.spec.spec, dict(fam.spec.spec.tiny))
+    cfg = fam.config(tiny) if groups is None else resolve(fam.spec, tiny, groups, "tiny config")
+    return kernel_needs(cfg, OpTable(torch.device("cpu"), torch.float32)).needs()
+
+
+def packed_support(fam: Family, groups: tuple | None = None) -> str:
+    """Whether packed (quantized) weights can run: every op with a packed form has a packed
+    kernel for the features the spec needs of it (a SiTU expert needs `situ` of the packed
+    experts too)."""
+    missing = []
+    for op, need in _tiny_needs(fam, groups).items():
+        packed = OPS.get(op).packed
+        if packed is None:
+            continue
+        kernels = [k for _, k in KERNELS.items() if k.op == packed]
+        if not any(need.features <= k.caps.features for k in kernels):
+            lacks = need.features - frozenset().union(*(k.caps.features for k in kernels))
+            missing.append(f"{packed} ({', '.join(sorted(lacks)) or 'these features together'})")
+    return "yes: packed in memory" if not missing else f"not yet: no {', '.join(missing)} kernel"
+
+
 def support_matrix(fam: Family, groups: tuple | None = None) -> list[tuple[str, str]]:
     """groups: the cache geometry to resolve with (codegen passes the one it is rendering)."""
     spec = fam.spec.spec
@@ -57,7 +78,7 @@ def support_matrix(fam: Family, groups: tuple | None = None) -> list[tuple[str, 
     )
     if spec.head.softcap is not None:
         rows.append(("final logit softcap", "yes"))
-    rows.append(("quantized checkpoints (nvfp4, mxfp4, fp8_block, mixed)", "yes: packed in memory"))
+    rows.append(("quantized checkpoints (nvfp4, mxfp4, fp8_block, mixed)", packed_support(fam, groups)))
     if spec.mtp is not None:
         rows.append(
             (

@@ -53,7 +53,7 @@ def layer_types(rule: Any, n: int, r: Resolver, role: str) -> list[str]:
         k = r.number(rule.k, int, f"layers.{role}.k")
         return [rule.block if i < k else rule.other for i in range(n)]
     if isinstance(rule, RuleIndices):
-        listed = _indices(rule.layers, r, f"layers.{role}.layers")
+        listed = {i - rule.base for i in _indices(rule.layers, r, f"layers.{role}.layers", rule.base)}
         rest = (
             [rule.other] * n
             if isinstance(rule.other, str)
@@ -136,20 +136,22 @@ def _whole(v: Any, r: Resolver, where: str) -> int:
     return int(got)
 
 
-def _indices(v: Any, r: Resolver, where: str) -> set[int]:
-    """A layer rule's index list (literal, `$symbol` or `= expression`): whole numbers >= 0."""
+def _indices(v: Any, r: Resolver, where: str, base: int = 0) -> set[int]:
+    """A layer rule's index list (literal, `$symbol` or `= expression`): whole numbers >= base."""
     try:
         got = r.value(v)
     except (ArithmeticError, TypeError, ValueError) as e:
         if isinstance(e, SpecError):
             raise
         raise SpecError(r.source, " / ".join(r.keys_behind(v)) or where, f"{e} (for {where})") from None
-    ok = isinstance(got, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in got)
+    ok = isinstance(got, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= base for x in got
+    )
     if not ok:
         raise SpecError(
             r.source,
             " / ".join(r.keys_behind(v)) or where,
-            f"expected a list of layer indices (whole numbers >= 0, for {where}), got {show_value(got)}",
+            f"expected a list of layer indices (whole numbers >= {base}, for {where}), got {show_value(got)}",
         )
     return set(got)
 

@@ -120,10 +120,12 @@ class RuleIndices(Strict):
     block, or the block a nested rule (`all`, `every`, `first`) gives them. `layers` is a list
     of whole numbers >= 0, written in the spec or a `$symbol` / `= expression` read from the
     config (Qwen2-MoE's `mlp_only_layers`, with `other: {rule: every, n: $decoder_sparse_step,
-    block: moe, other: dense}`); an index past the last layer names no layer (as in transformers)."""
+    block: moe, other: dense}`); an index past the last layer names no layer (as in transformers).
+    `base`: the number the list gives the first layer (1: Kimi K3's 1-based `kda_layers`)."""
 
     rule: Literal["indices"]
     layers: list[int] | Ref | Formula
+    base: Literal[0, 1] = 0
     block: str
     other: str | Annotated[RuleEvery | RuleFirst | RuleAll, Field(discriminator="rule")]
 
@@ -331,6 +333,9 @@ class Spec(Strict):
     architectures: list[str] = Field(min_length=1)
     model_types: list[str] = Field(min_length=1)
     reference: Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][\w.]*\.[A-Za-z_]\w*$")]
+    # the config class, where the reference's is not importable wherever the spec is read (a
+    # family transformers lacks: its reference lives with the tests, its config in the package)
+    config_class: Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][\w.]*\.[A-Za-z_]\w*$")] | None = None
     reference_modules: ReferenceModules = ReferenceModules()  # for the layer diff
     tiny: dict[str, Any]
     shapes: list[dict[str, Any]] = []  # extra HF-config overrides the parity test also runs
