@@ -40,10 +40,10 @@ def mla_attention(
         k[j, h] = [w_k[h] c_j ; k_r[j]]        v[j, h] = w_v[h] c_j
         s[t, h, j] = scale * <[q_nope[t, h] ; q_rope[t, h]], k[j, h]>
         allowed iff j <= p_t and (select is None or j in select[t])
-    select [T, K]: distinct positions per token, -1 unused, in any order (every indexer's
-    selection is: the other backends count a repeated position twice).
         out[t, h] = sum_j softmax_j(s)[j] v[j, h]      (scores and softmax fp32; 0 if none allowed)
-    q_nope [T, H, Dn], q_rope [T, H, Dr] (Dr may be 0) -> [T, H, Dv].
+    q_nope [T, H, Dn], q_rope [T, H, Dr] (Dr may be 0) -> [T, H, Dv]. select [T, K]: distinct
+    positions per token, -1 unused, in any order (every indexer's selection is; the other
+    backends would count a repeated position twice).
     """
     lat = w_k.shape[-1]
     out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], w_v.shape[1])
