@@ -1,4 +1,4 @@
-# generated from spec.yaml@e5d3d8f946f9, do not edit
+# generated from spec.yaml@2deb80019095, do not edit
 """Kimi K3: parity against kimi_k3_reference.KimiK3ForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
@@ -18,15 +18,7 @@ SHAPES = [
     {},
     {
         "text_config": {
-            "linear_attn_config": {
-                "kda_layers": [1, 2, 4],
-                "full_attn_layers": [3],
-                "num_heads": 4,
-                "head_dim": 16,
-                "short_conv_kernel_size": 4,
-                "use_full_rank_gate": True,
-                "gate_lower_bound": -5.0,
-            },
+            "linear_attn_config": {"kda_layers": [1, 2, 4], "full_attn_layers": [3]},
             "latent_moe_use_norm": False,
         }
     },

@@ -25,9 +25,10 @@ def _features(fam: Family) -> list[str]:
     return out
 
 
-def device_support(fam: Family, groups: tuple | None = None) -> dict[str, str]:
-    """For each device kind: 'yes (backends)' or what is missing, from the kernels' declared capabilities."""
-    needs = _tiny_needs(fam, groups)
+def device_support(fam: Family, groups: tuple | None = None, needs: dict | None = None) -> dict[str, str]:
+    """For each device kind: 'yes (backends)' or what is missing, from the kernels' declared
+    capabilities (needs: the tiny config's ops, resolved here when not given)."""
+    needs = _tiny_needs(fam, groups) if needs is None else needs
     out = {}
     for dev in DEVICES:
         missing, backends = [], set()
@@ -53,12 +54,12 @@ def _tiny_needs(fam: Family, groups: tuple | None) -> dict:
     return kernel_needs(cfg, OpTable(torch.device("cpu"), torch.float32)).needs()
 
 
-def packed_support(fam: Family, groups: tuple | None = None) -> str:
-    """Whether packed (quantized) weights can run: every op with a packed form has a packed
-    kernel for the features the spec needs of it (a SiTU expert needs `situ` of the packed
+def packed_support(needs: dict) -> str:
+    """Whether packed (quantized) weights can run: every op of `needs` with a packed form has a
+    packed kernel for the features needed of it (a SiTU expert needs `situ` of the packed
     experts too)."""
     missing = []
-    for op, need in _tiny_needs(fam, groups).items():
+    for op, need in needs.items():
         packed = OPS.get(op).packed
         if packed is None:
             continue
@@ -72,13 +73,14 @@ def packed_support(fam: Family, groups: tuple | None = None) -> str:
 def support_matrix(fam: Family, groups: tuple | None = None) -> list[tuple[str, str]]:
     """groups: the cache geometry to resolve with (codegen passes the one it is rendering)."""
     spec = fam.spec.spec
+    needs = _tiny_needs(fam, groups)  # resolved once for both support rows
     rows = [(f, "yes") for f in _features(fam)]
     rows.append(
         (f"residual: {spec.residual.kind}{', depth-scaled' if spec.residual.depth_scaled else ''}", "yes")
     )
     if spec.head.softcap is not None:
         rows.append(("final logit softcap", "yes"))
-    rows.append(("quantized checkpoints (nvfp4, mxfp4, fp8_block, mixed)", packed_support(fam, groups)))
+    rows.append(("quantized checkpoints (nvfp4, mxfp4, fp8_block, mixed)", packed_support(needs)))
     if spec.mtp is not None:
         rows.append(
             (
@@ -86,5 +88,5 @@ def support_matrix(fam: Family, groups: tuple | None = None) -> list[tuple[str, 
                 "tensors set aside at load; speculative decoding not supported yet",
             )
         )
-    rows += [(f"device: {d}", s) for d, s in device_support(fam, groups).items()]
+    rows += [(f"device: {d}", s) for d, s in device_support(fam, groups, needs).items()]
     return rows
