@@ -26,6 +26,8 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/build.log" 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 DZ="python3 -m dayzero.sdk.cli"
+# families transformers lacks keep their parity reference with the tests (pytest's pythonpath)
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/tests"
 TMP=$(mktemp -d)
 # medium random checkpoints: hidden 1024, a few layers, real head shapes scaled down
 declare -A MEDIUM=(
@@ -55,6 +57,12 @@ declare -A MEDIUM=(
    "num_experts": 32, "num_experts_per_tok": 4, "vocab_size": 4096, "max_position_embeddings": 4096,
    "ple_layer_ids": [1, 3, 5], "ple_embed_dim": 128, "indexer_n_heads": 4, "indexer_head_dim": 64,
    "indexer_budget": 4096, "indexer_compress_ratio": 16}'
+  [kimi_k3]='{"text_config": {"vocab_size": 4096, "hidden_size": 1024, "intermediate_size": 2048,
+   "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": 384,
+   "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "num_experts": 32,
+   "num_experts_per_token": 4, "moe_intermediate_size": 512, "routed_expert_hidden_size": 512,
+   "attn_res_block_size": 2, "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8],
+   "num_heads": 8, "head_dim": 64, "short_conv_kernel_size": 4, "use_full_rank_gate": true, "gate_lower_bound": -5.0}}}'
 )
 # each parity or bench command under a time limit, so that one hang leaves the call's other parts
 T="timeout -s ABRT ${PART_TIMEOUT:-300}"

@@ -103,7 +103,7 @@ class MoE(nn.Module):
         c = self.c
         s = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))  # [N, E]
         choice = s + self.gate.e_score_correction_bias.float()
-        out = torch.zeros(x.shape[0], self.experts[0].w2.out_features, dtype=torch.float32)
+        out = torch.zeros(x.shape[0], self.experts[0].w2.out_features, dtype=torch.float32, device=x.device)
         u = x if self.routed_expert_down_proj is None else self.routed_expert_down_proj(x)
         for n in range(x.shape[0]):
             order = sorted(range(c.num_experts), key=lambda e: (-float(choice[n, e]), e))[
@@ -168,8 +168,8 @@ class KDA(nn.Module):
         # log decays: bounded lambda sigmoid(.) in (lambda, 0), or kimi_linear's -exp(A) softplus(.)
         g = self.bound * torch.sigmoid(a * f) if self.bound is not None else -a * F.softplus(f)
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, h]
-        state = torch.zeros(h, d, d)
-        o = torch.empty(t, h, d)
+        state = torch.zeros(h, d, d, device=x.device)
+        o = torch.empty(t, h, d, device=x.device)
         for i in range(t):
             s_bar = torch.exp(g[i])[:, :, None] * state  # [h, dk, dv]
             err = v[i] - torch.einsum("hkv,hk->hv", s_bar, k[i])
@@ -219,7 +219,7 @@ class MLA(nn.Module):
         k_n, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k = torch.cat((k_n, k_r[:, None, :].expand(t, n, c.qk_rope_head_dim)), dim=-1)  # [T, n, dq]
         s = torch.einsum("thd,jhd->htj", q.float(), k.float()) * self.dq**-0.5
-        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
         o = torch.einsum("htj,jhd->thd", torch.softmax(s, dim=-1), v.float()).reshape(t, -1)
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(x).float())

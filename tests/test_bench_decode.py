@@ -79,3 +79,20 @@ def test_glm53_bench_config_keeps_the_default_indexer_schedule() -> None:
     assert [(layer.attn_kind, layer.attn.indexer.reuse, layer.attn.indexer.topk) for layer in cfg.layers] == [
         ("mla", False, 2048)
     ] * 8
+
+
+def test_kimi_k3_bench_config_keeps_the_release_layer_rule() -> None:
+    """Kimi K3's bench config from its own config class: 8 layers, KDA where the release's rule
+    puts it (MLA on the 1-based layers 4 and 8), the first dense, 64 experts, the release's widths."""
+    from dayzero.sdk.families import FAMILIES
+    from dayzero.sdk.spec.reference import spec_config
+
+    fam = FAMILIES.get("kimi_k3")
+    spec = fam.spec.spec
+    cfg = fam.config(spec_config(spec, dict(spec.bench)))
+    assert [layer.attn_kind for layer in cfg.layers] == ["kda"] * 3 + ["mla"] + ["kda"] * 3 + ["mla"]
+    assert [layer.mlp_kind for layer in cfg.layers] == ["swiglu"] + ["moe"] * 7
+    assert {layer.mlp.experts for layer in cfg.layers[1:]} == {64}
+    release = fam.config(spec_config(spec, {}))
+    assert cfg.embedding.dim == release.embedding.dim == 7168
+    assert cfg.layers[3].attn == release.layers[3].attn and cfg.layers[1].mlp.top_k == 16

@@ -129,3 +129,22 @@ def test_cached_tokens_count_the_prefix_hit(llm: LLM) -> None:
     (first,) = eng.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
     (second,) = eng.generate([[*prompt, 5, 6]], SamplingParams(max_tokens=2, temperature=0))
     assert first.cached_tokens == 0 and second.cached_tokens == 24
+
+
+def test_a_model_with_no_position_limit_is_bounded_by_its_kv_pool(llm: LLM) -> None:
+    """No max_position (a NoPE / linear-attention model) and no --max-model-len: the longest
+    request is what the KV pool holds, so a longer one is refused at the door (and decode graphs,
+    which need a bound, still capture on CUDA)."""
+    from dataclasses import replace
+
+    from dayzero.sdk.engine.engine import Engine
+
+    eng = llm.engine
+    cfg = replace(eng.cfg, max_position=None)
+    bare = Engine(eng.model, cfg, eng.ops, replace(eng.config, max_model_len=None))
+    pages = bare.scheduler.layout["num_pages"]
+    assert bare.max_model_len == pages * bare.config.block_size > 512
+    with pytest.raises(ValueError, match=f"exceeds the maximum model length {bare.max_model_len}"):
+        bare.add([7] * bare.max_model_len, SamplingParams(max_tokens=1))
+    (out,) = bare.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0))
+    assert len(out.token_ids) == 3

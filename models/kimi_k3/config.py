@@ -51,6 +51,7 @@ class KimiK3TextConfig(PretrainedConfig):
         moe_layer_freq: int = 1,
         attn_res_block_size: int | None = 12,
         num_nextn_predict_layers: int = 0,
+        max_position_embeddings: int = 1048576,
         linear_attn_config: dict | None = None,
         tie_word_embeddings: bool = False,
         **kwargs,
@@ -81,6 +82,7 @@ class KimiK3TextConfig(PretrainedConfig):
         self.first_k_dense_replace, self.moe_layer_freq = first_k_dense_replace, moe_layer_freq
         self.attn_res_block_size = attn_res_block_size
         self.num_nextn_predict_layers = num_nextn_predict_layers
+        self.max_position_embeddings = max_position_embeddings  # the context trained on (no RoPE)
         full = [*range(4, num_hidden_layers, 4), num_hidden_layers]  # the release's MLA layers (1-based)
         self.linear_attn_config = linear_attn_config or {
             "kda_layers": [i for i in range(1, num_hidden_layers + 1) if i not in full],

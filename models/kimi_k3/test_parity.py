@@ -1,4 +1,4 @@
-# generated from spec.yaml@2deb80019095, do not edit
+# generated from spec.yaml@0572cac58680, do not edit
 """Kimi K3: parity against kimi_k3_reference.KimiK3ForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded

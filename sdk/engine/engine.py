@@ -205,7 +205,10 @@ class Engine:
         sched = make_config(self.groups, **fields)
         self.scheduler = DpScheduler(sched, par.size, par.rank) if self.dp else Scheduler(sched)
         self.pool = KvPool(self.scheduler.layout, config.block_size, self.dtype, self.device)
-        self.max_model_len = config.max_model_len or cfg.max_position
+        # a model with no position limit (no RoPE) is bounded by what one request's KV can take
+        self.max_model_len = (
+            config.max_model_len or cfg.max_position or self.scheduler.layout["num_pages"] * config.block_size
+        )
         self.requests: dict[int, RequestOutput] = {}
         self.params: dict[int, SamplingParams] = {}  # live requests only
         self.generators: dict[int, torch.Generator] = {}

@@ -115,7 +115,8 @@ class Reference:
 
     def __init__(self, ckpt: Checkpoint, folder: Path, device: torch.device, dtype: torch.dtype) -> None:
         cls = reference_class(ckpt.family.spec.spec.reference)
-        attn = "eager" if dtype == torch.float32 else "sdpa"
+        # SDPA in low precision where the class has it (a plain-torch reference has one path)
+        attn = "sdpa" if dtype != torch.float32 and cls._supports_sdpa else "eager"
         where: dict = {}
         if ckpt.format == "gguf":  # transformers' GGUF reader drops RoPE scaling; the config read here has it
             where = {"gguf_file": ckpt.path.name, "config": cls.config_class(**ckpt.hf)}
