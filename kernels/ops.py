@@ -121,6 +121,12 @@ declare_op(
 )
 declare_op("sigmoid_gate", "o * sigmoid(gate (+ bias[h])) over [T, H, D]", features={"bias"})
 declare_op(
+    "hc_pre",
+    "manifold-constrained hyper-connections' weights from the streams x [T, N, D] and their projection "
+    "fn -> (block input sum_i pre_i x_i [T, D], post [T, N], Sinkhorn comb [T, N, N])",
+)
+declare_op("hc_post", "the streams after a block: x'_j = post_j y + sum_i comb_ij x_i -> [T, N, D]")
+declare_op(
     "rope", "rotate the first rotary_dim channels of [T, H, D] by position", features={"partial", "neox"}
 )
 declare_op("kv_write", "write new keys/values [T, Hk, D] into their cache slots")

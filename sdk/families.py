@@ -217,6 +217,9 @@ def kernel_needs(cfg: ModelConfig, ops: OpTable, packed: frozenset[str] = frozen
         for res in (layer.attn_res, layer.mlp_res):
             if res.kind == "postnorm":  # post_norm(f(x)), then the add: no norm of the next input
                 ops.need("rms_norm", {"weight_in_fp32"} if res.norm.weight_in_fp32 else ())
+            elif res.kind == "hyper" and res.hyper.mixer == "sinkhorn":  # mHC's weights, the streams' mix
+                ops.need("hc_pre")
+                ops.need("hc_post")
             elif res.kind != "hyper":  # a residual's add and the next block's norm: one fused op
                 n = res.norm
                 post = {"post_norm"} if res.kind == "sandwich" else set()

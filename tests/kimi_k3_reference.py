@@ -328,6 +328,9 @@ class KimiK3ForCausalLM(PreTrainedModel, GenerationMixin):
             if isinstance(module, Router):
                 module.weight.normal_(0.0, module.weight.shape[-1] ** -0.5)
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.language_model.model.embed_tokens
+
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, **kwargs) -> dict:
         """No cache: every step reads the whole sequence so far."""
         return {"input_ids": input_ids}

@@ -4,6 +4,7 @@
 from dayzero.kernels.reference import (  # noqa: F401
     attention,
     basic,
+    hyper,
     linear_attention,
     mla,
     moe,

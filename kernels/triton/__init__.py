@@ -20,6 +20,7 @@ if importlib.util.find_spec("triton") is not None:
     from dayzero.kernels.triton import (
         attention,
         fused,
+        hyper,
         indexer,
         linear,
         mla,
@@ -80,6 +81,8 @@ if importlib.util.find_spec("triton") is not None:
         ("kv_write", fused.kv_write),
         ("qk_norm_rope_write", fused.qk_norm_rope_write),
         ("moe_route", routing.moe_route),
+        ("hc_pre", hyper.hc_pre),
+        ("hc_post", hyper.hc_post),
     ):
         register(op, "triton", Capabilities(features=OPS.get(op).features, **_any))(fn)
     # above the grouped GEMMs (priority 10), which it runs itself for prefill shapes

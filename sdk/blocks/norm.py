@@ -79,9 +79,11 @@ class HyperResidual(nn.Module):
         then Sinkhorn: columns, then (rows, columns) x (iters - 1), each / (sum + eps)
     block input h = norm(sum_i pre_i X_i)                             [T, D]
     next X_j = post_j f(h) + sum_i C_ij X_i                           [T, N, D]
+    The projection, the weights and h are one op (`hc_pre`), the next streams another (`hc_post`):
+    kernels/reference/hyper.py states their rounding.
     """
 
-    fp32_params = ("base", "scale")
+    fp32_params = ("fn", "base", "scale")  # the projection runs in fp32 (the checkpoint's values widened)
 
     def __init__(self, cfg: ResidualCfg, ops: OpTable) -> None:
         super().__init__()
@@ -94,29 +96,17 @@ class HyperResidual(nn.Module):
         self.hc = hc
 
     def pre(self, x: torch.Tensor, ctx=None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        hc, n = self.hc, self.hc.streams
-        flat = x.flatten(1).float()  # [T, N D]
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + hc.norm_eps)
-        z = self.ops.linear(flat, self.fn.float())  # [T, (2 + N) N]
-        zp, zq, zc = z.split([n, n, n * n], dim=-1)
-        bp, bq, bc = self.base.float().split([n, n, n * n])
-        sp, sq, sc = self.scale.float().unbind(0)
-        pre = torch.sigmoid(zp * sp + bp) + hc.eps  # [T, N]
-        post = 2 * torch.sigmoid(zq * sq + bq)  # [T, N]
-        comb = torch.softmax(zc.view(-1, n, n) * sc + bc.view(n, n), dim=-1) + hc.eps  # [T, N, N]
-        comb = comb / (comb.sum(-2, keepdim=True) + hc.eps)
-        for _ in range(hc.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(-1, keepdim=True) + hc.eps)
-            comb = comb / (comb.sum(-2, keepdim=True) + hc.eps)
-        h = (pre[..., None] * x).sum(1).to(x.dtype)  # [T, D]
+        hc = self.hc
+        h, post, comb = self.ops.hc_pre(
+            x, self.fn, self.base, self.scale, hc.sinkhorn_iters, hc.eps, hc.norm_eps
+        )
         return self.norm(h), (post, comb)
 
     def post(
         self, x: torch.Tensor, y: torch.Tensor, carry: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         post, comb = carry
-        mixed = torch.matmul(comb.to(x.dtype).transpose(-1, -2), x)  # [T, N, D]: sum_i C_ij X_i
-        return spread(post, y, mixed)
+        return self.ops.hc_post(x, y, post, comb)
 
     def post_pre(self, x: torch.Tensor, y: torch.Tensor, carry, nxt: nn.Module, ctx=None):
         x = self.post(x, y, carry)
