@@ -106,9 +106,8 @@ class MoE(nn.Module):
         out = torch.zeros(x.shape[0], self.experts[0].w2.out_features, dtype=torch.float32, device=x.device)
         u = x if self.routed_expert_down_proj is None else self.routed_expert_down_proj(x)
         for n in range(x.shape[0]):
-            order = sorted(range(c.num_experts), key=lambda e: (-float(choice[n, e]), e))[
-                : c.num_experts_per_token
-            ]
+            # the k largest, ties to the lowest expert id (a stable sort keeps id order among equals)
+            order = torch.sort(-choice[n], stable=True).indices[: c.num_experts_per_token].tolist()
             w = s[n, order]
             if c.moe_renormalize:
                 w = w / w.sum()
