@@ -208,7 +208,7 @@ declare_op(
 declare_op(
     "moe_experts_packed",
     "moe_experts with gate_up / down PackedWeights [E, N, K]",
-    features={"fp32", "limit", "act_quant", "skip", *PACKED_FORMATS},
+    features={"fp32", "limit", "act_quant", "skip", *GATED_ACTS, *PACKED_FORMATS},
 )
 declare_op("softcap", "cap * tanh(x / cap), in fp32")
 declare_op(

@@ -365,6 +365,10 @@ def check(seed: int) -> list[str]:
                 tp.moe_experts_packed(x, up, down, wts, ids, True, 3.0) - want
             ).abs().max() / want.abs().max()
             out.append(f"{fmt} moe t={t} {err.item():.2e}")
+            if t != 3:  # SiTU (Kimi K3's experts), both paths
+                want = ref.moe_experts_packed(x, up, down, wts, ids, True, None, "situ", (4.0, 25.0))
+                got = tp.moe_experts_packed(x, up, down, wts, ids, True, None, "situ", (4.0, 25.0))
+                out.append(f"{fmt} moe situ t={t} {_rel(got, want):.2e}")
         for m in (1, 2):  # the decode GEMV's fp16 sums (bf16 activations): bf16-level error
             x = torch.randn(m, 384, generator=g).bfloat16()
             want = ref.linear_packed(x, w).float()
@@ -398,7 +402,8 @@ def test_triton_kernels_in_the_interpreter(seed: int) -> None:
     fixed = (
         3 * 9 + 2 * 4 * 2 + 2 * 2 * 2 + 6 + 1 + 3 * 2 + 3 * 2 + 2 + 4 + 6 + 1 + 4 + 6 + 2 + 2 + 4 + 1 + 2 + 2
     )
-    situ = 3 + 2  # SiTU: the expert kernels (3 shapes) and the fused SwiGLU (2 constant pairs)
+    # SiTU: the expert kernels (3 shapes), the fused SwiGLU (2 constant pairs), packed experts (3 x 2)
+    situ = 3 + 2 + 3 * 2
     skip = 2 + 2 * 2  # expert id -1: packed (2 shapes), dense (2 shapes x 2 ranks)
     per_head = 2  # rms_norm with a weight a head (both weight orders)
     assert len(lines) == fixed + 3 * (2 * 2 + 1) + skip + per_head + situ, r.stdout  # + check_linear

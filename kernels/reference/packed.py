@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dayzero.kernels.ops import PACKED_FORMATS
+from dayzero.kernels.ops import DEFAULT_CONSTS, GATED_ACTS, PACKED_FORMATS
 from dayzero.kernels.packed import E2M1, PackedWeight
 from dayzero.kernels.reference.moe import expert_loop
 from dayzero.kernels.registry import Capabilities, register
@@ -71,7 +71,11 @@ def linear_packed(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     return y if bias is None else y + bias
 
 
-@register("moe_experts_packed", "reference", Capabilities(features=FEATURES | {"fp32", "limit", "skip"}))
+@register(
+    "moe_experts_packed",
+    "reference",
+    Capabilities(features=FEATURES | {"fp32", "limit", "skip", *GATED_ACTS}),
+)
 def moe_experts_packed(
     x: torch.Tensor,
     gate_up: PackedWeight,
@@ -80,8 +84,9 @@ def moe_experts_packed(
     ids: torch.Tensor,
     fp32: bool = False,
     limit: float | None = None,
+    act: str = "silu",
+    consts: tuple[float, float] = DEFAULT_CONSTS,
 ) -> torch.Tensor:
     """moe_experts (kernels/reference/moe.py) with each picked expert dequantized when used."""
-    return expert_loop(
-        x, weights, ids, lambda h, e: _gemm(h, gate_up, e), lambda h, e: _gemm(h, down, e), fp32, limit
-    )
+    up, dn = (lambda h, e: _gemm(h, gate_up, e)), (lambda h, e: _gemm(h, down, e))
+    return expert_loop(x, weights, ids, up, dn, fp32, limit, act, consts)

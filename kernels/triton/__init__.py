@@ -13,7 +13,7 @@ import importlib.util
 
 import torch
 
-from dayzero.kernels.ops import PACKED_FORMATS
+from dayzero.kernels.ops import GATED_ACTS, PACKED_FORMATS
 from dayzero.kernels.registry import OPS, Capabilities, register
 
 if importlib.util.find_spec("triton") is not None:
@@ -47,7 +47,9 @@ if importlib.util.find_spec("triton") is not None:
     register(
         "moe_experts_packed",
         "triton",
-        Capabilities(features=frozenset({"fp32", "limit", "skip", *PACKED_FORMATS}), priority=10, **_half),
+        Capabilities(
+            features=frozenset({"fp32", "limit", "skip", *GATED_ACTS, *PACKED_FORMATS}), priority=10, **_half
+        ),
     )(packed.moe_experts_packed)
     register(
         "gqa_attention",

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dayzero.kernels.ops import DEFAULT_CONSTS
 from dayzero.kernels.packed import PackedWeight
 from dayzero.kernels.reference.basic import swiglu
 from dayzero.kernels.triton.packed_gemv import _e2m1, pack_x_fp16, packed_gemv, packed_gemv_fp4
@@ -310,6 +311,8 @@ def moe_experts_packed(
     ids: torch.Tensor,
     fp32: bool = False,
     limit: float | None = None,
+    act: str = "silu",
+    consts: tuple[float, float] = DEFAULT_CONSTS,
 ) -> torch.Tensor:
     """moe_experts (kernels/reference/moe.py) on packed experts; the k outputs of a token are
     weighted and summed in fp32; a pair of id -1 (no expert) reads no expert and adds nothing."""
@@ -321,11 +324,11 @@ def moe_experts_packed(
         flat = ids.reshape(-1)
         _gemv(x, h, gate_up, flat, x_row_div=k)
         g, u = h.chunk(2, dim=-1)
-        _gemv(swiglu(g, u, fp32, limit).contiguous(), y, down, flat)
+        _gemv(swiglu(g, u, fp32, limit, act, consts).contiguous(), y, down, flat)
     else:
         bm = _rows_tile(t * k // gate_up.shape[0] + 1)  # rows an expert gets on average
         rows, blocks = _align(ids, gate_up.shape[0], bm)
         _launch(x, h, gate_up, rows, blocks, m=t * k, x_row_div=k, bm=bm)
         g, u = h.chunk(2, dim=-1)
-        _launch(swiglu(g, u, fp32, limit).contiguous(), y, down, rows, blocks, m=t * k, bm=bm)
+        _launch(swiglu(g, u, fp32, limit, act, consts).contiguous(), y, down, rows, blocks, m=t * k, bm=bm)
     return combine(y, weights, ids, x.dtype)

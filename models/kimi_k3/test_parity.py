@@ -1,4 +1,4 @@
-# generated from spec.yaml@0572cac58680, do not edit
+# generated from spec.yaml@3d2b04768274, do not edit
 """Kimi K3: parity against kimi_k3_reference.KimiK3ForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
@@ -6,12 +6,15 @@ seed writes a checkpoint through the reference class and runs `dayzero.sdk.parit
 on CPU in fp32 (its checks and tolerances are in that module's docstring).
 Greedy checks: 8 tokens per prompt.
 
-Light (the spec's `parity: {quantized: false}`): no quantized layouts.
+Quantized: the tiny config quantized by NVIDIA ModelOpt in the release's layouts, each over the
+modules the release quantizes (sdk/parity/quantized_tiny.py); the reference runs on the
+dequantized weights.
 """
 
 import pytest
 
 from dayzero.sdk.parity import run_parity
+from dayzero.sdk.parity.quantized_tiny import write_quantized_tiny
 from dayzero.sdk.parity.tiny import write_tiny
 
 SHAPES = [
@@ -31,4 +34,20 @@ SEEDS = [0, 1, 7, 2026]
 def test_parity(tmp_path, shape, seed):
     ckpt = write_tiny("kimi_k3", tmp_path / "ckpt", seed=seed, overrides=SHAPES[shape])
     report = run_parity(ckpt, device="cpu", seed=seed, new_tokens=8)
+    assert report.ok, report.table()
+
+
+RELEASE_LAYOUTS = {
+    "mxfp4/compressed_tensors": ["*.block_sparse_moe.experts.*"],
+    "mixed/modelopt": ["*.block_sparse_moe.experts.*", "*.self_attn.*"],
+}
+
+
+@pytest.mark.parametrize("layout", list(RELEASE_LAYOUTS))
+def test_quantized_parity(tmp_path, layout):
+    quantization, convention = layout.split("/")
+    ckpt = write_quantized_tiny(
+        "kimi_k3", tmp_path / "ckpt", quantization, convention, seed=5, modules=RELEASE_LAYOUTS[layout]
+    )
+    report = run_parity(ckpt, device="cpu", seed=5, new_tokens=8)
     assert report.ok, report.table()

@@ -19,6 +19,7 @@ fp8 as DeepSeek's `weight_scale_inv` with `quant_method: fp8`; mxfp4 as gpt-oss 
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 import shutil
 import tempfile
@@ -44,6 +45,18 @@ def _unpackable(model: torch.nn.Module, quantization: str) -> list[dict]:
         {"quantizer_name": f"{name}.*", "enable": False}
         for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and m.in_features % group
+    ]
+
+
+def _outside(model: torch.nn.Module, modules: list[str] | None) -> list[dict]:
+    """ModelOpt rules leaving out every linear no pattern of `modules` names (fnmatch over the
+    reference's module names): a release's quantized scope (None: every linear)."""
+    if modules is None:
+        return []
+    return [
+        {"quantizer_name": f"{name}.*", "enable": False}
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and not any(fnmatch.fnmatchcase(name, p) for p in modules)
     ]
 
 
@@ -118,7 +131,10 @@ def write_quantized_tiny(
     layout: str = "modelopt",
     seed: int = 0,
     overrides: dict | None = None,
+    modules: list[str] | None = None,
 ) -> Path:
+    """The tiny checkpoint quantized by ModelOpt; `modules`: fnmatch patterns of the reference's
+    modules to quantize (a release's scope), the other linears left as they are."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; known: {', '.join(QUANTIZATIONS)}")
     if layout not in LAYOUTS[quantization]:
@@ -132,7 +148,7 @@ def write_quantized_tiny(
         write_tiny(family, tmp, seed, overrides)
         cls = reference_class(FAMILIES.get(family).spec.spec.reference)
         model = cls.from_pretrained(tmp, dtype=torch.float32).eval()
-        cfg["quant_cfg"] += _unpackable(model, quantization)
+        cfg["quant_cfg"] += _unpackable(model, quantization) + _outside(model, modules)
         vocab = model.config.get_text_config().vocab_size
         g = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(0, vocab, (1, 16), generator=g) for _ in range(CALIBRATION)]
