@@ -5,6 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
+
 from dayzero.sdk import codegen
 from dayzero.sdk.codegen.hardware import needs
 from dayzero.sdk.families import FAMILIES, MODELS_DIR, Family
@@ -28,6 +30,34 @@ def test_a_new_family_folder_is_generated_then_current_then_stale_after_a_spec_e
     )
     fresh = Family("llama", folder / "spec.yaml")
     assert {p.name for p in codegen.stale(fresh)} == set(codegen.OUTPUTS)  # the hash in every header moved
+
+
+def test_kimi_k3_releases_count_only_what_each_packs() -> None:
+    """Kimi K3's two releases (fact sheet section 4): MXFP4 holds only the routed experts packed,
+    the NVFP4 one the experts in NVFP4 and the attention projections in FP8 blocks; the bytes
+    of every other parameter stay bf16, and the card has both launch commands (two hosts)."""
+    from dayzero.sdk.codegen.hardware import MATRIX_BYTES
+    from dayzero.sdk.spec.reference import spec_config
+
+    fam = FAMILIES.get("kimi_k3")
+    cfg = fam.config(spec_config(fam.spec.spec, {}))
+    mx, nv = fam.spec.spec.release
+    a, b = (
+        needs(fam.module("model"), cfg, "mxfp4", mx.packed),
+        needs(fam.module("model"), cfg, "nvfp4", nv.packed),
+    )
+    experts = 92 * 896 * 3 * 3072 * 3584  # layers 1..92, gate / up / down of each expert
+    assert a.params == b.params and abs(a.params - experts) / a.params < 0.03  # experts are ~98%
+    rest = a.params - experts
+    assert a.weight_bytes["mxfp4"] == pytest.approx(experts * MATRIX_BYTES["mxfp4"] + rest * 2, rel=1e-9)
+    assert (
+        experts * MATRIX_BYTES["nvfp4"] < b.weight_bytes["nvfp4"] < experts * MATRIX_BYTES["nvfp4"] + rest * 2
+    )
+    card = (MODELS_DIR / "kimi_k3" / "README.md").read_text()
+    for rel, q in ((mx, "mxfp4"), (nv, "nvfp4")):
+        assert (
+            f"dayzero serve {rel.checkpoint} --quantization {q} --tensor-parallel-size 16 --nnodes 2" in card
+        )
 
 
 def test_beam_release_needs_match_its_name() -> None:

@@ -311,6 +311,34 @@ def test_mtp_layer_tensors_are_set_aside_and_others_still_fail(tmp_path: Path) -
         load_weights(model, open_checkpoint(ckpt), progress=False)
 
 
+def test_kimi_k3_nextn_tensors_are_set_aside_only_when_the_config_has_them(tmp_path: Path) -> None:
+    """Kimi K3's MTP checkpoints append num_nextn_predict_layers NextN layers after the decoder's
+    (fact sheet section 3): with the field at 1 their tensors are counted and set aside; the same
+    tensors in a checkpoint whose config says 0 are an error naming one, never dropped silently."""
+    ckpt = write_tiny("kimi_k3", tmp_path / "ckpt", seed=0)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    text = cfg["text_config"]
+    n, h = text["num_hidden_layers"], text["hidden_size"]
+    pre = f"language_model.model.layers.{n}"
+    extra = {
+        f"{pre}.eh_proj.weight": torch.randn(h, 2 * h),
+        f"{pre}.enorm.weight": torch.ones(h),
+        f"{pre}.hnorm.weight": torch.ones(h),
+        f"{pre}.self_attn.kv_b_proj.weight": torch.randn(4, 4),
+        f"{pre}.shared_head.norm.weight": torch.ones(h),
+    }
+    save_file(load_file(ckpt / "model.safetensors") | extra, ckpt / "model.safetensors")
+    with pytest.raises(WeightError, match=rf"language_model\.model\.layers\.{n}\."):
+        c = open_checkpoint(ckpt)
+        model, _ = build(c.family, c.family.config(c.hf), c.hf, torch.device("cpu"), torch.float32)
+        load_weights(model, c, progress=False)
+    cfg["text_config"]["num_nextn_predict_layers"] = 1
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    c = open_checkpoint(ckpt)
+    model, _ = build(c.family, c.family.config(c.hf), c.hf, torch.device("cpu"), torch.float32)
+    assert load_weights(model, c, progress=False) == len(extra)
+
+
 def test_dummy_load_format_needs_no_weights(ckpt_copy: Path) -> None:
     """--load-format dummy: config.json and the tokenizer are enough; weights come from a fixed
     seed (N(0, 0.02^2), two loads equal); an unknown format or a quantized config is refused."""

@@ -75,11 +75,14 @@ def _decls(groups: list[dict]) -> tuple[GroupDecl, ...]:
 GPUS_PER_HOST = 8  # an H200 host
 
 
-def _release(fam: Family, groups: list[dict], model_source: str) -> dict | None:
-    """The model card's launch line for the real checkpoint, with what it needs."""
-    rel = fam.spec.spec.release
-    if rel is None:
-        return None
+def _releases(fam: Family, groups: list[dict], model_source: str) -> list[dict]:
+    """The model card's launch lines for the real checkpoints, with what each needs."""
+    rels = fam.spec.spec.release
+    rels = [] if rels is None else rels if isinstance(rels, list) else [rels]
+    return [_release(fam, rel, groups, model_source) for rel in rels]
+
+
+def _release(fam: Family, rel, groups: list[dict], model_source: str) -> dict:
     cfg = resolve(
         fam.spec,
         spec_config(fam.spec.spec, dict(rel.config)),
@@ -88,7 +91,7 @@ def _release(fam: Family, groups: list[dict], model_source: str) -> dict | None:
     )
     module = types.ModuleType(f"{fam.name}.model")  # the model as rendered now
     exec(compile(model_source, f"models/{fam.folder}/model.py", "exec"), module.__dict__)
-    n = needs(module, cfg, rel.format)
+    n = needs(module, cfg, rel.format, rel.packed)
     flags = ([f"--quantization {rel.format}"] if rel.format != "bf16" else []) + (
         [f"--tensor-parallel-size {n.gpus}"] if n.gpus > 1 else []
     )
@@ -104,7 +107,12 @@ def _release(fam: Family, groups: list[dict], model_source: str) -> dict | None:
             f"served tensor-parallel on {n.gpus} ranks ({layout}, one process a GPU, rank 0 serving); "
             "checked on CPU ranks (gloo), not yet run on GPUs"
         )
-    return {"command": command, "needs": n.line(rel.format), "status": status}
+    line = n.line(rel.format) + (
+        " (packed as released: " + ", ".join(f"{p} {f}" for p, f in rel.packed.items()) + "; the rest bf16)"
+        if rel.packed
+        else ""
+    )
+    return {"checkpoint": rel.checkpoint, "command": command, "needs": line, "status": status}
 
 
 def _residual_text(spec) -> str:
@@ -163,7 +171,7 @@ def _variants(fam: Family, env: jinja2.Environment) -> list[dict]:
     out = []
     for _, v in FAMILIES.items():
         if v.spec_path.parent.parent == fam.spec_path.parent:
-            rel = _release(v, _groups(v), _model_py(v, env, ""))
+            rel = _releases(v, _groups(v), _model_py(v, env, ""))
             out.append(
                 {
                     "title": v.spec.spec.title,
@@ -205,7 +213,7 @@ def render(fam: Family) -> dict[str, str]:
         "support": support_matrix(fam, _decls(groups)),
     }
     model_py = _model_py(fam, env, header)
-    ctx["release"] = _release(fam, groups, model_py)
+    ctx["releases"] = _releases(fam, groups, model_py)
     ctx["variants"] = _variants(fam, env)
     out = {
         "__init__.py": f'{header}\n"""{spec.title} (generated; the source of truth is spec.yaml)."""\n',

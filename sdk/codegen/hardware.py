@@ -3,6 +3,7 @@ parameters (total and read per token), weight bytes per format, KV bytes per tok
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass
 
@@ -42,7 +43,9 @@ class Needs:
         )
 
 
-def needs(model_module, cfg, fmt: str) -> Needs:
+def needs(model_module, cfg, fmt: str, packed: dict[str, str] | None = None) -> Needs:
+    """`packed`: parameter-name patterns -> format, the release's own scope; its bytes are then
+    the `fmt` entry (every other matrix in bf16). None: every matrix in each format."""
     with torch.device("meta"):
         model = model_module.Model(cfg, OpTable(torch.device("cpu"), torch.bfloat16))  # shapes only
     total = sum(p.numel() for p in model.parameters())
@@ -53,6 +56,12 @@ def needs(model_module, cfg, fmt: str) -> Needs:
         p.numel() for n, p in model.named_parameters() if p.dim() >= 2 and not n.startswith("embed")
     )
     weight = {f: (total - matrices) * 2 + matrices * b for f, b in MATRIX_BYTES.items()}
+    if packed:
+        weight[fmt] = sum(
+            p.numel()
+            * MATRIX_BYTES[next((f for pat, f in packed.items() if fnmatch.fnmatchcase(n, pat)), "bf16")]
+            for n, p in model.named_parameters()
+        )
     kv = sum(g.row for g in cfg.cache_groups if g.kind != "state") * 2
     state = sum(g.row for g in cfg.cache_groups if g.kind == "state")
     gpus = 2 ** math.ceil(math.log2(max(1.0, weight[fmt] / (GPU_BYTES * USABLE))))

@@ -43,6 +43,8 @@ _BRANCHES = {
     "str",
     "constrained-str",
     "list[str]",
+    "Release",  # release: one checkpoint or a list of them
+    "list[Release]",
 }
 
 

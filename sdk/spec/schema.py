@@ -303,11 +303,14 @@ class ReferenceModules(Strict):
 
 class Release(Strict):
     """The real checkpoint a model card's launch command serves: its hub id, the HF-config
-    fields that differ from the reference config class's defaults, and its weight format."""
+    fields that differ from the reference config class's defaults, its weight format, and which
+    of dayzero's parameters it holds packed (`packed`: fnmatch patterns over the model's
+    parameter names -> format; empty: every matrix but the embedding in `format`)."""
 
     checkpoint: str
     config: dict[str, Any] = {}
     format: Literal["bf16", "fp8_block", "mxfp4", "nvfp4"] = "bf16"
+    packed: dict[str, Literal["fp8_block", "mxfp4", "nvfp4"]] = {}
 
 
 class Parity(Strict):
@@ -359,7 +362,7 @@ class Spec(Strict):
     head: Head = Head()
     weights: list[WeightFormat] = Field(min_length=1)
     mtp: Mtp | None = None
-    release: Release | None = None
+    release: Release | list[Release] | None = None  # a list: several release checkpoints
     # `dayzero bench decode`: HF-config overrides scaling the real model to one GPU
     bench: dict[str, Any] = {}
     max_position: IntV | None = None
