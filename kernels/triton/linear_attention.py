@@ -1,0 +1,105 @@
+"""The decode step of Kimi delta attention and the gated delta rule in Triton: one launch a layer
+where the batched torch step (kernels/batched/linear_attention.py) takes about a dozen, each
+reading or writing every row's [H, Dk, Dv] fp32 state.
+
+A program takes one row r, one value head j and a block of BV value columns (a column of the
+state evolves alone), with q / k head j // rep (rep = HV / H):
+
+    q, k <- l2norm(q), l2norm(k) (x / sqrt(sum x^2 + 1e-6)); q <- q / sqrt(Dk)
+    S <- decay S       decay [Dk] = exp(g[r, j]) (KDA: per key channel) or exp(g[r, j]) (one a head)
+    S <- S + k (beta (v - S^T k))^T;   o = S^T q                              (fp32)
+
+S [Dk, BV] comes from the row's slot (zeros where the row is fresh) and goes back there. The
+grid depends only on the shapes and every index is read on the device: graph-safe (a graph's
+padding rows read and write the pool's scratch slot, fresh). Any other step (a prompt's chunk)
+goes to fla-core's kernels where they are registered (CUDA), else to the reference's chunked
+form: the decode step is captured, prefill runs the chunked kernels eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from dayzero.kernels.batched import linear_attention as batched
+from dayzero.kernels.registry import KERNELS
+
+
+@triton.jit
+def _delta_step(
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, slot_ptr, fresh_ptr, HV, REP, DV,
+    stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_gr, stride_gh,
+    stride_br, stride_ss, stride_sh, scale,
+    DK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr,
+):  # fmt: skip
+    r, j, pid = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    h = j // REP
+    kk = tl.arange(0, BK)
+    k_ok = kk < DK
+    vv = pid * BV + tl.arange(0, BV)
+    v_ok = vv < DV
+    q = tl.load(q_ptr + r * stride_qr + h * stride_qh + kk, mask=k_ok, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + r * stride_kr + h * stride_kh + kk, mask=k_ok, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+    if PER_CHANNEL:
+        g = tl.load(g_ptr + r * stride_gr + j * stride_gh + kk, mask=k_ok, other=0.0).to(tl.float32)
+    else:
+        g = tl.load(g_ptr + r * stride_gr + j * stride_gh).to(tl.float32) + tl.zeros((BK,), tl.float32)
+    beta = tl.load(b_ptr + r * stride_br + j).to(tl.float32)
+    v = tl.load(v_ptr + r * stride_vr + j * stride_vh + vv, mask=v_ok, other=0.0).to(tl.float32)
+    slot = tl.load(slot_ptr + r)
+    m = k_ok[:, None] & v_ok[None, :]
+    at = s_ptr + slot * stride_ss + j * stride_sh + kk[:, None] * DV + vv[None, :]
+    s = tl.load(at, mask=m, other=0.0)  # [BK, BV]
+    s = tl.where(tl.load(fresh_ptr + r) != 0, 0.0, s)  # a fresh row's slot is not read
+    s = s * tl.exp(g)[:, None]
+    delta = (v - tl.sum(k[:, None] * s, 0)) * beta  # [BV]
+    s = s + k[:, None] * delta[None, :]
+    o = tl.sum(q[:, None] * s, 0)
+    tl.store(at, s, mask=m)
+    tl.store(o_ptr + (r * HV + j) * DV + vv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+
+
+def _step(q, k, v, g, beta, state, meta, per_channel: bool) -> torch.Tensor:
+    r, hv, dv = v.shape
+    dk = q.shape[-1]
+    o = torch.empty(r, hv, dv, dtype=v.dtype, device=v.device)
+    if r == 0:
+        return o
+    bk = triton.next_power_of_2(dk)
+    bv = min(triton.next_power_of_2(dv), max(16, 4096 // bk))  # S's block within 4,096 fp32
+    _delta_step[(r, hv, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, state, o, meta.slots, meta.fresh, hv, hv // q.shape[1], dv,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        g.stride(1), beta.stride(0), state.stride(0), state.stride(1), dk**-0.5,
+        DK=dk, BK=bk, BV=bv, PER_CHANNEL=per_channel,
+    )  # fmt: skip
+    return o
+
+
+def _bind(op: str, per_channel: bool) -> Callable:
+    """`op` (kda_recurrence or gated_delta_rule): the decode step here, any other step through
+    fla-core's kernel where registered, else the batched backend (the reference's chunked form)."""
+    fallback = batched.kda_recurrence if op == "kda_recurrence" else batched.gated_delta_rule
+
+    def run(q, k, v, g, beta, state, meta, chunked: bool = True) -> torch.Tensor:
+        last = (q, k, v, g, beta)
+        dk, dv = state.shape[-2:]  # a slot's rows may sit apart in the pool; within one, dense
+        dense = state.stride(3) == 1 and state.stride(2) == dv and state.stride(1) == dk * dv
+        usable = dense and all(x.stride(-1) == 1 for x in last) and beta.dim() == 2
+        if not (meta.decode and meta.slots is not None and usable):
+            other = KERNELS.get(f"{op}/fla").fn if f"{op}/fla" in KERNELS else fallback
+            return other(q, k, v, g, beta, state, meta, chunked)
+        return _step(q, k, v, g, beta, state, meta, per_channel)
+
+    run.__name__ = run.__qualname__ = f"{op}_triton"
+    run.__doc__ = f"{op}: the decode step in Triton, other steps chunked (fla-core or the reference)."
+    return run
+
+
+kda_recurrence = _bind("kda_recurrence", per_channel=True)
+gated_delta_rule = _bind("gated_delta_rule", per_channel=False)

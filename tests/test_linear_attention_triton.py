@@ -1,0 +1,129 @@
+"""The delta rules' decode step in Triton (kernels/triton/linear_attention.py) against the batched
+torch step it replaces (itself checked against the reference: tests/test_linear_attention.py),
+in Triton's CPU interpreter in a fresh process: KDA (a decay per key channel, 3 heads of 16 x 24)
+and the gated delta rule (a decay per value head, 2 query / key heads read by 4 value heads of
+32 columns, past one block of BV), 5 rows in scattered slots of a pool view whose slots sit apart
+(as in the engine's byte pool), one row fresh over a slot holding NaN; outputs and the rows'
+states within 1e-5 of their scale (fp32, sums in another order), every other slot untouched.
+A step that is not a decode step goes to the chunked form (the batched backend's, here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+SEEDS = (0, 4, 9)
+TOL = 1e-5
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _view(pool: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The states [slots, HV, Dk, Dv] at the start of each slot's row of the pool."""
+    return pool[:, : shape[1] * shape[2] * shape[3]].view(shape)
+
+
+def check(seed: int) -> list[str]:
+    from test_linear_attention import _decode_meta
+
+    from dayzero.kernels.batched import linear_attention as batched
+    from dayzero.kernels.triton import linear_attention as tla
+
+    g, out = torch.Generator().manual_seed(seed), []
+    r, n_slots, slots, fresh = 5, 9, [6, 0, 3, 8, 1], [False, True, False, False, False]
+    for op, h, hv, dk, dv in (("kda_recurrence", 3, 3, 16, 24), ("gated_delta_rule", 2, 4, 16, 32)):
+        q, k = torch.randn(r, h, dk + 4, generator=g)[..., :dk], torch.randn(r, h, dk, generator=g)
+        v = torch.randn(r, hv, dv, generator=g)
+        gate = -torch.rand(*((r, hv, dk) if op == "kda_recurrence" else (r, hv)), generator=g)
+        beta = torch.rand(r, hv, generator=g)
+        pool = torch.randn(n_slots, hv * dk * dv + 7, generator=g) * 0.3  # slots sit apart
+        pool[0] = float("nan")  # the fresh row's slot: not read
+        shape = (n_slots, hv, dk, dv)
+        want_pool, got_pool = pool.clone(), pool.clone()
+        want = getattr(batched, op)(
+            q, k, v, gate, beta, _view(want_pool, shape), _decode_meta(None, slots, fresh)
+        )
+        got = getattr(tla, op)(q, k, v, gate, beta, _view(got_pool, shape), _decode_meta(None, slots, fresh))
+        err = max(_rel(got, want), _rel(_view(got_pool, shape)[slots], _view(want_pool, shape)[slots]))
+        others = [i for i in range(n_slots) if i not in slots]
+        same = torch.equal(got_pool[others].nan_to_num(), pool[others].nan_to_num())
+        out.append(f"{op} decode untouched={same} {err:.2e}")
+    return out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("seed", SEEDS)
+def test_triton_delta_rule_decode_step_in_the_interpreter(seed: int) -> None:
+    env = os.environ | {"TRITON_INTERPRET": "1"}
+    r = subprocess.run(
+        [sys.executable, __file__, str(seed)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 2, r.stdout
+    for ln in lines:
+        assert "untouched=True" in ln and float(ln.split()[-1]) <= TOL, ln
+
+
+def test_a_prompt_chunk_goes_to_the_chunked_form() -> None:
+    """Not a decode step (a row of 5 tokens): the Triton op gives the reference's chunked result."""
+    pytest.importorskip("triton")
+    from dayzero.kernels.reference import linear_attention as reference
+    from dayzero.kernels.triton import linear_attention as tla
+    from dayzero.sdk.engine.context import StateMeta
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(5, 2, 8, generator=g) for _ in range(3))
+    gate, beta = -torch.rand(5, 2, 8, generator=g), torch.rand(5, 2, generator=g)
+    meta = StateMeta(None, (1,), (True,), (0, 5))
+    s0 = torch.randn(2, 2, 8, 8, generator=g)
+    a, b = s0.clone(), s0.clone()
+    want = reference.kda_recurrence(q, k, v, gate, beta, a, meta)
+    got = tla.kda_recurrence(q, k, v, gate, beta, b, meta)
+    assert _rel(got, want) <= TOL and _rel(b, a) <= TOL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("seed", SEEDS)
+def test_triton_delta_rule_decode_step_on_cuda(seed: int) -> None:
+    """At release widths on the GPU (KDA 64 heads of 128 x 128; the gated delta rule 16 query /
+    key heads read by 32 value heads of 128), bf16 inputs, fp32 states in an engine-like pool:
+    within 1e-5 of the batched step's scale (both fp32 inside)."""
+    from test_linear_attention import _decode_meta
+
+    from dayzero.kernels.batched import linear_attention as batched
+    from dayzero.kernels.triton import linear_attention as tla
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r, slots, fresh = 8, [3, 9, 0, 4, 7, 1, 8, 2], [False] * 7 + [True]
+    for op, h, hv in (("kda_recurrence", 64, 64), ("gated_delta_rule", 16, 32)):
+        dk = dv = 128
+        q, k = (torch.randn(r, h, dk, generator=g, device="cuda").bfloat16() for _ in range(2))
+        v = torch.randn(r, hv, dv, generator=g, device="cuda").bfloat16()
+        shape = (r, hv, dk) if op == "kda_recurrence" else (r, hv)
+        gate = -torch.rand(*shape, generator=g, device="cuda")
+        beta = torch.rand(r, hv, generator=g, device="cuda").bfloat16()
+        pool = torch.randn(10, hv * dk * dv + 64, generator=g, device="cuda") * 0.1
+        want_pool, got_pool = pool.clone(), pool.clone()
+        view = (10, hv, dk, dv)
+        meta = _decode_meta(None, slots, fresh)
+        meta = replace(meta, slots=meta.slots.cuda(), fresh=meta.fresh.cuda())
+        want = getattr(batched, op)(q, k, v, gate, beta, _view(want_pool, view), meta)
+        got = getattr(tla, op)(q, k, v, gate, beta, _view(got_pool, view), meta)
+        assert _rel(got.float(), want.float()) <= 2**-7, op  # one bf16 ulp of the output's scale
+        assert _rel(_view(got_pool, view)[slots], _view(want_pool, view)[slots]) <= TOL, op
+
+
+if __name__ == "__main__":
+    from test_triton_interpreter import _interpreter_index_fix  # loops bounded by a scalar argument
+
+    _interpreter_index_fix()
+    print("\n".join(check(int(sys.argv[1]))))
