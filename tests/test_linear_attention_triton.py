@@ -1,15 +1,18 @@
-"""The delta rules' decode step in Triton (kernels/triton/linear_attention.py) against the batched
+"""The delta rules' and the short conv's decode steps in Triton (kernels/triton/linear_attention.py)
+against the batched
 torch step it replaces (itself checked against the reference: tests/test_linear_attention.py),
 in Triton's CPU interpreter in a fresh process: KDA (a decay per key channel, 3 heads of 16 x 24)
 and the gated delta rule (a decay per value head, 2 query / key heads read by 4 value heads of
 32 columns, past one block of BV), 5 rows in scattered slots of a pool view whose slots sit apart
-(as in the engine's byte pool), one row fresh over a slot holding NaN; outputs and the rows'
-states within 1e-5 of their scale (fp32, sums in another order), every other slot untouched.
+(as in the engine's byte pool), one row fresh over a slot holding NaN; the short conv with 300
+channels (two blocks) and kernel 4, and 24 with kernel 3, on a strided input; outputs and the
+rows' states within 1e-5 of their scale (fp32, sums in another order), other slots untouched.
 A step that is not a decode step goes to the chunked form (the batched backend's, here)."""
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -27,8 +30,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _view(pool: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """The states [slots, HV, Dk, Dv] at the start of each slot's row of the pool."""
-    return pool[:, : shape[1] * shape[2] * shape[3]].view(shape)
+    """The states [slots, ...] at the start of each slot's row of the pool."""
+    return pool[:, : math.prod(shape[1:])].view(shape)
 
 
 def check(seed: int) -> list[str]:
@@ -56,6 +59,19 @@ def check(seed: int) -> list[str]:
         others = [i for i in range(n_slots) if i not in slots]
         same = torch.equal(got_pool[others].nan_to_num(), pool[others].nan_to_num())
         out.append(f"{op} decode untouched={same} {err:.2e}")
+    for c, kern in ((300, 4), (24, 3)):  # the short conv: channels past one block; another width
+        x = torch.randn(r, c + 6, generator=g)[:, :c]  # a strided view, like a fused projection's
+        w = torch.randn(c, 1, kern, generator=g)
+        pool = torch.randn(n_slots, c * (kern - 1) + 5, generator=g)
+        pool[0] = float("nan")
+        shape = (n_slots, c, kern - 1)
+        want_pool, got_pool = pool.clone(), pool.clone()
+        want = batched.short_conv(x, w, _view(want_pool, shape), _decode_meta(None, slots, fresh))
+        got = tla.short_conv(x, w, _view(got_pool, shape), _decode_meta(None, slots, fresh))
+        err = max(_rel(got, want), _rel(_view(got_pool, shape)[slots], _view(want_pool, shape)[slots]))
+        others = [i for i in range(n_slots) if i not in slots]
+        same = torch.equal(got_pool[others].nan_to_num(), pool[others].nan_to_num())
+        out.append(f"short_conv c={c} k={kern} decode untouched={same} {err:.2e}")
     return out
 
 
@@ -68,7 +84,7 @@ def test_triton_delta_rule_decode_step_in_the_interpreter(seed: int) -> None:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
-    assert len(lines) == 2, r.stdout
+    assert len(lines) == 4, r.stdout
     for ln in lines:
         assert "untouched=True" in ln and float(ln.split()[-1]) <= TOL, ln
 
@@ -96,7 +112,8 @@ def test_a_prompt_chunk_goes_to_the_chunked_form() -> None:
 def test_triton_delta_rule_decode_step_on_cuda(seed: int) -> None:
     """At release widths on the GPU (KDA 64 heads of 128 x 128; the gated delta rule 16 query /
     key heads read by 32 value heads of 128), bf16 inputs, fp32 states in an engine-like pool:
-    within 1e-5 of the batched step's scale (both fp32 inside)."""
+    within 1e-5 of the batched step's scale (both fp32 inside); the short conv over K3's 36,864
+    channels: outputs within one bf16 ulp, the slots' inputs bit-equal."""
     from test_linear_attention import _decode_meta
 
     from dayzero.kernels.batched import linear_attention as batched
@@ -120,6 +137,17 @@ def test_triton_delta_rule_decode_step_on_cuda(seed: int) -> None:
         got = getattr(tla, op)(q, k, v, gate, beta, _view(got_pool, view), meta)
         assert _rel(got.float(), want.float()) <= 2**-7, op  # one bf16 ulp of the output's scale
         assert _rel(_view(got_pool, view)[slots], _view(want_pool, view)[slots]) <= TOL, op
+    c = 3 * 12288  # Kimi K3's q, k and v convolutions in one call
+    x = torch.randn(r, c, generator=g, device="cuda").bfloat16()
+    w = torch.randn(c, 1, 4, generator=g, device="cuda")
+    pool = torch.randn(10, c * 3 + 64, generator=g, device="cuda")
+    want_pool, got_pool = pool.clone(), pool.clone()
+    meta = _decode_meta(None, slots, fresh)
+    meta = replace(meta, slots=meta.slots.cuda(), fresh=meta.fresh.cuda())
+    want = batched.short_conv(x, w, _view(want_pool, (10, c, 3)), meta)
+    got = tla.short_conv(x, w, _view(got_pool, (10, c, 3)), meta)
+    assert _rel(got.float(), want.float()) <= 2**-7
+    assert torch.equal(_view(got_pool, (10, c, 3))[slots], _view(want_pool, (10, c, 3))[slots])
 
 
 if __name__ == "__main__":

@@ -71,10 +71,10 @@ if importlib.util.find_spec("triton") is not None:
     register("kpool_scores", "triton", Capabilities(**_any))(indexer.kpool_scores)
     register("kpool_index", "triton", Capabilities(features=frozenset({"tail"}), **_any))(indexer.kpool_index)
     register("index_topk", "triton", Capabilities(features=frozenset({"tail"}), **_any))(topk.index_topk)
-    # the delta rules' decode step (prefill chunks through fla-core where registered, else the
-    # reference): above fla (10), whose own decode step is not graph-safe
-    for op in ("kda_recurrence", "gated_delta_rule"):
-        register(op, "triton", Capabilities(features=frozenset({"chunked"}), **(_any | {"priority": 20})))(
+    # the delta rules' and the short conv's decode step (prefill chunks through fla-core where
+    # registered, else the reference / batched): above fla (10), whose decode step is not graph-safe
+    for op in ("kda_recurrence", "gated_delta_rule", "short_conv"):
+        register(op, "triton", Capabilities(features=OPS.get(op).features, **(_any | {"priority": 20})))(
             getattr(linear_attention, op)
         )
     # decode-sized dense linears as a GEMV (F.linear past linear.GEMV_ROWS rows)

@@ -1,4 +1,5 @@
-"""The decode step of Kimi delta attention and the gated delta rule in Triton: one launch a layer
+"""The decode step of Kimi delta attention and the gated delta rule in Triton, and of the short
+convolution before them (`short_conv`, a program a (row, block of channels)): one launch a layer
 where the batched torch step (kernels/batched/linear_attention.py) takes about a dozen, each
 reading or writing every row's [H, Dk, Dv] fp32 state.
 
@@ -79,6 +80,50 @@ def _step(q, k, v, g, beta, state, meta, per_channel: bool) -> torch.Tensor:
         DK=dk, BK=bk, BV=bv, PER_CHANNEL=per_channel,
     )  # fmt: skip
     return o
+
+
+@triton.jit
+def _conv_step(
+    x_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, fresh_ptr, C, stride_x, stride_ss, stride_sc,
+    K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr,
+):  # fmt: skip
+    r, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    c = pid * BC + tl.arange(0, BC)
+    c_ok = c < C
+    i = tl.arange(0, KP)
+    dt = y_ptr.dtype.element_ty
+    slot = tl.load(slot_ptr + r)
+    keep = tl.load(fresh_ptr + r) == 0
+    past = s_ptr + slot * stride_ss + c[:, None] * stride_sc + i[None, :]  # [BC, KP]: taps 0 .. K - 2
+    u = tl.load(past, mask=c_ok[:, None] & (i < K - 1)[None, :] & keep, other=0.0).to(dt).to(tl.float32)
+    x = tl.load(x_ptr + r * stride_x + c, mask=c_ok, other=0.0).to(tl.float32)
+    u = tl.where((i == K - 1)[None, :], x[:, None], u)  # tap K - 1: this token
+    w = tl.load(w_ptr + c[:, None] * K + i[None, :], mask=c_ok[:, None] & (i < K)[None, :], other=0.0)
+    y = tl.sum(u * w.to(tl.float32), 1)  # [BC]
+    tl.store(y_ptr + r * C + c, (y / (1.0 + tl.exp(-y))).to(dt), mask=c_ok)
+    # the slot keeps the last K - 1 inputs: taps 1 .. K - 1 move down by one
+    nxt = tl.load(past + 1, mask=c_ok[:, None] & (i < K - 2)[None, :] & keep, other=0.0).to(dt)
+    nxt = tl.where((i == K - 2)[None, :], x[:, None].to(dt), nxt)
+    tl.store(past, nxt.to(s_ptr.dtype.element_ty), mask=c_ok[:, None] & (i < K - 1)[None, :])
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, meta) -> torch.Tensor:
+    """The short convolution (kernels/batched: `short_conv`): a decode step here, one program a
+    (row, block of channels): u = [the slot's K - 1 inputs ; this token], y = silu(sum_i w_i u_i)
+    (fp32 sums of the inputs in x's dtype), the slot shifted by one in place; other steps batched."""
+    r, c = x.shape
+    k = weight.shape[-1]
+    usable = x.stride(-1) == 1 and weight.is_contiguous() and state.stride(-1) == 1 and k >= 2
+    if not (meta.decode and meta.slots is not None and usable):
+        return batched.short_conv(x, weight, state, meta)
+    y = torch.empty(r, c, dtype=x.dtype, device=x.device)
+    if r:
+        bc = min(256, triton.next_power_of_2(c))
+        _conv_step[(r, triton.cdiv(c, bc))](
+            x, weight, state, y, meta.slots, meta.fresh, c, x.stride(0), state.stride(0), state.stride(1),
+            K=k, KP=triton.next_power_of_2(k), BC=bc,
+        )  # fmt: skip
+    return y
 
 
 def _bind(op: str, per_channel: bool) -> Callable:
