@@ -134,9 +134,9 @@ def _hc_post(
 
 def hc_post(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     t, n, d = x.shape
-    fp32 = post.dtype == comb.dtype == torch.float32 and y.dtype == x.dtype
+    weights_fp32 = post.dtype == comb.dtype == torch.float32 and y.dtype == x.dtype
     if (
-        not fp32
+        not weights_fp32
         or x.stride(-1) != 1
         or y.stride(-1) != 1
         or not post.is_contiguous()
