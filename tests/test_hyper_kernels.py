@@ -7,12 +7,10 @@ scale (the same numbers summed in another order)."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreter import main, run_checks
 
 SEEDS = (0, 5, 11)
 TOL = 1e-5
@@ -75,13 +73,8 @@ def check(seed: int) -> list[str]:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.parametrize("seed", SEEDS)
 def test_triton_hyper_kernels_in_the_interpreter(seed: int) -> None:
-    env = os.environ | {"TRITON_INTERPRET": "1"}
-    r = subprocess.run(
-        [sys.executable, __file__, str(seed)], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
-    assert len(lines) == 6, r.stdout
+    lines = run_checks(__file__, seed, timeout=300)
+    assert len(lines) == 6, lines
     for ln in lines:
         assert float(ln.split()[-1]) <= TOL, ln
 
@@ -108,7 +101,4 @@ def test_triton_hyper_kernels_on_cuda_in_bf16(seed: int) -> None:
 
 
 if __name__ == "__main__":
-    from test_triton_interpreter import _interpreter_index_fix  # loops bounded by a scalar argument
-
-    _interpreter_index_fix()
-    print("\n".join(check(int(sys.argv[1]))))
+    main(check)

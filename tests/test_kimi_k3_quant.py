@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import re
 
+from dayzero.sdk.families import FAMILIES
 from dayzero.sdk.loader import open_checkpoint
 from dayzero.sdk.parity import run_parity
 from dayzero.sdk.parity.quantized_tiny import write_quantized_tiny
 
-SCOPE = ["*.block_sparse_moe.experts.*", "*.self_attn.*"]  # the spec's mixed/modelopt scope
+SCOPE = FAMILIES.get("kimi_k3").spec.spec.parity.quantized["mixed/modelopt"]  # the release's scope
 ALIASES = ("fused_qkv_a_proj_with_mqa", "fused_qkvg_proj", "in_proj_qkvgfab")
 
 

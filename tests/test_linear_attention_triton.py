@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
+from interpreter import main, run_checks
 
 SEEDS = (0, 4, 9)
 TOL = 1e-5
@@ -78,13 +76,8 @@ def check(seed: int) -> list[str]:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.parametrize("seed", SEEDS)
 def test_triton_delta_rule_decode_step_in_the_interpreter(seed: int) -> None:
-    env = os.environ | {"TRITON_INTERPRET": "1"}
-    r = subprocess.run(
-        [sys.executable, __file__, str(seed)], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
-    assert len(lines) == 4, r.stdout
+    lines = run_checks(__file__, seed, timeout=300)
+    assert len(lines) == 4, lines
     for ln in lines:
         assert "untouched=True" in ln and float(ln.split()[-1]) <= TOL, ln
 
@@ -151,7 +144,4 @@ def test_triton_delta_rule_decode_step_on_cuda(seed: int) -> None:
 
 
 if __name__ == "__main__":
-    from test_triton_interpreter import _interpreter_index_fix  # loops bounded by a scalar argument
-
-    _interpreter_index_fix()
-    print("\n".join(check(int(sys.argv[1]))))
+    main(check)

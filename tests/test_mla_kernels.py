@@ -23,13 +23,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from conftest import SEEDS
+from interpreter import main, run_checks
 from paged_meta import paged_meta, selection
 
 from dayzero.kernels.batched import mla as batched
@@ -310,13 +308,8 @@ def test_index_topk_breaks_ties_by_position_at_any_width(seed: int) -> None:
 @pytest.mark.parametrize("seed", SEEDS[:2])
 def test_triton_matches_reference_in_the_interpreter(seed: int) -> None:
     """In a fresh process: the interpreter must be chosen before Triton compiles anything."""
-    env = os.environ | {"TRITON_INTERPRET": "1"}
-    r = subprocess.run(
-        [sys.executable, __file__, str(seed)], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("triton ")]
-    assert len(lines) == 2 * 2 * 2 * 2 + 2 * 2 + 3 * 3 + 3 * 3, r.stdout
+    lines = [ln for ln in run_checks(__file__, seed, timeout=300) if ln.startswith("triton ")]
+    assert len(lines) == 2 * 2 * 2 * 2 + 2 * 2 + 3 * 3 + 3 * 3, lines
     for ln in lines:
         assert float(ln.split()[-1]) < TOL, ln
 
@@ -379,7 +372,4 @@ def test_triton_topk_on_cuda() -> None:
 
 
 if __name__ == "__main__":
-    from test_triton_interpreter import _interpreter_index_fix
-
-    _interpreter_index_fix()
-    print("\n".join(check_triton(int(sys.argv[1]))))
+    main(check_triton)

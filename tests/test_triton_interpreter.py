@@ -20,31 +20,13 @@ before Triton compiles anything, so the check runs in a fresh process."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreter import main, run_checks
 from paged_meta import paged_meta
 
 SEEDS = (0, 3)
-
-
-def _interpreter_index_fix() -> None:
-    """Triton 3.6's interpreter turns a scalar tensor into a Python int with int() of a 1-element
-    array, which NumPy >= 2.4 refuses; a loop bounded by loaded values (the attention kernel's
-    key range) needs it. Take the element instead (the interpreter only: compiled kernels are
-    untouched)."""
-    from triton.runtime import interpreter
-
-    patch = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
 
 
 def check_attention(g: torch.Generator) -> list[str]:
@@ -393,12 +375,7 @@ def check(seed: int) -> list[str]:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 @pytest.mark.parametrize("seed", SEEDS)
 def test_triton_kernels_in_the_interpreter(seed: int) -> None:
-    env = os.environ | {"TRITON_INTERPRET": "1"}
-    r = subprocess.run(
-        [sys.executable, __file__, str(seed)], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    lines = run_checks(__file__, seed)
     fixed = (
         3 * 9 + 2 * 4 * 2 + 2 * 2 * 2 + 6 + 1 + 3 * 2 + 3 * 2 + 2 + 4 + 6 + 1 + 4 + 6 + 2 + 2 + 4 + 1 + 2 + 2
     )
@@ -406,11 +383,10 @@ def test_triton_kernels_in_the_interpreter(seed: int) -> None:
     situ = 3 + 2 + 3 * 2
     skip = 2 + 2 * 2  # expert id -1: packed (2 shapes), dense (2 shapes x 2 ranks)
     per_head = 2  # rms_norm with a weight a head (both weight orders)
-    assert len(lines) == fixed + 3 * (2 * 2 + 1) + skip + per_head + situ, r.stdout  # + check_linear
+    assert len(lines) == fixed + 3 * (2 * 2 + 1) + skip + per_head + situ, lines  # + check_linear
     for ln in lines:  # bf16 rows: a few bf16 ulps of the output's scale
         assert float(ln.split()[-1]) <= (2e-2 if " bf16 " in ln else 1e-5), ln
 
 
 if __name__ == "__main__":
-    _interpreter_index_fix()
-    print("\n".join(check(int(sys.argv[1]))))
+    main(check)

@@ -31,16 +31,9 @@ def hc_pre(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, N, D], fn [(2 + N) N, N D], base [(2 + N) N], scale [3] -> (h [T, D] in x's dtype,
     post [T, N] fp32, comb [T, N, N] fp32)."""
+    n = x.shape[1]
     flat = x.flatten(1).float()  # [T, N D]
     z = F.linear(flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps), fn.float())
-    return hc_weights(z, base, scale, x, iters, eps)
-
-
-def hc_weights(
-    z: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, iters: int, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hc_pre after the projection: z [T, (2 + N) N] fp32 -> (h, post, comb)."""
-    n = x.shape[1]
     zp, zq, zc = z.split([n, n, n * n], dim=-1)
     bp, bq, bc = base.float().split([n, n, n * n])
     sp, sq, sc = scale.float().unbind(0)

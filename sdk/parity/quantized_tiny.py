@@ -37,26 +37,20 @@ LAYOUTS["mxfp4"] = ("modelopt", "gpt_oss", "compressed_tensors")
 CALIBRATION = 4  # random prompts of 16 tokens
 
 
-def _unpackable(model: torch.nn.Module, quantization: str) -> list[dict]:
-    """ModelOpt rules leaving out the linears whose input width is not a whole number of blocks
-    (a tiny config's 16-wide latent in MXFP4's blocks of 32): ModelOpt cannot export those."""
+def _left_out(model: torch.nn.Module, quantization: str, modules: list[str] | None) -> list[dict]:
+    """ModelOpt rules disabling the quantizers of the linears left unquantized: those whose input
+    width is not a whole number of the format's blocks (a tiny config's 16-wide latent in MXFP4's
+    blocks of 32: ModelOpt cannot export those), and, given `modules` (fnmatch patterns of the
+    reference's module names: a release's quantized scope), every linear none of them names."""
     group = {"nvfp4": 16, "mixed": 16, "mxfp4": 32}.get(quantization, 1)
     return [
         {"quantizer_name": f"{name}.*", "enable": False}
         for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and m.in_features % group
-    ]
-
-
-def _outside(model: torch.nn.Module, modules: list[str] | None) -> list[dict]:
-    """ModelOpt rules leaving out every linear no pattern of `modules` names (fnmatch over the
-    reference's module names): a release's quantized scope (None: every linear)."""
-    if modules is None:
-        return []
-    return [
-        {"quantizer_name": f"{name}.*", "enable": False}
-        for name, m in model.named_modules()
-        if isinstance(m, torch.nn.Linear) and not any(fnmatch.fnmatchcase(name, p) for p in modules)
+        if isinstance(m, torch.nn.Linear)
+        and (
+            m.in_features % group
+            or (modules is not None and not any(fnmatch.fnmatchcase(name, p) for p in modules))
+        )
     ]
 
 
@@ -148,7 +142,7 @@ def write_quantized_tiny(
         write_tiny(family, tmp, seed, overrides)
         cls = reference_class(FAMILIES.get(family).spec.spec.reference)
         model = cls.from_pretrained(tmp, dtype=torch.float32).eval()
-        cfg["quant_cfg"] += _unpackable(model, quantization) + _outside(model, modules)
+        cfg["quant_cfg"] += _left_out(model, quantization, modules)
         vocab = model.config.get_text_config().vocab_size
         g = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(0, vocab, (1, 16), generator=g) for _ in range(CALIBRATION)]
