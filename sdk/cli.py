@@ -294,7 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="decode: skip transformers (random weights, dayzero timing only)",
     )
-    b.add_argument("--profile", action="store_true", help="decode: profile batch-1 steps (torch.profiler)")
+    b.add_argument(
+        "--profile", action="store_true", help="decode: profile steps at each of --batches (torch.profiler)"
+    )
     b.add_argument(
         "--prefill-len", type=int, default=8192, help="decode: prefill tokens timed at batch 1 (0: skip)"
     )

@@ -43,10 +43,12 @@ def paged_meta(
 def selection(g: torch.Generator, meta: PagedMeta, k: int) -> torch.Tensor:
     """[T, k] distinct random positions in random order (an indexer's contract), below the token's
     row length (later ones than the query too), -1 for the draws past the row and a fifth of the
-    rest, the last token selecting nothing."""
+    rest, the last token selecting nothing; on the host whatever the meta's device."""
     t, longest = meta.positions.shape[0], max(meta.kv_lens_cpu)
     qs = meta.query_start_cpu
-    lens = torch.repeat_interleave(meta.kv_lens, torch.tensor([b - a for a, b in itertools.pairwise(qs)]))
+    lens = torch.repeat_interleave(
+        torch.tensor(meta.kv_lens_cpu), torch.tensor([b - a for a, b in itertools.pairwise(qs)])
+    )
     sel = torch.rand(t, max(longest, k), generator=g).argsort(-1)[:, :k]
     sel = torch.where((sel >= lens[:, None]) | (torch.rand(t, k, generator=g) < 0.2), -1, sel)
     sel[-1] = -1

@@ -1,9 +1,11 @@
 """Triton backend (CUDA): packed-weight GEMMs (`packed`), dense decode GEMVs (`linear`), paged GQA
-attention reading the cache in place (`attention`), absorbed-MLA decode and sparse attention over
-the latent cache in place (`mla`), the DSA and KPool indexers' scores (`indexer`) and their top-k
-(`topk`), stacked experts read in place (`moe`), MoE routing (`routing`), RMSNorm (`norm`), the
-fused small ops (`fused`: residual add + norm, head norm + RoPE, output gate, SwiGLU, the K/V
-cache write), the greedy sampler (`sampling`).
+attention reading the cache in place (`attention`) and over a sparse indexer's selection
+(`select_attention`), absorbed-MLA decode and sparse attention over the latent cache in place
+(`mla`), the DSA, KPool and QSA indexers' scores (`indexer`) and their top-k (`topk`), the delta
+rules' and short conv's decode steps (`linear_attention`), the hyper-connections (`hyper`),
+stacked experts read in place (`moe`), MoE routing (`routing`), RMSNorm (`norm`), the fused small
+ops (`fused`: residual add + norm, head norm + RoPE, output gate, SwiGLU, the K/V cache write),
+the greedy sampler (`sampling`).
 Registered only where `triton` imports (CUDA builds of torch bring it); every kernel is checked
 against the reference backend in Triton's CPU interpreter in CI (tests/test_triton_interpreter.py,
 tests/test_mla_kernels.py) and on the GPU (scripts/gpu_bringup.sh runs tests/test_triton_packed.py,
@@ -30,6 +32,7 @@ if importlib.util.find_spec("triton") is not None:
         packed,
         routing,
         sampling,
+        select_attention,
         topk,
     )
 
@@ -56,11 +59,21 @@ if importlib.util.find_spec("triton") is not None:
         "gqa_attention",
         "triton",
         Capabilities(
-            features=frozenset({"causal", "sliding_window", "softcap"}),
+            features=frozenset({"causal", "sliding_window", "softcap", "sinks"}),
             head_dims=frozenset(range(16, 257, 8)),
             **_any,
         ),
     )(attention.gqa_attention)
+    # a sparse indexer's selection read in place (below the paged kernel, which it runs without one)
+    register(
+        "gqa_attention",
+        "triton_select",
+        Capabilities(
+            features=frozenset({"causal", "sliding_window", "softcap", "sinks", "select"}),
+            head_dims=frozenset(range(16, 257, 8)),
+            **(_any | {"priority": 9}),
+        ),
+    )(select_attention.gqa_attention_select)
     # absorbed decode and sparse selections in place; a dense step's prefill rows through batched/
     register("mla_attention", "triton", Capabilities(features=frozenset({"causal", "select"}), **_any))(
         mla.mla_attention
@@ -69,6 +82,7 @@ if importlib.util.find_spec("triton") is not None:
     register("dsa_scores", "triton", Capabilities(**_any))(indexer.dsa_scores)
     register("dsa_index", "triton", Capabilities(**_any))(indexer.dsa_index)
     register("kpool_scores", "triton", Capabilities(**_any))(indexer.kpool_scores)
+    register("qsa_scores", "triton", Capabilities(**_any))(indexer.qsa_scores)
     register("kpool_index", "triton", Capabilities(features=frozenset({"tail"}), **_any))(indexer.kpool_index)
     register("index_topk", "triton", Capabilities(features=frozenset({"tail"}), **_any))(topk.index_topk)
     # the delta rules' and the short conv's decode step (prefill chunks through fla-core where

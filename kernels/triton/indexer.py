@@ -1,5 +1,6 @@
 """The sparse-attention indexers in Triton, reading the paged index-key cache in place: DeepSeek's
-lightning indexer (DSA) and the pooled one (KPool); their top-k by kernels/triton/topk.py.
+lightning indexer (DSA), the pooled one (KPool) and Qwen's block-mean one (QSA); their top-k by
+kernels/triton/topk.py.
 Graph-safe: the grid and every shape come from the tensors (the block table's width), never from
 a row's length read back to the host.
 
@@ -10,9 +11,14 @@ KPool (`kpool_scores`): cache rows [k_j ; g_j] (key and pooling gate), pools of 
 complete pool m (m P + P <= kv_len[r]) has the key
     K_m = sum_{i < P} softmax_i(g[mP + i] + ape[i]) k[mP + i]      (softmax per channel, fp32)
     I[t, m] = sum_h w[t, h] relu(scale <q[t, h], K_m>)      m P + P - 1 <= p_t
-and -inf elsewhere. The reference's scores are [T, L] with L the step's longest row (in keys or
-pools); these are [T, W B] keys or [T, W B / P] pools (W the block table's width, B the block
-size): the same columns, then -inf, so the top-k picks the same positions.
+QSA (kernels/reference/qsa.py `qsa_scores`): raw index keys k_j, blocks of P positions, complete
+block m's key (each stage rounded to the cache's dtype, as the reference)
+    K_m = rope(rmsnorm(mean_{i < P} k[m P + i]) w_k, position m P)
+    I[t, m] = scale sum_h relu(<q[t, h], K_m>)              m P + P - 1 <= p_t
+(RoPE pairs a channel with its partner, loaded as a second tile: d +- R/2 rotate-half, d xor 1
+GPT-J), and -inf elsewhere. The reference's scores are [T, L] with L the step's longest row (in
+keys or pools); these are [T, W B] keys or [T, W B / P] pools (W the block table's width, B the
+block size): the same columns, then -inf, so the top-k picks the same positions.
 
 A program takes one query token and BL keys (or BM pools): their block ids, the [BL, Di] key
 tile (a pool's keys and gates one position at a time, its softmax online per channel), [Hi, BL]
@@ -162,6 +168,95 @@ def _kpool_scores(
     tl.store(dst, tl.where(ok, score, float("-inf")), mask=m < width)
 
 
+@triton.jit(do_not_specialize=["stride_tr", "stride_ot", "width"])
+def _qsa_scores(
+    q_ptr,  # [T, Hi, Di] indexer queries (normed and roped)
+    c_ptr,  # [N, >= Di] raw index keys, rows strided
+    w_ptr,  # [Di] the key norm's weight (as the op multiplies by it)
+    freq_ptr,  # [R / 2] RoPE inverse frequencies (read when ROT)
+    out_ptr,  # [T, WIDTH] fp32 scores by block of P keys
+    rows_ptr,
+    pos_ptr,
+    kv_lens_ptr,
+    table_ptr,
+    stride_qt,
+    stride_qh,
+    stride_cn,
+    stride_tr,
+    stride_ot,
+    eps,
+    scale,
+    block_size,
+    width,
+    P: tl.constexpr,
+    HI: tl.constexpr,
+    BHI: tl.constexpr,
+    DI: tl.constexpr,
+    BDI: tl.constexpr,
+    BM: tl.constexpr,
+    ROT: tl.constexpr,
+    NEOX: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    t, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    r = tl.load(rows_ptr + t).to(tl.int64)
+    # blocks complete in the row that end at or before the query
+    n_pools = tl.minimum(tl.load(kv_lens_ptr + r), tl.load(pos_ptr + t) + 1) // P
+    m = tile * BM + tl.arange(0, BM)
+    dst = out_ptr + t * stride_ot + m
+    if tile * BM >= n_pools:
+        tl.store(dst, tl.full((BM,), float("-inf"), tl.float32), mask=m < width)
+        return
+    ok = m < n_pools
+    d = tl.arange(0, BDI)
+    dm = d < DI
+    # RoPE's partner of channel d (rotate-half: d +- R/2; GPT-J: d xor 1) and its frequency
+    if NEOX:
+        half = ROT // 2
+        pd = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
+        f, first = d % half, d < half
+    else:
+        pd = tl.where(d < ROT, d ^ 1, d)
+        f, first = d // 2, d % 2 == 0
+    acc = tl.zeros((BM, BDI), tl.float32)  # sum_i k[m P + i] by channel
+    acc_p = tl.zeros((BM, BDI), tl.float32)  # the same at each channel's partner
+    for i in range(P):
+        j = m * P + i
+        blk = tl.load(table_ptr + r * stride_tr + j // block_size, mask=ok, other=-1)
+        row = c_ptr + (blk.to(tl.int64) * block_size + j % block_size)[:, None] * stride_cn
+        msk = (ok & (blk >= 0))[:, None] & dm[None, :]
+        acc += tl.load(row + d[None, :], mask=msk, other=0.0).to(tl.float32)
+        acc_p += tl.load(row + pd[None, :], mask=msk, other=0.0).to(tl.float32)
+    last = m * P + P - 1  # the block's last position must be held (the batched op's visibility)
+    ok &= tl.load(table_ptr + r * stride_tr + last // block_size, mask=ok, other=-1) >= 0
+    dt = c_ptr.dtype.element_ty  # each stage rounded to the cache's dtype, as the reference
+    x = (acc / P).to(dt).to(tl.float32)  # [BM, BDI] the mean key
+    xp = (acc_p / P).to(dt).to(tl.float32)
+    rs = 1.0 / tl.sqrt(tl.sum(x * x, 1) / DI + eps)  # [BM]
+    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + pd, mask=dm, other=0.0).to(tl.float32)
+    y = (x * rs[:, None] * w[None, :]).to(dt).to(tl.float32)
+    if ROT:  # rotated at the block's first position, m P
+        yp = (xp * rs[:, None] * wp[None, :]).to(dt).to(tl.float32)
+        inv = tl.load(freq_ptr + f, mask=d < ROT, other=0.0).to(tl.float32)
+        ang = (m * P).to(tl.float32)[:, None] * inv[None, :]  # [BM, BDI]
+        rot = y * tl.cos(ang) + tl.where(first, -1.0, 1.0)[None, :] * yp * tl.sin(ang)
+        y = tl.where((d < ROT)[None, :], rot.to(dt).to(tl.float32), y)
+    h = tl.arange(0, BHI)
+    q = tl.load(
+        q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
+        mask=(h[:, None] < HI) & dm[None, :],
+        other=0.0,
+    )  # [BHI, BDI]
+    key = y.to(q.dtype)  # [BM, BDI] K_m
+    if IEEE:  # noqa: SIM108  (a compile-time branch in Triton)
+        s = tl.dot(q, tl.trans(key), input_precision="ieee")  # [BHI, BM] fp32
+    else:
+        s = tl.dot(q, tl.trans(key))
+    score = tl.sum(tl.maximum(s, 0.0), 0) * scale  # [BM]
+    tl.store(dst, tl.where(ok, score, float("-inf")), mask=m < width)
+
+
 def _rows(meta: PagedMeta, t: int, device: torch.device) -> torch.Tensor:
     """[T] each token's row, from query_start on the device."""
     return torch.searchsorted(meta.query_start, torch.arange(t, device=device), right=True) - 1
@@ -218,6 +313,38 @@ def kpool_scores(
         meta.block_table, q.stride(0), q.stride(1), weights.stride(0), cache.stride(0), ape.stride(0),
         meta.block_table.stride(0), out.stride(0), scale, meta.block_size, width,
         P=pool, **_heads(hi, di), BM=bm, IEEE=q.dtype == torch.float32, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def qsa_scores(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    inv_freq: torch.Tensor | None,
+    neox: bool,
+    meta: PagedMeta,
+    pool: int,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, Hi, Di] (normed and roped), cache [N, Di] raw index keys, k_weight [Di], inv_freq
+    [R / 2] or None -> [T, W B / P] fp32 scores by block of `pool` keys, -inf where a block is not
+    complete before the query."""
+    t, hi, di = q.shape
+    width = meta.block_table.shape[1] * meta.block_size // pool
+    out = torch.empty(t, width, dtype=torch.float32, device=q.device)
+    if t == 0 or width == 0:
+        return out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    rot = 0 if inv_freq is None else 2 * inv_freq.shape[0]
+    bm = 16
+    _qsa_scores[(t, triton.cdiv(width, bm))](
+        q, cache, k_weight, k_weight if inv_freq is None else inv_freq, out, _rows(meta, t, q.device),
+        meta.positions, meta.kv_lens, meta.block_table, q.stride(0), q.stride(1), cache.stride(0),
+        meta.block_table.stride(0), out.stride(0), eps, scale, meta.block_size, width,
+        P=pool, **_heads(hi, di), BM=bm, ROT=rot, NEOX=neox and rot > 0, IEEE=q.dtype == torch.float32,
+        num_warps=8,
     )  # fmt: skip
     return out
 

@@ -217,10 +217,18 @@ def time_transformers(
 
 
 def profile_decode(
-    model, cfg, ops, prompt_len: int, vocab: int, prefill_len: int = 0, chunk: int = 8192, steps: int = 8
+    model,
+    cfg,
+    ops,
+    prompt_len: int,
+    vocab: int,
+    batch: int = 1,
+    prefill_len: int = 0,
+    chunk: int = 8192,
+    steps: int = 8,
 ) -> None:
-    """Batch-1 decode steps under torch.profiler: the ops that cost most host and device time;
-    then one prefill of prefill_len tokens (0: none): the kernels that cost most device time."""
+    """Decode steps of `batch` rows under torch.profiler: the ops that cost most host and device
+    time; then one prefill of prefill_len tokens (0: none): the kernels that cost most device time."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = Engine(
@@ -231,18 +239,23 @@ def profile_decode(
             kv_cache_bytes=KV_BYTES,  # room for a long --prompt-len (60k tokens of Beam: 1.9 GB)
             host_cache_bytes=0,
             block_size=64,
-            max_batch_size=1,
+            max_batch_size=batch,
             max_tokens_per_step=chunk,  # the prefill in chunks, as timed
             decode_graphs="off",  # the kernels one by one (a graph replays them as one launch)
         ),
     )
-    rid = eng.add(
-        np.random.default_rng(0).integers(0, vocab, prompt_len).tolist(),
-        SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True),
-    )
-    while len(eng.requests[rid].token_ids) < 3:
+    rng = np.random.default_rng(0)
+    rids = [
+        eng.add(
+            rng.integers(0, vocab, prompt_len).tolist(),
+            SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True),
+        )
+        for _ in range(batch)
+    ]
+    while min(len(eng.requests[r].token_ids) for r in rids) < 3:
         eng.step()
     torch.cuda.synchronize()
+    print(f"profile: {steps} decode steps of batch {batch}")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             eng.step()
@@ -250,7 +263,8 @@ def profile_decode(
     avg = prof.key_averages()
     print(avg.table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=40))
     print(avg.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
-    eng.abort(rid)
+    for r in rids:
+        eng.abort(r)
     while eng.has_work():
         eng.step()
     if prefill_len:
@@ -381,8 +395,9 @@ def main(args: argparse.Namespace) -> int:
                 print(f"prefill {n}: transformers ran out of GPU memory (reported as nan)")
                 torch.cuda.empty_cache()
         prefill = (n, ours_s, theirs_s)
-    if args.profile:
-        profile_decode(model, cfg, ops, args.prompt_len, cfg.embedding.vocab, n, chunk)
+    if args.profile:  # each batch of --batches; the prefill once, after the first
+        for i, b in enumerate(int(x) for x in args.batches.split(",")):
+            profile_decode(model, cfg, ops, args.prompt_len, cfg.embedding.vocab, b, 0 if i else n, chunk)
     print(
         f"{'batch':>5} {'dayzero tok/s':>14} {'transformers tok/s':>19} {'ratio':>6} "
         f"{'roofline tok/s':>15} {'dayzero/roofline':>17}"
