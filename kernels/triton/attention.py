@@ -32,6 +32,49 @@ from dayzero.kernels.ops import PagedMeta
 from dayzero.kernels.triton.packed import _sms
 
 
+@triton.jit
+def _start(sinks_ptr, h, hm, split, BM: tl.constexpr, BD: tl.constexpr, SINKS: tl.constexpr):
+    """An online softmax's running max, sum and output ([BM], [BM], [BM, BD]) for BM (query, head)
+    rows of heads h; with sinks [H] the sink's logit starts split 0's max and sum (a logit without
+    a value, counted once by the merge)."""
+    m_i = tl.full((BM,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BM,), tl.float32)
+    if SINKS:
+        sink = tl.load(sinks_ptr + h, mask=hm, other=0.0).to(tl.float32)
+        first_split = (tl.zeros((BM,), tl.int32) + split) == 0
+        m_i = tl.where(first_split, sink, m_i)
+        l_i = tl.where(first_split, 1.0, l_i)
+    return m_i, l_i, tl.zeros((BM, BD), tl.float32)
+
+
+@triton.jit
+def _tile(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One key tile of the online softmax: scores s [BM, BN] fp32 (-inf: not allowed), values
+    v [BN, BD] -> the new running max, sum and unnormalised output (m, l, acc); the probabilities
+    are rounded to V's dtype before the product, as the reference does."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:  # a compile-time branch in Triton
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _finish(o_ptr, lse_ptr, row, d, acc, m_i, l_i, rows_ok, cols_ok, D: tl.constexpr):
+    """A split's normalised output o[row] = acc / l ([BM, D] of [.., D] rows) and its log-sum-exp
+    m + log l (-inf where the split allowed no key)."""
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    tl.store(o_ptr + row[:, None] * D + d[None, :], out, mask=rows_ok[:, None] & cols_ok[None, :])
+    lse = m_i + tl.log(tl.where(seen, l_i, 1.0))
+    tl.store(lse_ptr + row, tl.where(seen, lse, float("-inf")), mask=rows_ok)
+
+
 # ints that change with the step's lengths are not specialized on (Triton compiles a variant per
 # value class, == 1 / divisible by 16: seconds of compiling in a served step, as prompts grow)
 @triton.jit(do_not_specialize=["stride_tr", "window", "q_tiles"])
@@ -103,14 +146,7 @@ def _paged_attention(
             tl.store(lse_ptr + row, tl.full((BM,), float("-inf"), tl.float32), mask=valid)
             return
     q = tl.load(q_ptr + tok[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
-    m_i = tl.full((BM,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BM,), tl.float32)
-    if SINKS:  # the sink's logit: the running max and sum start at it, in split 0 only
-        sink = tl.load(sinks_ptr + h, mask=valid, other=0.0).to(tl.float32)
-        first_split = (tl.zeros((BM,), tl.int32) + split) == 0
-        m_i = tl.where(first_split, sink, m_i)
-        l_i = tl.where(first_split, 1.0, l_i)
-    acc = tl.zeros((BM, BD), tl.float32)
+    m_i, l_i, acc = _start(sinks_ptr, h, valid, split, BM, BD, SINKS)
     for j0 in range(start, stop, BN):
         j = j0 + tl.arange(0, BN)
         jm = j < stop
@@ -129,22 +165,9 @@ def _paged_attention(
         if WINDOW:
             allowed &= j[None, :] > pos[:, None] - window
         s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + slot[:, None] * stride_vn + kh * stride_vh + d[None, :], mask=kvm, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    tl.store(o_ptr + row[:, None] * D + d[None, :], out, mask=qmask)
-    lse = m_i + tl.log(tl.where(seen, l_i, 1.0))
-    tl.store(lse_ptr + row, tl.where(seen, lse, float("-inf")), mask=valid)
+        m_i, l_i, acc = _tile(s, v, m_i, l_i, acc, IEEE)
+    _finish(o_ptr, lse_ptr, row, d, acc, m_i, l_i, valid, dm, D)
 
 
 # decode splits: up to MAX_SPLITS a row, so that a step has PROGRAMS_PER_SM programs an SM; each

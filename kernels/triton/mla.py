@@ -28,7 +28,7 @@ import triton.language as tl
 
 from dayzero.kernels.batched import mla as batched
 from dayzero.kernels.ops import PagedMeta
-from dayzero.kernels.triton.attention import MIN_SPLIT_TILES, _merge, _splits
+from dayzero.kernels.triton.attention import MIN_SPLIT_TILES, _finish, _merge, _splits, _start, _tile
 
 
 # the block table's row stride changes with an eager step's rows: not specialised on (no
@@ -101,9 +101,7 @@ def _mla_decode(
             mask=hm[:, None] & (dr[None, :] < DR),
             other=0.0,
         )  # [BH, BDR]
-    m_i = tl.full((BH,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BH,), tl.float32)
-    acc = tl.zeros((BH, BL), tl.float32)
+    m_i, l_i, acc = _start(o_ptr, h, hm, split, BH, BL, False)  # no sinks
     for j0 in range(start, stop, BN):
         j = j0 + tl.arange(0, BN)
         jm = j < stop
@@ -135,21 +133,8 @@ def _mla_decode(
             else:
                 s += tl.dot(q_r, tl.trans(kr))
         s = tl.where(ok[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
-        m_i = m_new
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    tl.store(o_ptr + row[:, None] * L + lat[None, :], out, mask=hm[:, None] & lm[None, :])
-    lse = m_i + tl.log(tl.where(seen, l_i, 1.0))
-    tl.store(lse_ptr + row, tl.where(seen, lse, float("-inf")), mask=hm)
+        m_i, l_i, acc = _tile(s, c, m_i, l_i, acc, IEEE)
+    _finish(o_ptr, lse_ptr, row, lat, acc, m_i, l_i, hm, lm, L)
 
 
 def _latent(

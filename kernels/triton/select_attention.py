@@ -25,7 +25,7 @@ import triton.language as tl
 
 from dayzero.kernels.ops import PagedMeta
 from dayzero.kernels.triton import attention as dense
-from dayzero.kernels.triton.attention import _merge, _splits
+from dayzero.kernels.triton.attention import _finish, _merge, _splits, _start, _tile
 
 
 @triton.jit(do_not_specialize=["stride_tr", "window"])
@@ -82,14 +82,7 @@ def _select_attention(
     q = tl.load(
         q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0
     )
-    m_i = tl.full((BG,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BG,), tl.float32)
-    if SINKS:  # the sink's logit: the running max and sum start at it, in split 0 only
-        sink = tl.load(sinks_ptr + h, mask=hm, other=0.0).to(tl.float32)
-        first_split = (tl.zeros((BG,), tl.int32) + split) == 0
-        m_i = tl.where(first_split, sink, m_i)
-        l_i = tl.where(first_split, 1.0, l_i)
-    acc = tl.zeros((BG, BD), tl.float32)
+    m_i, l_i, acc = _start(sinks_ptr, h, hm, split, BG, BD, SINKS)
     for c0 in range(start, stop, BN):
         c = c0 + tl.arange(0, BN)
         j = tl.load(sel_ptr + t * stride_st + c, mask=c < stop, other=-1)  # [BN] key positions
@@ -109,23 +102,9 @@ def _select_attention(
         if SOFTCAP:  # cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + slot[:, None] * stride_vn + kh * stride_vh + d[None, :], mask=kvm, other=0.0)
-        v = v.to(q.dtype)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    tl.store(o_ptr + row[:, None] * D + d[None, :], out, mask=hm[:, None] & dm[None, :])
-    lse = m_i + tl.log(tl.where(seen, l_i, 1.0))
-    tl.store(lse_ptr + row, tl.where(seen, lse, float("-inf")), mask=hm)
+        m_i, l_i, acc = _tile(s, v.to(q.dtype), m_i, l_i, acc, IEEE)
+    _finish(o_ptr, lse_ptr, row, d, acc, m_i, l_i, hm, dm, D)
 
 
 SELECT_TILE = 32  # selected keys a tile: a gather of scattered rows (no long contiguous runs)
