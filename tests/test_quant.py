@@ -398,3 +398,26 @@ def test_activation_quantization_of_an_unquantized_checkpoint_is_refused(tmp_pat
         build(
             ckpt.family, ckpt.family.config(ckpt.hf), ckpt.hf, torch.device("cpu"), torch.float32, None, True
         )
+
+
+def test_modelopt_merged_shards_are_split_back(tmp_path: Path) -> None:
+    """ModelOpt's export writes a parameter stored as shards (`<m>.<p>.shard_<i>.weight`, merged by
+    transformers at load) as one `<m>.shard_.weight`: split back into the float checkpoint's
+    shards in index order, other tensors untouched; a merged tensor of another size names the
+    shard."""
+    from dayzero.sdk.parity.quantized_tiny import _reshard
+
+    g = torch.Generator().manual_seed(4)
+    a, b, other = torch.randn(3, 5, generator=g), torch.randn(4, 5, generator=g), torch.randn(2, generator=g)
+    names = {"m.emb.table.shard_1.weight": (4, 5), "m.emb.table.shard_0.weight": (3, 5), "m.x": (2,)}
+    save_file({"m.emb.shard_.weight": torch.cat((a, b)), "m.x": other}, str(tmp_path / "model.safetensors"))
+    _reshard(tmp_path, names)
+    got = load_file(str(tmp_path / "model.safetensors"))
+    assert set(got) == set(names)
+    assert torch.equal(got["m.emb.table.shard_0.weight"], a) and torch.equal(
+        got["m.emb.table.shard_1.weight"], b
+    )
+    assert torch.equal(got["m.x"], other)
+    save_file({"m.emb.shard_.weight": torch.randn(8, 5, generator=g)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(RuntimeError, match=r"m\.emb\.table\.shard_1\.weight"):
+        _reshard(tmp_path, names)

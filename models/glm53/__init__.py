@@ -1,2 +1,2 @@
-# generated from spec.yaml@b5990ce6693f, do not edit
+# generated from spec.yaml@ebf27a52674d, do not edit
 """GLM-5.3 (generated; the source of truth is spec.yaml)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from dayzero.sdk.families import FAMILIES
+from dayzero.sdk.loader.safetensors_io import read_header, shard_files
 from dayzero.sdk.parity.tiny import write_tiny
 from dayzero.sdk.spec.reference import reference_class
 
@@ -79,6 +81,42 @@ def _modelopt_config(quantization: str) -> dict:
         rules.insert(at, {"quantizer_name": "*self_attn*weight_quantizer", "cfg": fp8["cfg"]})
         rules.insert(at + 1, {"quantizer_name": "*self_attn*input_quantizer", "enable": False})
     return cfg
+
+
+SHARD = re.compile(r"(.+)\.[^.]+\.shard_(\d+)\.weight")  # transformers' WeightConverter shards
+
+
+def _reshard(out: Path, float_names: dict[str, tuple[int, ...]]) -> None:
+    """Put back the shards ModelOpt's export merges. A checkpoint may store a parameter as n
+    shards that transformers concatenates at load (`<m>.<p>.shard_<i>.weight`, e.g. an n-gram
+    embedding table in `split_ngram_parts`); ModelOpt writes the merged tensor under
+    `<m>.shard_.weight` (the parameter's name lost). Split it back along dim 0 into the float
+    checkpoint's shards, each checked against its shape; no other tensor changes."""
+    from safetensors.torch import load_file, save_file
+
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for name in float_names:
+        if m := SHARD.fullmatch(name):
+            groups.setdefault(m.group(1), []).append((int(m.group(2)), name))
+    if not groups:
+        return
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    for prefix, shards in groups.items():
+        merged = tensors.pop(f"{prefix}.shard_.weight", None)
+        if merged is None:
+            continue
+        names = [n for _, n in sorted(shards)]
+        shapes = [float_names[n] for n in names]
+        rows = sum(sh[0] for sh in shapes)
+        if merged.shape[0] != rows or any(tuple(merged.shape[1:]) != sh[1:] for sh in shapes):
+            raise RuntimeError(
+                f"ModelOpt's {prefix}.shard_.weight {tuple(merged.shape)} does not split into "
+                + ", ".join(f"{n} {sh}" for n, sh in zip(names, shapes, strict=True))
+            )
+        for n, t in zip(names, merged.split([sh[0] for sh in shapes], dim=0), strict=True):
+            tensors[n] = t.contiguous()
+    save_file(tensors, str(path))
 
 
 def _relayout(out: Path, layout: str) -> None:
@@ -140,6 +178,7 @@ def write_quantized_tiny(
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="dayzero-tiny-") as tmp:
         write_tiny(family, tmp, seed, overrides)
+        float_names = {t.name: t.shape for f in shard_files(Path(tmp)) for t in read_header(f)}
         cls = reference_class(FAMILIES.get(family).spec.spec.reference)
         model = cls.from_pretrained(tmp, dtype=torch.float32).eval()
         cfg["quant_cfg"] += _left_out(model, quantization, modules)
@@ -157,6 +196,7 @@ def write_quantized_tiny(
         for f in Path(tmp).iterdir():
             if f.suffix != ".safetensors" and f.name not in ("config.json", "generation_config.json"):
                 shutil.copy(f, out / f.name)
+    _reshard(out, float_names)
     if layout != "modelopt":
         _relayout(out, layout)
     return out

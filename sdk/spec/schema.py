@@ -315,19 +315,21 @@ class Release(Strict):
 
 class Parity(Strict):
     """What the generated parity test runs: `seeds` per shape (1..4), the quantized layouts
-    (true: every ModelOpt format and convention; false: none; a mapping: the release's layouts,
+    (true: every ModelOpt format and convention; `formats`: every format in ModelOpt's own
+    convention, the other conventions being the same numbers renamed; false: none; a mapping:
+    the release's layouts,
     `format/convention` -> the reference's modules they quantize as fnmatch patterns, the others
     left unquantized, e.g. `{mxfp4/compressed_tensors: ["*.experts.*"]}`), and `new_tokens`
     greedy tokens per prompt. Every check of `run_parity` runs either way; a light test
     (`seeds: 1, quantized: false`, no `shapes`) keeps a coverage family's CI time to seconds."""
 
     seeds: Annotated[int, Field(ge=1, le=4)] = 2
-    quantized: bool | dict[str, list[str]] = True
+    quantized: bool | Literal["formats"] | dict[str, list[str]] = True
     new_tokens: Annotated[int, Field(ge=1)] = 32
 
     @field_validator("quantized")
     @classmethod
-    def _layouts(cls, v: bool | dict[str, list[str]]) -> bool | dict[str, list[str]]:
+    def _layouts(cls, v: bool | str | dict[str, list[str]]) -> bool | str | dict[str, list[str]]:
         for key, modules in v.items() if isinstance(v, dict) else ():
             if key.count("/") != 1 or not all(key.split("/")) or not modules:
                 raise ValueError(f"quantized layout {key!r}: want 'format/convention': [module patterns]")

@@ -1,4 +1,4 @@
-# generated from spec.yaml@0ddd31f0d155, do not edit
+# generated from spec.yaml@99b3aef5976e, do not edit
 """Qwen3.8-Flash-Next: parity against transformers.Qwen4ExpForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
@@ -6,12 +6,15 @@ seed writes a checkpoint through the reference class and runs `dayzero.sdk.parit
 on CPU in fp32 (its checks and tolerances are in that module's docstring).
 Greedy checks: 16 tokens per prompt.
 
-Light (the spec's `parity: {quantized: false}`): no quantized layouts.
+Quantized: the tiny config quantized by NVIDIA ModelOpt in every format, in ModelOpt's own
+checkpoint convention (the others, the same numbers renamed, run on the families whose spec asks
+for all of them) (sdk/parity/quantized_tiny.py); the reference runs on the dequantized weights.
 """
 
 import pytest
 
 from dayzero.sdk.parity import run_parity
+from dayzero.sdk.parity.quantized_tiny import QUANTIZATIONS, write_quantized_tiny
 from dayzero.sdk.parity.tiny import write_tiny
 
 SHAPES = [
@@ -52,4 +55,11 @@ SEEDS = [0, 1, 7, 2026]
 def test_parity(tmp_path, shape, seed):
     ckpt = write_tiny("qwen38_flash_next", tmp_path / "ckpt", seed=seed, overrides=SHAPES[shape])
     report = run_parity(ckpt, device="cpu", seed=seed, new_tokens=16)
+    assert report.ok, report.table()
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS)
+def test_quantized_parity(tmp_path, quantization):
+    ckpt = write_quantized_tiny("qwen38_flash_next", tmp_path / "ckpt", quantization, "modelopt", seed=5)
+    report = run_parity(ckpt, device="cpu", seed=5, new_tokens=16)
     assert report.ok, report.table()
