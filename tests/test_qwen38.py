@@ -59,7 +59,7 @@ def test_a_nested_config_resolves_and_maps_like_the_flat_one() -> None:
     assert [x.attn for x in a.layers[:3]] == [x.attn for x in b.layers[:3]]  # Gated DeltaNet
     full, full_nested = a.layers[3].attn, b.layers[3].attn
     assert full_nested == dataclasses.replace(full, rope_theta=1e7)  # the nested one's theta
-    assert full.rotary_dim == 8 and full.output_gate == "sigmoid" and full.qk_norm_zero_centred  # 32 x 0.25
+    assert full.rotary_dim == 4 and full.output_gate == "sigmoid" and full.qk_norm_zero_centred  # 16 x 0.25
 
     ckpt = Checkpoint(Path("."), "safetensors", nested, fam)
     m = ckpt.mapping
