@@ -170,6 +170,19 @@ def _paged_attention(
     _finish(o_ptr, lse_ptr, row, d, acc, m_i, l_i, valid, dm, D)
 
 
+def token_rows(meta: PagedMeta, t: int) -> torch.Tensor:
+    """[T] each token's row, from query_start on the device; once a step for every layer of the
+    group that asks (meta.memo)."""
+    rows = meta.memo.get(("token_rows", t))
+    if rows is None:
+        rows = (
+            torch.searchsorted(meta.query_start, torch.arange(t, device=meta.query_start.device), right=True)
+            - 1
+        )
+        meta.memo[("token_rows", t)] = rows
+    return rows
+
+
 # decode splits: up to MAX_SPLITS a row, so that a step has PROGRAMS_PER_SM programs an SM; each
 # split takes at least MIN_SPLIT_TILES key tiles. A key tile's loop step is latency-bound (block
 # table, then K, then V), so more splits of fewer tiles win: on the H200 at 60k keys, batch 1,

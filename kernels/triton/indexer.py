@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from dayzero.kernels.ops import PagedMeta
+from dayzero.kernels.triton.attention import token_rows
 from dayzero.kernels.triton.topk import index_topk
 
 
@@ -257,11 +258,6 @@ def _qsa_scores(
     tl.store(dst, tl.where(ok, score, float("-inf")), mask=m < width)
 
 
-def _rows(meta: PagedMeta, t: int, device: torch.device) -> torch.Tensor:
-    """[T] each token's row, from query_start on the device."""
-    return torch.searchsorted(meta.query_start, torch.arange(t, device=device), right=True) - 1
-
-
 def _heads(hi: int, di: int) -> dict:
     """The head and channel tiles: powers of two, at least 16 (tl.dot's smallest)."""
     return dict(
@@ -282,7 +278,7 @@ def dsa_scores(
     q = q if q.stride(-1) == 1 else q.contiguous()
     bl = 64
     _dsa_scores[(t, triton.cdiv(width, bl))](
-        q, weights, k_cache, out, _rows(meta, t, q.device), meta.positions, meta.kv_lens, meta.block_table,
+        q, weights, k_cache, out, token_rows(meta, t), meta.positions, meta.kv_lens, meta.block_table,
         q.stride(0), q.stride(1), weights.stride(0), k_cache.stride(0), meta.block_table.stride(0),
         out.stride(0), scale, meta.block_size, width,
         **_heads(hi, di), BL=bl, IEEE=q.dtype == torch.float32, num_warps=4,
@@ -309,7 +305,7 @@ def kpool_scores(
     q = q if q.stride(-1) == 1 else q.contiguous()
     bm = 16
     _kpool_scores[(t, triton.cdiv(width, bm))](
-        q, weights, cache, ape, out, _rows(meta, t, q.device), meta.positions, meta.kv_lens,
+        q, weights, cache, ape, out, token_rows(meta, t), meta.positions, meta.kv_lens,
         meta.block_table, q.stride(0), q.stride(1), weights.stride(0), cache.stride(0), ape.stride(0),
         meta.block_table.stride(0), out.stride(0), scale, meta.block_size, width,
         P=pool, **_heads(hi, di), BM=bm, IEEE=q.dtype == torch.float32, num_warps=4,
@@ -340,7 +336,7 @@ def qsa_scores(
     rot = 0 if inv_freq is None else 2 * inv_freq.shape[0]
     bm = 16
     _qsa_scores[(t, triton.cdiv(width, bm))](
-        q, cache, k_weight, k_weight if inv_freq is None else inv_freq, out, _rows(meta, t, q.device),
+        q, cache, k_weight, k_weight if inv_freq is None else inv_freq, out, token_rows(meta, t),
         meta.positions, meta.kv_lens, meta.block_table, q.stride(0), q.stride(1), cache.stride(0),
         meta.block_table.stride(0), out.stride(0), eps, scale, meta.block_size, width,
         P=pool, **_heads(hi, di), BM=bm, ROT=rot, NEOX=neox and rot > 0, IEEE=q.dtype == torch.float32,

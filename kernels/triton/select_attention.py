@@ -25,7 +25,7 @@ import triton.language as tl
 
 from dayzero.kernels.ops import PagedMeta
 from dayzero.kernels.triton import attention as dense
-from dayzero.kernels.triton.attention import _finish, _merge, _splits, _start, _tile
+from dayzero.kernels.triton.attention import _finish, _merge, _splits, _start, _tile, token_rows
 
 
 @triton.jit(do_not_specialize=["stride_tr", "window"])
@@ -133,10 +133,7 @@ def gqa_attention_select(
         return q.new_zeros(t, h, dh)
     q = q if q.stride(-1) == 1 else q.contiguous()
     select = select if select.stride(-1) == 1 else select.contiguous()
-    rows = meta.memo.get("token_rows")
-    if rows is None:  # [T] each token's row: every select layer of the step shares it
-        rows = torch.searchsorted(meta.query_start, torch.arange(t, device=q.device), right=True) - 1
-        meta.memo["token_rows"] = rows
+    rows = token_rows(meta, t)  # [T]
     n_sel = select.shape[1]
     splits = splits or min(_splits(t, hk, 1, q.device), max(1, triton.cdiv(n_sel, SELECT_TILE)))
     o = torch.empty(t, h, splits, dh, dtype=torch.float32, device=q.device)

@@ -13,7 +13,7 @@ for all of them) (sdk/parity/quantized_tiny.py); the reference runs on the dequa
 import pytest
 
 from dayzero.sdk.parity import run_parity
-from dayzero.sdk.parity.quantized_tiny import QUANTIZATIONS, write_quantized_tiny
+from dayzero.sdk.parity.quantized_tiny import LAYOUTS, write_quantized_tiny
 from dayzero.sdk.parity.tiny import write_tiny
 
 SHAPES = [
@@ -42,8 +42,8 @@ def test_parity(tmp_path, shape, seed):
     assert report.ok, report.table()
 
 
-@pytest.mark.parametrize("quantization", QUANTIZATIONS)
-def test_quantized_parity(tmp_path, quantization):
-    ckpt = write_quantized_tiny("gemma3", tmp_path / "ckpt", quantization, "modelopt", seed=5)
+@pytest.mark.parametrize(("quantization", "layout"), [(q, "modelopt") for q in LAYOUTS])
+def test_quantized_parity(tmp_path, quantization, layout):
+    ckpt = write_quantized_tiny("gemma3", tmp_path / "ckpt", quantization, layout, seed=5)
     report = run_parity(ckpt, device="cpu", seed=5)
     assert report.ok, report.table()
