@@ -114,6 +114,12 @@ declare_op(
 )
 declare_op("layer_norm", "(x - mean) / sqrt(var + eps) * w + b over the last dim")
 declare_op("rms_norm", "x / rms(x) * w over the last dim, in fp32", features={"weight_in_fp32"})
+OUTPUT_GATES = ("silu", "sigmoid")  # rms_norm_gated's act
+declare_op(
+    "rms_norm_gated",
+    "rms_norm(x, w) * act(z) over [T, H, D], act silu or sigmoid, the product in fp32 (a linear attention's "
+    "output gate)",
+)
 declare_op(
     "add_rms_norm",
     "x' = x + y (y <- rms_norm(y) first: sandwich; scaled: depth-scaled) -> (x', rms_norm(x'))",
@@ -126,6 +132,16 @@ declare_op(
     "fn -> (block input sum_i pre_i x_i [T, D], post [T, N], Sinkhorn comb [T, N, N])",
 )
 declare_op("hc_post", "the streams after a block: x'_j = post_j y + sum_i comb_ij x_i -> [T, N, D]")
+declare_op(
+    "hc_lowrank_norm",
+    "low-rank hyper-connections: x' = x + inject_j y (when y is given), then each stream of x' [T, N, D] "
+    "RMSNormed by its own weight (1 + w: zero-centred) -> (x', Xn [T, N D])",
+)
+declare_op(
+    "hc_lowrank_mix",
+    "low-rank hyper-connections' block input mean_i sigmoid(u_i) Xn_i [T, D] and inject weights "
+    "2 sigmoid(i / N) [T, N]",
+)
 declare_op(
     "rope", "rotate the first rotary_dim channels of [T, H, D] by position", features={"partial", "neox"}
 )
@@ -177,6 +193,16 @@ declare_op(
     "kda_recurrence",
     "Kimi delta attention over each row, continuing its fp32 state -> [T, H, Dv]",
     features={"chunked"},
+)
+declare_op(
+    "kda_gates",
+    "KDA's gates from f [T, H D] and b [T, H]: (g = lb sigmoid(exp(A_log) (f + dt_bias)), or "
+    "-exp(A_log) softplus(f + dt_bias) with no bound lb, fp32 [T, H, D]; beta = sigmoid(b))",
+)
+declare_op(
+    "gdn_gates",
+    "Gated DeltaNet's gates from b, a [T, HV]: (g = -exp(A_log) softplus(a + dt_bias) fp32, "
+    "beta = sigmoid(b))",
 )
 declare_op(
     "gated_delta_rule",

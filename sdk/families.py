@@ -220,6 +220,9 @@ def kernel_needs(cfg: ModelConfig, ops: OpTable, packed: frozenset[str] = frozen
             elif res.kind == "hyper" and res.hyper.mixer == "sinkhorn":  # mHC's weights, the streams' mix
                 ops.need("hc_pre")
                 ops.need("hc_post")
+            elif res.kind == "hyper":  # the low-rank mixer's spread + norms, its block input and weights
+                ops.need("hc_lowrank_norm")
+                ops.need("hc_lowrank_mix")
             elif res.kind != "hyper":  # a residual's add and the next block's norm: one fused op
                 n = res.norm
                 post = {"post_norm"} if res.kind == "sandwich" else set()

@@ -406,6 +406,13 @@ def test_zero_centred_norm_and_scaled_embedding_match_gemma3(dtype: torch.dtype)
         norm.weight.copy_(ref.weight)
     x = (torch.randn(5, 40) * 3).to(dtype)
     assert torch.equal(norm(x), ref(x))
+    kept = norm.scale()  # 1 + w is kept on the weight, formed again where the weight is written
+    assert norm.scale() is kept
+    with torch.no_grad():
+        ref.weight.normal_(0, 0.5)
+        norm.weight[:20].copy_(ref.weight[:20])  # in place, through a view (as the loader writes)
+        norm.weight[20:].copy_(ref.weight[20:])
+    assert torch.equal(norm(x), ref(x)) and norm.scale() is kept  # the same buffer (graphs read it)
     emb_ref = Gemma3TextScaledWordEmbedding(50, 40, 0, embed_scale=40**0.5).to(dtype)
     emb = Embedding(EmbeddingCfg(50, 40, scale=40**0.5), ops).to(dtype)
     with torch.no_grad():

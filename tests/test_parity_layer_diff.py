@@ -77,6 +77,22 @@ def test_each_layer_is_hooked_at_its_blocks_path(tmp_path) -> None:
     assert sum("attention (kda)" in line for line in lines) == first_mla
 
 
+def test_layers_with_residual_streams_are_compared(tmp_path) -> None:
+    """Qwen3.8-Flash-Next tiny (hyper-connection streams: a layer's output is [T, N, D] here and
+    [1, T, N D] in the reference): every layer compared equal, then a 1% error in layer 2's MoE
+    router blamed on that layer's mlp."""
+    seed = 7
+    ckpt, ours, ref = _pair(tmp_path, "qwen38_flash_next", seed)
+    mods = ckpt.family.spec.spec.reference_modules
+    clean = _diff(ckpt, ours, ref, mods, seed)
+    assert clean[-1].endswith("in the final norm or head"), clean
+    assert sum(" mlp " in line for line in clean) == len(ckpt.mapping.layers)
+    with torch.no_grad():
+        ours.model.layers[2].mlp.router.mul_(1.01)
+    lines = _diff(ckpt, ours, ref, mods, seed)
+    assert lines[-1] == "  first divergence: layer 2 mlp (moe block)", lines
+
+
 def test_a_path_per_block_picks_the_layers_block() -> None:
     """A Qwen3-Next-style hybrid: Gated DeltaNet layers under linear_attn, attention layers
     under self_attn; a role given one path uses it for every block."""

@@ -42,6 +42,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
     return weight * h.to(x.dtype)
 
 
+GATE_ACTS = {"silu": F.silu, "sigmoid": torch.sigmoid}  # ops.OUTPUT_GATES
+
+
+@register("rms_norm_gated", "reference", graphs=True)
+def rms_norm_gated(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    z: torch.Tensor,
+    eps: float,
+    act: str = "silu",
+    weight_in_fp32: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """y = rms_norm(x, w) rounded as `rms_norm` rounds it, then y * act(z) in fp32, rounded to
+    out_dtype (x's by default); x, z [.., D], w [D]. The output gate of the linear attentions
+    (Gated DeltaNet: silu or sigmoid of z; KDA: sigmoid, the norm in fp32)."""
+    h = rms_norm(x, weight, eps, weight_in_fp32)
+    return (h.float() * GATE_ACTS[act](z.float())).to(out_dtype or x.dtype)
+
+
 @register("rope", "reference", graphs=True)
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, neox: bool = True) -> torch.Tensor:
     """Rotary embedding on the first 2 * len(inv_freq) channels of x [T, H, D].

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dayzero.kernels.reference.basic import rms_norm
 from dayzero.kernels.registry import register
 
 
@@ -53,3 +54,36 @@ def hc_post(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
     """x [T, N, D], y [T, D], post [T, N], comb [T, N, N] -> x' [T, N, D] in x's dtype."""
     mixed = torch.matmul(comb.to(x.dtype).transpose(-1, -2), x)  # [T, N, D]: sum_i C_ij X_i
     return post.to(x.dtype)[..., None] * y[:, None, :] + mixed
+
+
+@register("hc_lowrank_norm", "reference", graphs=True)
+def hc_lowrank_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centred: bool,
+    weight_in_fp32: bool,
+    y: torch.Tensor | None = None,
+    inject: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Low-rank hyper-connections (Qwen4-Exp), the previous block's output into the streams and
+    their norm: x [T, N, D], weight [N D] (one [D] a stream; 1 + w in fp32 when zero_centred),
+    y [T, D] and inject [T, N] (optional) -> (x' = x + inject_j y, Xn = rms_norm_D(x') [T, N D]),
+    x' rounded as x's dtype rounds `inject_j y` and then the sum."""
+    if y is not None:
+        x = inject.to(x.dtype)[..., None] * y[:, None, :] + x
+    n, d = x.shape[1:]
+    w = weight.float() + 1.0 if zero_centred else weight
+    return x, rms_norm(x, w.view(n, d), eps, weight_in_fp32).flatten(1)
+
+
+@register("hc_lowrank_mix", "reference", graphs=True)
+def hc_lowrank_mix(
+    u: torch.Tensor, xn: torch.Tensor, i: torch.Tensor | None, streams: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """u [T, N D] (the mixer's W_up output), Xn [T, N D], i [T, N] (W_inj Xn; None: the final
+    collapse) -> (h = mean_i sigmoid(u_i) Xn_i [T, D], inject = 2 sigmoid(i / N) [T, N] or None),
+    each op rounded to the inputs' dtype as torch rounds it."""
+    t, nd = u.shape
+    h = (torch.sigmoid(u) * xn).view(t, streams, nd // streams).mean(1)
+    return h, None if i is None else 2 * torch.sigmoid(i / streams)

@@ -179,6 +179,33 @@ def gdr_chunks(q, k, v, g, beta, s, chunk: int = 64):
     return out.reshape(h, nc * chunk, -1)[:, :n], s
 
 
+@register("kda_gates", "reference", graphs=True)
+def kda_gates(
+    f: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """f [T, H D] (the low-rank gate projection), b [T, H] in the model's dtype, A_log [H], dt_bias
+    [H D] -> (g [T, H, D] fp32, beta [T, H] in b's dtype): with f' = f + dt_bias in fp32, g =
+    lower_bound sigmoid(exp(A_log) f') (Kimi K3's bounded decay) or, with no bound,
+    -exp(A_log) softplus(f') (softplus linear past 20); beta = sigmoid(b)."""
+    t, h = b.shape
+    f = (f.float() + dt_bias.float()).view(t, h, f.shape[1] // h)
+    if lower_bound is not None:
+        g = lower_bound * torch.sigmoid(a_log.float().exp()[None, :, None] * f)
+    else:
+        g = -a_log.float().exp()[None, :, None] * F.softplus(f, threshold=20.0)
+    return g, torch.sigmoid(b)
+
+
+@register("gdn_gates", "reference", graphs=True)
+def gdn_gates(
+    b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """b, a [T, HV] in the model's dtype, A_log, dt_bias [HV] -> (g [T, HV] fp32, beta [T, HV] in
+    b's dtype): g = -exp(A_log) softplus(a + dt_bias) (the log decay, fp32; softplus linear past
+    20), beta = sigmoid(b)."""
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias.float(), threshold=20.0), torch.sigmoid(b)
+
+
 @register("gated_delta_rule", "reference")
 def gated_delta_rule(
     q: torch.Tensor,

@@ -2,10 +2,10 @@
 attention reading the cache in place (`attention`) and over a sparse indexer's selection
 (`select_attention`), absorbed-MLA decode and sparse attention over the latent cache in place
 (`mla`), the DSA, KPool and QSA indexers' scores (`indexer`) and their top-k (`topk`), the delta
-rules' and short conv's decode steps (`linear_attention`), the hyper-connections (`hyper`),
-stacked experts read in place (`moe`), MoE routing (`routing`), RMSNorm (`norm`), the fused small
-ops (`fused`: residual add + norm, head norm + RoPE, output gate, SwiGLU, the K/V cache write),
-the greedy sampler (`sampling`).
+rules' and short conv's decode steps and their gates (`linear_attention`), both kinds
+of hyper-connections (`hyper`), stacked experts read in place (`moe`), MoE routing (`routing`),
+RMSNorm and the gated RMSNorm (`norm`), the fused small ops (`fused`: residual add + norm, head
+norm + RoPE, output gate, SwiGLU, the K/V cache write), the greedy sampler (`sampling`).
 Registered only where `triton` imports (CUDA builds of torch bring it); every kernel is checked
 against the reference backend in Triton's CPU interpreter in CI (tests/test_triton_interpreter.py,
 tests/test_mla_kernels.py) and on the GPU (scripts/gpu_bringup.sh runs tests/test_triton_packed.py,
@@ -106,6 +106,11 @@ if importlib.util.find_spec("triton") is not None:
         ("moe_route", routing.moe_route),
         ("hc_pre", hyper.hc_pre),
         ("hc_post", hyper.hc_post),
+        ("hc_lowrank_norm", hyper.hc_lowrank_norm),
+        ("hc_lowrank_mix", hyper.hc_lowrank_mix),
+        ("rms_norm_gated", norm.rms_norm_gated),
+        ("gdn_gates", linear_attention.gdn_gates),
+        ("kda_gates", linear_attention.kda_gates),
     ):
         register(op, "triton", Capabilities(features=OPS.get(op).features, **_any))(fn)
     # above the grouped GEMMs (priority 10), which it runs itself for prefill shapes

@@ -10,6 +10,15 @@ iterations of sums and divisions over a 4 x 4 matrix) and these take three and o
 
 N is padded to a power of two; the padding rows and columns of C hold 0 through every step, so
 they add nothing to a sum.
+
+Qwen4-Exp's low-rank hyper-connections (kernels/reference/hyper.py `hc_lowrank_*`), two launches
+where the reference takes about a dozen small ones a residual (the mixer's three linears stay
+GEMMs / GEMVs between them):
+
+  hc_lowrank_norm  a program a (token, stream): x' = x + inject_j y (rounded as the reference:
+                   the product, then the sum), then x' / rms(x') * (1 + w_j)        -> x', Xn
+  hc_lowrank_mix   a program a (token, block of D): mean_i sigmoid(u_i) Xn_i, and the inject
+                   weights 2 sigmoid(i / N) in the first block's program      -> h [T, D], inject [T, N]
 """
 
 from __future__ import annotations
@@ -151,3 +160,102 @@ def hc_post(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Te
             NP=triton.next_power_of_2(n), BD=bd,
         )  # fmt: skip
     return out
+
+
+@triton.jit
+def _lr_norm(
+    x_ptr, w_ptr, y_ptr, inj_ptr, xo_ptr, xn_ptr, N, D, stride_xt, stride_xn, stride_y, eps,
+    BD: tl.constexpr, HAS_Y: tl.constexpr, ZC: tl.constexpr, W_FP32: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    t, i = r // N, r % N
+    d = tl.arange(0, BD)
+    m = d < D
+    dt = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + t * stride_xt + i * stride_xn + d, mask=m, other=0.0).to(tl.float32)
+    if HAS_Y:  # the previous block's output into this stream
+        w = tl.load(inj_ptr + t * N + i).to(dt).to(tl.float32)
+        y = tl.load(y_ptr + t * stride_y + d, mask=m, other=0.0).to(tl.float32)
+        x = ((w * y).to(dt).to(tl.float32) + x).to(dt).to(tl.float32)
+        tl.store(xo_ptr + r * D + d, x.to(dt), mask=m)
+    h = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    g = tl.load(w_ptr + i * D + d, mask=m, other=0.0).to(tl.float32)
+    if ZC:
+        g = g + 1.0
+    if W_FP32:
+        out = g * h
+    else:
+        out = g * h.to(dt).to(tl.float32)
+        if ROUND:  # the product in x's dtype (else it promoted to fp32)
+            out = out.to(dt).to(tl.float32)
+    tl.store(xn_ptr + r * D + d, out.to(xn_ptr.dtype.element_ty), mask=m)
+
+
+def hc_lowrank_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centred: bool,
+    weight_in_fp32: bool,
+    y: torch.Tensor | None = None,
+    inject: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    t, n, d = x.shape
+    if x.stride(-1) != 1 or (y is not None and (y.stride(-1) != 1 or not inject.is_contiguous())):
+        return ref.hc_lowrank_norm(x, weight, eps, zero_centred, weight_in_fp32, y, inject)
+    w_dtype = torch.float32 if zero_centred else weight.dtype
+    dtype = x.dtype if weight_in_fp32 else torch.promote_types(w_dtype, x.dtype)
+    xn = torch.empty(t, n * d, dtype=dtype, device=x.device)
+    xo = x if y is None else torch.empty(t, n, d, dtype=x.dtype, device=x.device)
+    if t:
+        _lr_norm[(t * n,)](
+            x, weight.contiguous(), x if y is None else y, x if y is None else inject, xo, xn, n, d,
+            x.stride(0), x.stride(1), 0 if y is None else y.stride(0), eps,
+            BD=triton.next_power_of_2(d), HAS_Y=y is not None, ZC=zero_centred, W_FP32=weight_in_fp32,
+            ROUND=dtype == x.dtype,
+        )  # fmt: skip
+    return xo, xn
+
+
+@triton.jit
+def _lr_mix(
+    u_ptr, xn_ptr, i_ptr, h_ptr, inj_ptr, N, D, stride_u, stride_xn, stride_i,
+    NP: tl.constexpr, BD: tl.constexpr, HAS_I: tl.constexpr,
+):  # fmt: skip
+    t, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    s = tl.arange(0, NP)
+    s_ok = s < N
+    d = pid * BD + tl.arange(0, BD)
+    m = s_ok[:, None] & (d < D)[None, :]
+    at = s[:, None] * D + d[None, :]
+    u = tl.load(u_ptr + t * stride_u + at, mask=m, other=0.0).to(tl.float32)
+    xn = tl.load(xn_ptr + t * stride_xn + at, mask=m, other=0.0).to(tl.float32)
+    dt = h_ptr.dtype.element_ty
+    g = (1.0 / (1.0 + tl.exp(-u))).to(u_ptr.dtype.element_ty).to(tl.float32)
+    p = tl.where(m, (g * xn).to(dt).to(tl.float32), 0.0)
+    tl.store(h_ptr + t * D + d, (tl.sum(p, 0) / N).to(dt), mask=d < D)
+    if HAS_I:  # noqa: SIM102 (a constexpr, then a runtime test: Triton keeps them apart)
+        if pid == 0:
+            it = i_ptr.dtype.element_ty
+            v = (tl.load(i_ptr + t * stride_i + s, mask=s_ok, other=0.0).to(tl.float32) / N).to(it)
+            w = (1.0 / (1.0 + tl.exp(-v.to(tl.float32)))).to(it).to(tl.float32)
+            tl.store(inj_ptr + t * N + s, (2.0 * w).to(it), mask=s_ok)
+
+
+def hc_lowrank_mix(
+    u: torch.Tensor, xn: torch.Tensor, i: torch.Tensor | None, streams: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    t, nd = u.shape
+    if u.stride(-1) != 1 or xn.stride(-1) != 1 or (i is not None and i.stride(-1) != 1):
+        return ref.hc_lowrank_mix(u, xn, i, streams)
+    d = nd // streams
+    h = torch.empty(t, d, dtype=torch.promote_types(u.dtype, xn.dtype), device=u.device)
+    inj = None if i is None else torch.empty(t, streams, dtype=i.dtype, device=u.device)
+    if t:
+        bd = min(256, triton.next_power_of_2(d))
+        _lr_mix[(t, triton.cdiv(d, bd))](
+            u, xn, u if i is None else i, h, h if inj is None else inj, streams, d, u.stride(0),
+            xn.stride(0), 0 if i is None else i.stride(0), NP=triton.next_power_of_2(streams), BD=bd,
+            HAS_I=i is not None,
+        )  # fmt: skip
+    return h, inj

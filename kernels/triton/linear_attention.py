@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from dayzero.kernels.batched import linear_attention as batched
+from dayzero.kernels.reference import linear_attention as ref
 from dayzero.kernels.registry import KERNELS
 
 
@@ -124,6 +125,85 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, meta)
             K=k, KP=triton.next_power_of_2(k), BC=bc,
         )  # fmt: skip
     return y
+
+
+@triton.jit
+def _softplus(a):
+    """log1p(exp(a)) in fp32, linear past 20; log1p(e) as log(u) e / (u - 1), u = 1 + e (exact where
+    1 + e rounds: Goldberg), so a very negative a keeps its relative precision."""
+    e = tl.exp(tl.minimum(a, 20.0))
+    u = 1.0 + e
+    sp = tl.where(u == 1.0, e, tl.log(u) * e / tl.where(u == 1.0, 1.0, u - 1.0))
+    return tl.where(a > 20.0, a, sp)
+
+
+@triton.jit
+def _kda_gates(
+    f_ptr, b_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, H, D, stride_f, stride_b, lower_bound,
+    BD: tl.constexpr, BOUNDED: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    t, h = (r // H).to(tl.int64), r % H
+    d = tl.arange(0, BD)
+    m = d < D
+    f = tl.load(f_ptr + t * stride_f + h * D + d, mask=m, other=0.0).to(tl.float32)
+    f = f + tl.load(dtb_ptr + h * D + d, mask=m, other=0.0).to(tl.float32)
+    a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    g = lower_bound * (1.0 / (1.0 + tl.exp(-(a * f)))) if BOUNDED else -a * _softplus(f)
+    tl.store(g_ptr + r.to(tl.int64) * D + d, g, mask=m)
+    b = tl.load(b_ptr + t * stride_b + h).to(tl.float32)
+    tl.store(beta_ptr + r, (1.0 / (1.0 + tl.exp(-b))).to(beta_ptr.dtype.element_ty))
+
+
+def kda_gates(
+    f: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA's gates (kernels/reference: `kda_gates`) in one launch: a program a (token, head)."""
+    if f.stride(-1) != 1 or b.stride(-1) != 1:
+        return ref.kda_gates(f, b, a_log, dt_bias, lower_bound)
+    t, h = b.shape
+    d = f.shape[1] // h
+    g = torch.empty(t, h, d, dtype=torch.float32, device=f.device)
+    beta = torch.empty(t, h, dtype=b.dtype, device=b.device)
+    if t:
+        _kda_gates[(t * h,)](
+            f, b, a_log.contiguous(), dt_bias.contiguous(), g, beta, h, d, f.stride(0), b.stride(0),
+            0.0 if lower_bound is None else lower_bound, BD=triton.next_power_of_2(d),
+            BOUNDED=lower_bound is not None,
+        )  # fmt: skip
+    return g, beta
+
+
+@triton.jit
+def _gdn_gates(
+    b_ptr, a_ptr, alog_ptr, dtb_ptr, g_ptr, beta_ptr, HV, stride_b, stride_a, BH: tl.constexpr
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BH)
+    m = j < HV
+    a = tl.load(a_ptr + t * stride_a + j, mask=m, other=0.0).to(tl.float32)
+    a = a + tl.load(dtb_ptr + j, mask=m, other=0.0).to(tl.float32)
+    g = -tl.exp(tl.load(alog_ptr + j, mask=m, other=0.0).to(tl.float32)) * _softplus(a)
+    tl.store(g_ptr + t * HV + j, g, mask=m)
+    b = tl.load(b_ptr + t * stride_b + j, mask=m, other=0.0).to(tl.float32)
+    tl.store(beta_ptr + t * HV + j, (1.0 / (1.0 + tl.exp(-b))).to(beta_ptr.dtype.element_ty), mask=m)
+
+
+def gdn_gates(
+    b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's gates (kernels/reference: `gdn_gates`) in one launch: a program a token."""
+    if b.stride(-1) != 1 or a.stride(-1) != 1:
+        return ref.gdn_gates(b, a, a_log, dt_bias)
+    t, hv = b.shape
+    g = torch.empty(t, hv, dtype=torch.float32, device=b.device)
+    beta = torch.empty(t, hv, dtype=b.dtype, device=b.device)
+    if t:
+        _gdn_gates[(t,)](
+            b, a, a_log.contiguous(), dt_bias.contiguous(), g, beta, hv, b.stride(0), a.stride(0),
+            BH=triton.next_power_of_2(hv),
+        )  # fmt: skip
+    return g, beta
 
 
 def _bind(op: str, per_channel: bool) -> Callable:

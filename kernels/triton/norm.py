@@ -4,6 +4,9 @@ reference's (kernels/reference/basic.py), in fp32:
   rms_norm   y = x / sqrt(mean(x^2) + eps) * w; weight_in_fp32: w * h rounded once (Gemma/Beam
              order), else h rounded to x's dtype, then times w (Llama order)
 
+  rms_norm_gated   rms_norm(x, w) rounded as above, then * act(z) (silu or sigmoid) in fp32,
+                   rounded to the output dtype: a linear attention's output gate in one launch
+
 (RoPE is kernels/triton/fused.py's norm_rope with only its rotation on.)
 
 A row is one vector of the last dim: x [.., D] with any strides over its (at most two) leading
@@ -17,6 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from dayzero.kernels.ops import OUTPUT_GATES
+from dayzero.kernels.reference import basic as ref
 
 
 @triton.jit
@@ -62,3 +68,56 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_in_fp32: 
             W_FP32=weight_in_fp32,
         )  # fmt: skip
     return y.view(shape)
+
+
+@triton.jit
+def _rms_norm_gated(
+    x_ptr, w_ptr, z_ptr, y_ptr, H, stride_t, stride_h, stride_zt, stride_zh, D, eps,
+    BD: tl.constexpr, W_FP32: tl.constexpr, ROUND: tl.constexpr, SIGMOID: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    t, h = (r // H).to(tl.int64), r % H
+    d = tl.arange(0, BD)
+    m = d < D
+    dt = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + t * stride_t + h * stride_h + d, mask=m, other=0.0).to(tl.float32)
+    hx = x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+    if W_FP32:
+        y = (w * hx).to(dt).to(tl.float32)
+    else:
+        y = w * hx.to(dt).to(tl.float32)
+        if ROUND:  # the product in x's dtype (else it promoted to fp32)
+            y = y.to(dt).to(tl.float32)
+    z = tl.load(z_ptr + t * stride_zt + h * stride_zh + d, mask=m, other=0.0).to(tl.float32)
+    a = 1.0 / (1.0 + tl.exp(-z))
+    if not SIGMOID:
+        a = z * a  # silu
+    tl.store(y_ptr + r.to(tl.int64) * D + d, (y * a).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm_gated(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    z: torch.Tensor,
+    eps: float,
+    act: str = "silu",
+    weight_in_fp32: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    if x.dim() != 3 or z.shape != x.shape or weight.dim() != 1 or act not in OUTPUT_GATES:
+        return ref.rms_norm_gated(x, weight, z, eps, act, weight_in_fp32, out_dtype)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if z.stride(-1) != 1:
+        z = z.contiguous()
+    t, h, d = x.shape
+    norm_dtype = x.dtype if weight_in_fp32 else torch.promote_types(weight.dtype, x.dtype)
+    y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    if t * h:
+        _rms_norm_gated[(t * h,)](
+            x, weight.contiguous(), z, y, h, x.stride(0), x.stride(1), z.stride(0), z.stride(1), d, eps,
+            BD=triton.next_power_of_2(d), W_FP32=weight_in_fp32, ROUND=norm_dtype == x.dtype,
+            SIGMOID=act == "sigmoid",
+        )  # fmt: skip
+    return y

@@ -263,6 +263,8 @@ def profile_decode(
     avg = prof.key_averages()
     print(avg.table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=40))
     print(avg.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
+    print(f"the most frequent ops and kernels ({steps} steps):")
+    print(avg.table(sort_by="count", row_limit=60, max_name_column_width=70))
     for r in rids:
         eng.abort(r)
     while eng.has_work():

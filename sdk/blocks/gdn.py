@@ -7,22 +7,19 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from dayzero.kernels.ops import OUTPUT_GATES
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl
 from dayzero.sdk.blocks.linear_state import (
     check_kernel,
-    softplus_decay,
     state_cache,
     state_views,
     static_state_cache,
 )
 from dayzero.sdk.config.model import ONE_RANK, Parallel, Slice
 from dayzero.sdk.config.options import FloatV, IntV, Ref, Strict
-
-GATES = {"silu": F.silu, "sigmoid": torch.sigmoid}  # the output gate's activation
 
 
 class GdnOpts(Strict):
@@ -133,8 +130,7 @@ class GatedDeltaNet(nn.Module):
         qkv, z = ops.linear(x, self.in_proj).split([2 * ck + cv, cv], dim=-1)  # [T, 2Ck + Cv], [T, Cv]
         q, k, v = ops.short_conv(qkv, self.conv, conv_state, ctx.state).split([ck, ck, cv], dim=-1)
         b, a = ops.linear(x, self.ba_proj).split([hv, hv], dim=-1)  # [T, HV] each
-        beta = torch.sigmoid(b)
-        g = softplus_decay(self.A_log, a.float() + self.dt_bias.float())  # [T, HV]
+        g, beta = ops.gdn_gates(b, a, self.A_log, self.dt_bias)  # [T, HV] each, g fp32
         o = ops.gated_delta_rule(
             q.reshape(t, c.heads, c.head_dim),
             k.reshape(t, c.heads, c.head_dim),
@@ -144,8 +140,9 @@ class GatedDeltaNet(nn.Module):
             rec_state,
             ctx.state,
         )  # [T, HV, Dv]
-        o = ops.rms_norm(o, self.norm, c.norm_eps, False)  # rounded, then x w_o
-        o = (o.float() * GATES[c.gate](z.reshape(t, hv, c.value_dim).float())).to(x.dtype)
+        # rmsnorm rounded, then x w_o; times act(z) in fp32
+        z = z.reshape(t, hv, c.value_dim)
+        o = ops.rms_norm_gated(o, self.norm, z, c.norm_eps, c.gate, False, x.dtype)
         y = ops.linear(o.reshape(t, cv), self.out_proj)
         return ops.tp.all_reduce(y) if c.par.size > 1 else y
 
@@ -161,9 +158,9 @@ def _resolve(o: GdnOpts, val) -> GdnCfg:
         norm_eps=float(val(o.norm_eps)),
         gate=str(val(o.gate)),
     )
-    if cfg.gate not in GATES:
+    if cfg.gate not in OUTPUT_GATES:
         raise ValueError(
-            f"Gated DeltaNet output gate {cfg.gate!r} is not implemented (known: {', '.join(GATES)})"
+            f"Gated DeltaNet output gate {cfg.gate!r} is not implemented (known: {', '.join(OUTPUT_GATES)})"
         )
     if cfg.heads <= 0 or cfg.value_heads % cfg.heads:
         raise ValueError(f"{cfg.value_heads} value heads are not a multiple of {cfg.heads} key heads")
@@ -181,8 +178,9 @@ def _needs(c: GdnCfg):
     return [
         ("linear", frozenset(), None),
         ("short_conv", frozenset({"silu"}), None),
+        ("gdn_gates", frozenset(), None),
         ("gated_delta_rule", frozenset({"chunked"}), None),
-        ("rms_norm", frozenset(), None),
+        ("rms_norm_gated", frozenset(), None),
     ]
 
 

@@ -13,7 +13,6 @@ from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl
 from dayzero.sdk.blocks.linear_state import (
     check_kernel,
-    softplus_decay,
     state_cache,
     state_views,
     static_state_cache,
@@ -123,20 +122,17 @@ class KdaAttention(nn.Module):
         conv_state, rec_state = self._state(ctx)
         qkv = ops.short_conv(ops.linear(x, self.in_proj), self.conv, conv_state, ctx.state)  # [T, 3C]
         q, k, v = (z.reshape(t, h, d) for z in qkv.chunk(3, dim=-1))
-        f = ops.linear(ops.linear(x, self.f_a), self.f_b).float() + self.dt_bias.float()
-        f = f.view(t, h, d)
-        if c.gate_lower_bound is not None:
-            g = c.gate_lower_bound * torch.sigmoid(self.A_log.float().exp()[None, :, None] * f)
-        else:
-            g = softplus_decay(self.A_log[None, :, None], f)  # [T, H, D]
-        beta = torch.sigmoid(ops.linear(x, self.b_proj))  # [T, H]
+        f = ops.linear(ops.linear(x, self.f_a), self.f_b)  # [T, H D]
+        # g [T, H, D] fp32, beta [T, H]
+        g, beta = ops.kda_gates(f, ops.linear(x, self.b_proj), self.A_log, self.dt_bias, c.gate_lower_bound)
         o = ops.kda_recurrence(q, k, v, g, beta, rec_state, ctx.state)  # [T, H, D]
         if c.full_rank_gate:
             gate = ops.linear(x, self.g_proj).view(t, h, d)
         else:
             gate = ops.linear(ops.linear(x, self.g_a), self.g_b).view(t, h, d)
-        o = ops.rms_norm(o.float(), self.o_norm.float(), c.norm_eps, True) * torch.sigmoid(gate.float())
-        y = ops.linear(o.to(x.dtype).reshape(t, -1), self.o_proj)
+        # the norm and the gate's product in fp32
+        o = ops.rms_norm_gated(o.float(), self.o_norm.float(), gate, c.norm_eps, "sigmoid", True, x.dtype)
+        y = ops.linear(o.reshape(t, -1), self.o_proj)
         return ops.tp.all_reduce(y) if c.par.size > 1 else y
 
 
@@ -162,8 +158,9 @@ def _needs(c: KdaCfg):
     return [
         ("linear", frozenset(), None),
         ("short_conv", frozenset({"silu"}), None),
+        ("kda_gates", frozenset(), None),
         ("kda_recurrence", frozenset({"chunked"}), None),
-        ("rms_norm", frozenset({"weight_in_fp32"}), None),
+        ("rms_norm_gated", frozenset(), None),
     ]
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from dayzero.sdk.blocks.base import CacheDecl, StaticCache
 
@@ -41,8 +40,3 @@ def check_kernel(kernel: int) -> int:
     if kernel < 2:
         raise ValueError(f"conv_kernel must be >= 2, got {kernel}")
     return kernel
-
-
-def softplus_decay(a_log: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    """g = -exp(A_log) softplus(f), fp32 (log forget gate, <= 0); a_log broadcasts against f."""
-    return -a_log.float().exp() * F.softplus(f.float(), threshold=20.0)

@@ -30,8 +30,25 @@ class RMSNorm(nn.Module):
 
 
 def zero_centred(w: torch.Tensor) -> torch.Tensor:
-    """1 + w in fp32: a zero-centred norm weight as the ops multiply by it (with weight_in_fp32)."""
-    return w.float() + 1.0
+    """1 + w in fp32: a zero-centred norm weight as the ops multiply by it (with weight_in_fp32).
+
+    Formed once per weight and kept on it: a step reads it without the two launches that form
+    it. It is formed again, into the same buffer (a captured CUDA graph reads that address),
+    whenever the weight was written since (its version counter counts every in-place write: the
+    loader's, a parity test's) or moved."""
+    try:
+        key = (w._version, w.data_ptr())
+    except RuntimeError:  # an inference-mode tensor keeps no version: form it each time
+        return w.float() + 1.0
+    hit = getattr(w, "_dz_one_plus", None)  # (key, 1 + w)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    if hit is not None and hit[1].shape == w.shape and hit[1].device == w.device:
+        out = hit[1].copy_(w).add_(1.0)
+    else:
+        out = w.float() + 1.0
+    w._dz_one_plus = (key, out)
+    return out
 
 
 class Residual(nn.Module):
@@ -150,23 +167,27 @@ class LowRankHyperResidual(nn.Module):
         self.inject = nn.Parameter(torch.empty(n, n * d)) if combine else None
         self.ngram = ngram
 
-    def mix(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, N, D] -> (h [T, D], flatten(Xn) [T, N D])."""
-        c, ops, (t, n, d) = self.cfg, self.ops, x.shape
-        w = zero_centred(self.norm) if c.norm.zero_centred else self.norm
-        xn = ops.rms_norm(x, w.view(n, d), c.norm.eps, c.norm.weight_in_fp32).flatten(1)  # [T, N D]
-        m = torch.sigmoid(ops.linear(F.silu(ops.linear(xn, self.down) / n), self.up))  # [T, N D]
-        return (m * xn).view(t, n, d).mean(1), xn
+    def norm_streams(
+        self, x: torch.Tensor, y: torch.Tensor | None = None, inject: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x' = x + inject_j y (y given: the previous block's output), flatten(Xn) [T, N D])."""
+        n = self.cfg.norm
+        return self.ops.hc_lowrank_norm(x, self.norm, n.eps, n.zero_centred, n.weight_in_fp32, y, inject)
+
+    def mix(self, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """flatten(Xn) [T, N D] -> (h [T, D], inject [T, N]; None for the collapse)."""
+        ops, n = self.ops, self.cfg.hyper.streams
+        u = ops.linear(F.silu(ops.linear(xn, self.down) / n), self.up)  # [T, N D]
+        return ops.hc_lowrank_mix(u, xn, None if self.inject is None else ops.linear(xn, self.inject), n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The collapse: x [T, N, D] -> h [T, D]."""
-        return self.mix(x)[0]
+        return self.mix(self.norm_streams(x)[1])[0]
 
     def pre(self, x: torch.Tensor, ctx=None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         if self.ngram is not None:
             x = self.ngram(x, ctx)  # [T, N, D]
-        h, xn = self.mix(x)
-        inject = 2 * torch.sigmoid(self.ops.linear(xn, self.inject) / x.shape[1])  # [T, N]
+        h, inject = self.mix(self.norm_streams(x)[1])
         return h, (x, inject)
 
     def post(
@@ -176,8 +197,14 @@ class LowRankHyperResidual(nn.Module):
         return spread(inject, y, x)
 
     def post_pre(self, x: torch.Tensor, y: torch.Tensor, carry, nxt: nn.Module, ctx=None):
-        x = self.post(x, y, carry)
-        return (x, *nxt.pre(x, ctx))
+        """post, then nxt's pre; where nxt is a low-rank mixer with no n-gram injection, the spread
+        and nxt's norm are one op."""
+        if not isinstance(nxt, LowRankHyperResidual) or nxt.ngram is not None:
+            x = self.post(x, y, carry)
+            return (x, *nxt.pre(x, ctx))
+        x, xn = nxt.norm_streams(carry[0], y, carry[1])
+        h, inject = nxt.mix(xn)
+        return x, h, (x, inject)
 
 
 class AttnResidual(nn.Module):

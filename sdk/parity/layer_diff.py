@@ -20,11 +20,12 @@ ROLES = (("attention", "attn"), ("mlp", "mlp"), ("layer", None))  # (spec role, 
 
 
 def _keep(got: dict[str, list[torch.Tensor]], key: str) -> Callable:
-    """A forward hook appending the module's output rows (dayzero prefills a prompt in chunks)."""
+    """A forward hook appending the module's output, flat in token order (dayzero prefills a prompt
+    in chunks; residual streams are [T, N, D] in dayzero and may be [B, T, N D] in the reference)."""
 
     def hook(_m, _i, out):
         t = out[0] if isinstance(out, tuple) else out
-        got.setdefault(key, []).append(t.detach().float().reshape(-1, t.shape[-1]))  # [tokens, width]
+        got.setdefault(key, []).append(t.detach().float().reshape(-1))
 
     return hook
 
@@ -65,6 +66,10 @@ def layer_diff(
     def err(key: str) -> tuple[float, bool]:
         """(max |diff|, over the tolerance) of one hooked output."""
         a, b = torch.cat(got[f"ours.{key}"]), torch.cat(got[f"ref.{key}"])
+        if a.shape != b.shape:
+            raise ValueError(
+                f"layer diff: {key}'s output has {a.numel()} values here, {b.numel()} in the reference"
+            )
         e = (a - b).abs().max().item()
         return e, e > tol * max(1.0, b.abs().max().item())
 
