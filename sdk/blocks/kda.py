@@ -130,8 +130,8 @@ class KdaAttention(nn.Module):
             gate = ops.linear(x, self.g_proj).view(t, h, d)
         else:
             gate = ops.linear(ops.linear(x, self.g_a), self.g_b).view(t, h, d)
-        # the norm and the gate's product in fp32
-        o = ops.rms_norm_gated(o.float(), self.o_norm.float(), gate, c.norm_eps, "sigmoid", True, x.dtype)
+        # the norm and the gate's product in fp32 (w read in fp32: w * h promotes to it)
+        o = ops.rms_norm_gated(o.float(), self.o_norm, gate, c.norm_eps, "sigmoid", True, x.dtype)
         y = ops.linear(o.reshape(t, -1), self.o_proj)
         return ops.tp.all_reduce(y) if c.par.size > 1 else y
 

@@ -35,7 +35,7 @@ def zero_centred(w: torch.Tensor) -> torch.Tensor:
     Formed once per weight and kept on it: a step reads it without the two launches that form
     it. It is formed again, into the same buffer (a captured CUDA graph reads that address),
     whenever the weight was written since (its version counter counts every in-place write: the
-    loader's, a parity test's) or moved."""
+    loader's, a parity test's) or moved. A constant to autograd: dayzero runs inference."""
     try:
         key = (w._version, w.data_ptr())
     except RuntimeError:  # an inference-mode tensor keeps no version: form it each time
@@ -43,10 +43,12 @@ def zero_centred(w: torch.Tensor) -> torch.Tensor:
     hit = getattr(w, "_dz_one_plus", None)  # (key, 1 + w)
     if hit is not None and hit[0] == key:
         return hit[1]
-    if hit is not None and hit[1].shape == w.shape and hit[1].device == w.device:
-        out = hit[1].copy_(w).add_(1.0)
-    else:
-        out = w.float() + 1.0
+    # a plain tensor, outside any inference mode and autograd: usable (and refreshable) in both
+    with torch.inference_mode(False), torch.no_grad():
+        if hit is not None and hit[1].shape == w.shape and hit[1].device == w.device:
+            out = hit[1].copy_(w).add_(1.0)
+        else:
+            out = w.float() + 1.0
     w._dz_one_plus = (key, out)
     return out
 
