@@ -34,8 +34,8 @@ def _pair(seed: int, combine: bool) -> tuple[LowRankHyperResidual, torch.nn.Modu
             scale = 0.1 if name.startswith("hc_norm") else p.shape[-1] ** -0.5  # the norm: 1 + w
             p.copy_(scale * torch.randn(p.shape, generator=g))
     ops = OpTable(torch.device("cpu"), torch.float32)
-    for op, feats in (("rms_norm", {"weight_in_fp32"}), ("linear", set())):
-        ops.need(op, feats)
+    for op in ("hc_lowrank_norm", "hc_lowrank_mix", "linear"):
+        ops.need(op)
     ours = LowRankHyperResidual(CFG, ops.resolve(), combine=combine)
     with torch.no_grad():
         ours.norm.copy_(ref.hc_norm.weight)
