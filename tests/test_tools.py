@@ -181,13 +181,15 @@ def test_tools_without_a_parser_or_a_template_for_them_are_refused() -> None:
 SCRIPT_SEED = 4242
 
 
-@pytest.mark.parametrize(("fmt", "model"), [(f, "embedded") for f in sorted(ANSWERS)] + [("hermes", "tiny")])
+# every format on a tiny checkpoint (a forward pass in milliseconds: the answers are long); the
+# embedded default with one (a real tokenizer, the template by flag)
+@pytest.mark.parametrize(("fmt", "model"), [(f, "tiny") for f in sorted(ANSWERS)] + [("hermes", "embedded")])
 def test_calls_the_model_writes_come_back_as_tool_calls(tmp_path, fmt: str, model: str) -> None:
     """tool_choice auto end to end: the model's answer (scripted: tests/scripted_kernels.py
     replays ANSWERS[fmt] token by token for one seed) goes through the engine, the detokenizer
     and the format's parser into OpenAI tool_calls with finish_reason tool_calls, whole and
-    streamed; the text before the calls is the content. The embedded default with a tools
-    template given by flag, and a tiny checkpoint whose own chat_template.jinja takes tools."""
+    streamed; the text before the calls is the content. A tiny checkpoint whose own
+    chat_template.jinja takes tools, and the embedded default with a tools template given by flag."""
     from pathlib import Path
 
     from dayzero.sdk.parity.tiny import write_tiny
@@ -196,7 +198,8 @@ def test_calls_the_model_writes_come_back_as_tool_calls(tmp_path, fmt: str, mode
     flags = ["--chat-template", str(template)]
     served, eos = "SmolLM2-135M-Instruct", 2  # the embedded default's end of turn (<|im_end|>)
     if model == "tiny":
-        ckpt = write_tiny("llama", tmp_path / "tiny", seed=3)
+        # room for the template's tools and a whole answer in the tiny tokenizer's short tokens
+        ckpt = write_tiny("llama", tmp_path / "tiny", seed=3, overrides={"max_position_embeddings": 2048})
         (ckpt / "chat_template.jinja").write_text(template.read_text())
         conf = json.loads((ckpt / "tokenizer_config.json").read_text())
         conf.pop("chat_template", None)  # the template is the file's

@@ -1,2 +1,2 @@
-# generated from spec.yaml@9997cae5b3cf, do not edit
+# generated from spec.yaml@f7e3e825befc, do not edit
 """Reflection Beam (generated; the source of truth is spec.yaml)."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@9997cae5b3cf, do not edit
+# generated from spec.yaml@f7e3e825befc, do not edit
 """Reflection Beam: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

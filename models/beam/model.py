@@ -1,4 +1,4 @@
-# generated from spec.yaml@9997cae5b3cf, do not edit
+# generated from spec.yaml@f7e3e825befc, do not edit
 """Reflection Beam: the execution-plane model, composed from the block library.
 
 Each layer: x + post_norm(attn(norm(x))), then the same around the MLP (depth-scaled adds).

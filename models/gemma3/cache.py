@@ -1,4 +1,4 @@
-# generated from spec.yaml@3b75e5278534, do not edit
+# generated from spec.yaml@77509b17d200, do not edit
 """Gemma 3: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

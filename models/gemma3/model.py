@@ -1,4 +1,4 @@
-# generated from spec.yaml@3b75e5278534, do not edit
+# generated from spec.yaml@77509b17d200, do not edit
 """Gemma 3: the execution-plane model, composed from the block library.
 
 Each layer: x + post_norm(attn(norm(x))), then the same around the MLP.

@@ -1,13 +1,17 @@
-# generated from spec.yaml@3b75e5278534, do not edit
+# generated from spec.yaml@77509b17d200, do not edit
 """Gemma 3: parity against transformers.Gemma3ForCausalLM on tiny random checkpoints.
 
-Each shape (the spec's tiny config, then with each of its `shapes` overrides) and recorded
-seed writes a checkpoint through the reference class and runs `dayzero.sdk.parity.run_parity`
-on CPU in fp32 (its checks and tolerances are in that module's docstring).
+Each shape (the spec's tiny config, then with each of its `shapes` overrides) writes a checkpoint
+through the reference class from its recorded seeds (1 a shape, shape i's from SEEDS[i] on,
+so that the shapes run different seeds) and runs `dayzero.sdk.parity.run_parity` on CPU
+in fp32 (its checks and tolerances are in that module's docstring).
+Greedy checks: 16 tokens per prompt.
 
 Quantized: the tiny config quantized by NVIDIA ModelOpt in every format, in ModelOpt's own
 checkpoint convention (the others, the same numbers renamed, run on the families whose spec asks
 for all of them) (sdk/parity/quantized_tiny.py); the reference runs on the dequantized weights.
+Their parity runs the checks that read weights (prefill logits, greedy, mixed batch): the cache
+checks see no difference between formats.
 """
 
 import pytest
@@ -34,16 +38,17 @@ SHAPES = [
 SEEDS = [0, 1, 7, 2026]
 
 
-@pytest.mark.parametrize("seed", SEEDS[:2])
-@pytest.mark.parametrize("shape", range(len(SHAPES)))
+@pytest.mark.parametrize(
+    ("shape", "seed"), [(i, SEEDS[(i + j) % len(SEEDS)]) for i in range(len(SHAPES)) for j in range(1)]
+)
 def test_parity(tmp_path, shape, seed):
     ckpt = write_tiny("gemma3", tmp_path / "ckpt", seed=seed, overrides=SHAPES[shape])
-    report = run_parity(ckpt, device="cpu", seed=seed)
+    report = run_parity(ckpt, device="cpu", seed=seed, new_tokens=16)
     assert report.ok, report.table()
 
 
 @pytest.mark.parametrize(("quantization", "layout"), [(q, "modelopt") for q in LAYOUTS])
 def test_quantized_parity(tmp_path, quantization, layout):
     ckpt = write_quantized_tiny("gemma3", tmp_path / "ckpt", quantization, layout, seed=5)
-    report = run_parity(ckpt, device="cpu", seed=5)
+    report = run_parity(ckpt, device="cpu", seed=5, new_tokens=16, cache_checks=False)
     assert report.ok, report.table()

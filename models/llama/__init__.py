@@ -1,2 +1,2 @@
-# generated from spec.yaml@d8d57605e047, do not edit
+# generated from spec.yaml@295532eda313, do not edit
 """Llama (generated; the source of truth is spec.yaml)."""

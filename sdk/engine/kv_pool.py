@@ -7,7 +7,8 @@ out: the padding rows of a captured decode step write their keys there (`scratch
 read and write their recurrent states there (`scratch_state_slot`).
 Block b of paged group g is rows [b * block_size, (b + 1) * block_size) of that group's view
 [num_pages * blocks_per_page[g] * block_size, padded_row_bytes[g]], seen in the cache dtype.
-Host pool: num_host_pages x page_bytes (pinned on CUDA), for retraction and demoted prefixes.
+Host pool: num_host_pages x page_bytes (pinned on CUDA, not zeroed), for retraction and demoted
+prefixes.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ class KvPool:
         total = self.state_bytes + pages_held * self.page_bytes
         self.pool = torch.zeros(total, dtype=torch.uint8, device=device)
         pin = device.type == "cuda"
-        self.host = torch.zeros(layout["num_host_pages"] * self.page_bytes, dtype=torch.uint8, pin_memory=pin)
+        # not zeroed: a host page is only read back where a retraction or demotion wrote it first
+        self.host = torch.empty(layout["num_host_pages"] * self.page_bytes, dtype=torch.uint8, pin_memory=pin)
         pages = self.pool[self.state_bytes :]
         # indexed by scheduler group; None for State groups (their memory is the slot region)
         self.block_bytes: list[torch.Tensor | None] = []  # [num_blocks, block_size * padded_row_bytes]

@@ -94,11 +94,13 @@ def check_prompts(vocab: int, seed: int) -> list[list[int]]:
 
 
 def run_check(path: str, size: int, experts: bool, prompts: list[list[int]], out_dir: Path) -> dict:
-    """rank_outputs on `size` ranks; rank 0's results."""
+    """rank_outputs on `size` ranks (one rank: in this process); rank 0's results."""
     out = out_dir / f"ranks-{size}-{int(experts)}.pt"
-    run_ranks(
-        rank_outputs, size, (path, experts, prompts, CHECK_TOKENS, CHECK_ENGINE, str(out)), timeout_s=900
-    )
+    args = (path, experts, prompts, CHECK_TOKENS, CHECK_ENGINE, str(out))
+    if size == 1:
+        rank_outputs(0, 1, 0, *args)
+    else:
+        run_ranks(rank_outputs, size, args, timeout_s=900)
     return torch.load(out)
 
 
