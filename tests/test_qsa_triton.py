@@ -29,7 +29,7 @@ import torch
 from interpreter import main, run_checks
 from paged_meta import paged_meta, selection
 
-SEEDS = (0, 3, 7)
+SEEDS = (0, 7)  # two recorded seeds, as the other interpreter checks (each ~75 s in the interpreter)
 EPS = 1e-6
 TOL = 1e-5
 ROWS = [(1, 13), (7, 9), (5, 5), (0, 8), (1, 40), (16, 36)]
