@@ -47,7 +47,11 @@ def rank_outputs(
         model, ops = build(ckpt.family, cfg, ckpt.hf, torch.device("cpu"), torch.float32, packed, tp=tp)
         load_weights(model, ckpt, progress=False)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-        print(f"rank {rank} of {size}: loaded its shard; peak host memory {peak:.0f} MiB", file=sys.stderr)
+        whose = "" if size > 1 else " (this process's: one rank runs in the caller)"
+        print(
+            f"rank {rank} of {size}: loaded its shard; peak host memory {peak:.0f} MiB{whose}",
+            file=sys.stderr,
+        )
         kw = dict(engine_kw)
         if "kv_tokens" in kw:  # the same tokens on every rank: bytes of this rank's (sharded) rows
             groups = scheduler_groups(cfg, 4)

@@ -12,8 +12,8 @@ Checks (each a row of the report):
   retraction recompute  the same with no host memory: retracted requests recompute
 The retraction checks size the KV memory from the model (`retraction_budget`): the longest
 request fits alone, never all of them together, so retraction happens at every model size; the
-other checks' engines get room for every request several times over (`roomy`), not the engine's
-default 256 MiB. `cache_checks=False` (the quantized tests: a packed format changes what the
+other checks' engines get room for every request twice plus a window and a step (`Ours.roomy`),
+not the engine's default 256 MiB. `cache_checks=False` (the quantized tests: a packed format changes what the
 weights read, never what the cache does) runs the first three checks only.
 On failure, a layer-by-layer diff (`layer_diff.py`) names the embedding or the first block that
 diverges. A column a check does not measure reads `-`; `progress` gets a line as each check
