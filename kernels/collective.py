@@ -38,6 +38,12 @@ class TpGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """rank src's x on every rank (in place; on the device, no host sync)."""
+        if self.size > 1:
+            dist.broadcast(x, dist.get_global_rank(self.group, src), group=self.group)
+        return x
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[..., N] on each rank -> [..., size * N], rank r's slice at r * N."""
         if self.size == 1:

@@ -283,12 +283,11 @@ class LLM:
             if callable(engine):  # sized once the weights are resident (free device memory is known)
                 engine = engine(self.config)
             engine = engine or EngineConfig()
-            if size > 1:  # rank 0's engine, KV pages the smallest rank holds; inputs whole on the host
-                engine = replace(engine, overlap="off", decode_graphs="off")
+            if size > 1:  # rank 0's engine config, KV pages the smallest rank holds
                 engine = agree_kv(engine, self.config, self.dtype.itemsize, self.ctrl)
-            self.engine = Engine(self.model, self.config, self.ops, engine)
+            self.engine = Engine(self.model, self.config, self.ops, engine)  # graphs captured in step
             if size > 1 and rank == 0:
-                self.engine.lead(Leader(self.ctrl, self._rank_failed))
+                self.engine.lead(Leader(self.ctrl, self._rank_failed, self.tp))
         if self.followers is not None:
             atexit.register(self.close)
         self.load_seconds = time.perf_counter() - t0
@@ -347,7 +346,7 @@ class LLM:
         if self.rank == 0 or self.ctrl is None:
             raise RuntimeError("follow() is for a tensor-parallel rank other than 0")
         try:
-            return follow(self.engine, self.ctrl)
+            return follow(self.engine, self.ctrl, self.tp)
         except StepFailed as e:
             log.exception("%s; this rank exits", e)
             report_failure(self.tp, str(e))

@@ -64,18 +64,18 @@ def checkpoints(tmp_path_factory):
 CASES = [("llama", 2, False, 0), ("beam", 2, True, 1), ("glm53_flash", 2, False, 2)]
 
 
-def _sized(tokens: tuple[int, ...], cfg) -> EngineConfig:
+def _sized(tokens: tuple[int, ...], base: EngineConfig, cfg) -> EngineConfig:
     groups = scheduler_groups(cfg, 4)
-    states = 2 * ENGINE.max_batch_size * sum(g.state_bytes for g in groups)
+    states = 2 * base.max_batch_size * sum(g.state_bytes for g in groups)
     mine = tokens[cfg.parallel.rank]
-    return replace(ENGINE, kv_cache_bytes=mine * sum(g.bytes_per_token for g in groups) + states)
+    return replace(base, kv_cache_bytes=mine * sum(g.bytes_per_token for g in groups) + states)
 
 
-def sized(*tokens: int):
-    """An engine whose KV pool holds tokens[r] tokens of rank r's (sharded) model: LLM calls it
-    on every rank with that rank's config once its weights are resident (a partial: it pickles
-    to the spawned ranks)."""
-    return functools.partial(_sized, tokens)
+def sized(*tokens: int, base: EngineConfig = ENGINE):
+    """An engine (base's settings) whose KV pool holds tokens[r] tokens of rank r's (sharded)
+    model: LLM calls it on every rank with that rank's config once its weights are resident (a
+    partial: it pickles to the spawned ranks)."""
+    return functools.partial(_sized, tokens, base)
 
 
 @pytest.mark.parametrize(("family", "size", "experts", "seed"), CASES)
@@ -104,6 +104,29 @@ def test_ranks_driven_by_rank_0_answer_as_one_rank(checkpoints, family, size, ex
     assert got == want
     assert stats["retracted"] > 0 and stats["steps"] > 10  # retraction and many plans were sent
     assert one.engine.stats["retracted"] == stats["retracted"]
+
+
+@pytest.mark.parametrize(("family", "seed"), [("llama", 3), ("glm53_flash", 4)])
+def test_overlap_and_decode_graph_buffers_on_ranks_answer_as_one_rank(checkpoints, family, seed):
+    """Overlap (a decode row's input token is the step before's, filled in on the device: rank
+    0 broadcasts each step's sampled tokens over the model's group, every rank fills them in)
+    and decode steps in the graphs' static buffers (every rank runs the bucket's padded rows)
+    on 2 ranks: the answers are one rank's without either, through chunked prefill, prefix
+    hits and retraction; glm53_flash's KDA layers keep their recurrent state in the buffers'
+    state slots."""
+    path = str(checkpoints[family])
+    one = LLM(path, device="cpu", dtype="float32", engine=sized(80), progress=False)
+    want = answers(one, seed)
+    fast = replace(ENGINE, overlap="on", decode_graphs="buffers")
+    many = LLM(path, device="cpu", dtype="float32", engine=sized(80, 80, base=fast), progress=False,
+               tensor_parallel_size=2)  # fmt: skip
+    try:
+        got = answers(many, seed)
+        stats = dict(many.engine.stats)
+    finally:
+        many.close()
+    assert got == want
+    assert stats["graph_steps"] > 10 and stats["device_inputs"] > 10 and stats["retracted"] > 0, stats
 
 
 def test_a_rank_that_dies_is_named(checkpoints):

@@ -127,3 +127,20 @@ def fill_tokens(ids: torch.Tensor, dst: np.ndarray, src: np.ndarray, tokens: tor
         idx = idx.pin_memory()
     idx = idx.to(ids.device, non_blocking=True)
     ids[idx[0]] = tokens[idx[1]].to(ids.dtype)
+
+
+def device_fill(plan, sample_ids: list[int], tokens: torch.Tensor | None):
+    """(token indices, indices into the previous step's sampled rows, its device tokens [S]) for
+    the plan's inputs the scheduler left to the device (-1: the token the previous step
+    samples), or None when it left none. sample_ids: the request of each row the previous step
+    sampled (its tokens' order)."""
+    ids = np.asarray(plan.input_ids)
+    dst = np.flatnonzero(ids < 0)
+    if not dst.size:
+        return None
+    if tokens is None:
+        raise RuntimeError("the plan asks for device-filled tokens but no step is in flight")
+    row = np.repeat(np.arange(len(plan.num_tokens)), np.asarray(plan.num_tokens))[dst]
+    where = {rid: j for j, rid in enumerate(sample_ids)}
+    src = np.asarray([where[int(r)] for r in np.asarray(plan.req_ids)[row]], dtype=np.int64)
+    return dst.astype(np.int64), src, tokens

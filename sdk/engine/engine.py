@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from dayzero.sdk.config.model import ModelConfig
-from dayzero.sdk.engine.context import StepContext, build_context, fill_tokens
+from dayzero.sdk.engine.context import StepContext, build_context, device_fill, fill_tokens
 from dayzero.sdk.engine.dp import DpScheduler, dp_context
 from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.grammar import Matchers
@@ -200,8 +200,9 @@ class Engine:
         fields["cache_salt_hi"], fields["cache_salt_lo"] = secrets.randbits(64), secrets.randbits(64)
         par = cfg.parallel
         self.dp = par.attention_dp and par.size > 1  # one scheduler per attention rank (dp.py)
-        if self.dp and self.overlap:
+        if self.dp and config.overlap == "on":
             raise ValueError("data-parallel attention runs without overlap (yet)")
+        self.overlap = fields["overlap"] = self.overlap and not self.dp  # auto: off under it
         sched = make_config(self.groups, **fields)
         self.scheduler = DpScheduler(sched, par.size, par.rank) if self.dp else Scheduler(sched)
         self.pool = KvPool(self.scheduler.layout, config.block_size, self.dtype, self.device)
@@ -229,12 +230,13 @@ class Engine:
         self.leader: Leader | None = None
 
     def lead(self, leader: Leader) -> None:
-        """Drive the other ranks of a tensor-parallel model: each plan goes to them first. Their
-        inputs must be whole on the host: no overlap (device-filled tokens), no decode graphs.
-        A failed send, or a failure of this rank's KV copies or forward (its collectives are the
-        others'), is the leader's on_failure: the ranks are out of step, every later step fails."""
-        if self.overlap or self.graphs is not None:
-            raise ValueError("a tensor-parallel engine runs without overlap and decode graphs (yet)")
+        """Drive the other ranks of a tensor-parallel model: each plan goes to them first, saying
+        whether it runs in a decode graph's bucket (every rank then runs the bucket's padded
+        shapes) and, with overlap, that rank 0 broadcasts the step's sampled tokens once drawn
+        (the next plan's device-filled inputs on every rank). Every rank has rank 0's engine
+        config (`agree_kv`), so their graphs and overlap agree. A failed send, or a failure of
+        this rank's KV copies, forward or broadcast (their collectives are the others'), is the
+        leader's on_failure: the ranks are out of step, every later step fails."""
         self.leader = leader
 
     def _lockstep(self) -> contextlib.AbstractContextManager:
@@ -359,15 +361,16 @@ class Engine:
         self.stats["steps"] += 1
         self.stats["retracted"] += len(plan.retracted_ids)
         touched |= self._finished(plan)
+        graph = self.graphs is not None and self.graphs.fits(plan)
         if self.leader is not None:
-            self.leader.send(plan)
+            self.leader.send(plan, graph=graph, share=self.overlap)
         with self._lockstep():
             self.pool.apply(plan.copies)  # a plan may carry copies (restores) and no rows
         prev = self._inflight if self.overlap else None
         if prev is not None and self.matchers and self.matchers.constrains(_sampled(plan)):
             touched |= self._collect(prev)  # a grammar's next mask needs the token just drawn
             self._inflight = None
-        launched = self._launch(plan, prev) if plan.rows else None
+        launched = self._launch(plan, prev, graph) if plan.rows else None
         self.pool.apply_after(plan.copies)
         if not self.overlap:
             done = launched
@@ -395,12 +398,14 @@ class Engine:
                 self._reported.add(rid)  # the scheduler's next plan lists it too
             self._forget(rid)
 
-    def _launch(self, plan, prev: _Launched | None) -> _Launched:
+    def _launch(self, plan, prev: _Launched | None, graph: bool) -> _Launched:
         """Queue the plan's forward pass and sampling on the device (prev: the step before, still
-        in flight or just collected, whose device tokens fill the plan's -1 inputs)."""
+        in flight or just collected, whose device tokens fill the plan's -1 inputs; graph: the
+        plan runs in a decode graph's bucket)."""
         fill = self._device_inputs(plan, prev)
-        if self.graphs is not None and self.graphs.fits(plan):
-            logits = self.graphs.run(plan, fill)  # [R, V] fp32
+        if graph:
+            with self._lockstep():
+                logits = self.graphs.run(plan, fill)  # [R, V] fp32
             self.stats["graph_steps"] += 1
         else:
             with self._lockstep():
@@ -433,23 +438,18 @@ class Engine:
             pending = self.sampler.launch(logits, params, gens, sample_ids, produced, stops, allowed)
         else:
             pending = self.sampler.launch(logits, params, gens, allowed=allowed)
+        if self.leader is not None and self.overlap and sample_ids:  # the others' next inputs
+            with self._lockstep():
+                self.leader.share(pending.tokens)
         prefill = int(np.asarray(plan.num_tokens)[np.asarray(plan.is_prefill, dtype=bool)].sum())
         return _Launched(plan, req_ids, sample, sample_ids, prefill, pending)
 
     def _device_inputs(self, plan, prev: _Launched | None):
-        """(token indices, indices into prev's sampled rows, prev's device tokens) for the plan's
-        inputs the scheduler left to the device (-1: the token the previous step samples)."""
-        ids = np.asarray(plan.input_ids)
-        dst = np.flatnonzero(ids < 0)
-        if not dst.size:
-            return None
-        if prev is None:
-            raise RuntimeError("the plan asks for device-filled tokens but no step is in flight")
-        self.stats["device_inputs"] += int(dst.size)
-        row = np.repeat(np.arange(plan.rows), np.asarray(plan.num_tokens))[dst]
-        where = {rid: j for j, rid in enumerate(prev.sample_ids)}
-        src = np.asarray([where[int(r)] for r in np.asarray(plan.req_ids)[row]], dtype=np.int64)
-        return dst.astype(np.int64), src, prev.pending.tokens
+        """The plan's inputs the device fills in from prev's sampled tokens (`device_fill`)."""
+        fill = device_fill(plan, prev.sample_ids if prev else [], prev.pending.tokens if prev else None)
+        if fill is not None:
+            self.stats["device_inputs"] += len(fill[0])
+        return fill
 
     def _collect(self, done: _Launched) -> dict[int, RequestOutput]:
         """Read a launched step's tokens back, feed them to the scheduler, record them."""

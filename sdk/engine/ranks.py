@@ -1,10 +1,14 @@
 """Rank 0 drives the others: it holds the C++ scheduler and the sampler, and sends each step's
 plan (its arrays, already flat) to the other ranks over a gloo group of torch.distributed; every
 rank then applies the plan's KV copies and runs its shard of the model on the same inputs, so the
-model's collectives line up. Only rank 0 samples; the others' logits are dropped.
+model's collectives line up. Only rank 0 samples; the others' logits are dropped. A plan that
+runs in a decode graph's bucket (`GRAPH`) runs in it on every rank (the bucket's padded shapes
+are the collectives'). With overlap (`SHARE`) a plan's inputs may be -1, the token the step
+before samples: rank 0 broadcasts each step's sampled tokens over the model's group once drawn
+(on the device: no host sync), and every rank fills them in from there.
 
 The wire: one int64 tensor a message, sent as its length then its words:
-  [kind, number of block tables, (ndim, dims...) per array, the arrays' values...]
+  [kind, flags, number of block tables, (ndim, dims...) per array, the arrays' values...]
 the arrays in FIELDS' order, then the plan's copies in COPIES' order, then the block tables.
 With data-parallel attention (dp.py) a step is every attention rank's plan:
   [PARTS, P, the length of each part's message..., each part's message]
@@ -22,11 +26,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dayzero.sdk.engine.context import build_context
+from dayzero.kernels.collective import TpGroup
+from dayzero.sdk.engine.context import build_context, device_fill, fill_tokens
 from dayzero.sdk.engine.dp import dp_context
 
 STEP, STOP, PARTS = 1, 2, 3
-FIELDS = ("num_tokens", "query_start", "positions", "kv_lens", "input_ids", "sample", "state_slots")
+GRAPH, SHARE = 1, 2  # a step's flags: it runs in a decode graph's bucket; its tokens are broadcast
+FIELDS = (
+    "num_tokens", "query_start", "positions", "kv_lens", "input_ids", "sample", "state_slots", "req_ids",
+)  # fmt: skip
 COPIES = (
     "to_host_group", "to_host_src", "to_host_dst", "to_device_group", "to_device_src", "to_device_dst",
     "state_to_host_slot", "state_to_host_pages", "state_to_device_slot", "state_to_device_pages",
@@ -34,35 +42,38 @@ COPIES = (
 )  # fmt: skip
 
 
-def encode(kind: int, plan=None) -> torch.Tensor:
+def encode(kind: int, plan=None, flags: int = 0) -> torch.Tensor:
     """The message of a plan (or of `kind` alone) as one int64 tensor."""
     if plan is None:
         return torch.tensor([kind, 0], dtype=torch.int64)
     if hasattr(plan, "parts"):  # data-parallel attention: every rank's plan
-        msgs = [encode(kind, p) for p in plan.parts]
+        msgs = [encode(kind, p, flags) for p in plan.parts]
         head = torch.tensor([PARTS, len(msgs), *(m.numel() for m in msgs)], dtype=torch.int64)
         return torch.cat([head, *msgs])
     arrays = [np.asarray(getattr(plan, f)) for f in FIELDS]
     arrays += [np.asarray(getattr(plan.copies, f)) for f in COPIES]
     tables = [np.asarray(t) for t in plan.block_tables]
     arrays = [a.astype(np.int64, copy=False) for a in arrays + tables]
-    head = [kind, len(tables)]
+    head = [kind, flags, len(tables)]
     for a in arrays:
         head += [a.ndim, *a.shape]
     return torch.from_numpy(np.concatenate([np.asarray(head, dtype=np.int64), *(a.ravel() for a in arrays)]))
 
 
 def decode(words: torch.Tensor) -> tuple[int, SimpleNamespace | None]:
-    """(kind, a plan with the arrays build_context and the KV pool read) of a message."""
+    """(kind, a plan with the arrays build_context and the KV pool read, and its `flags`) of a
+    message."""
     w = words.numpy()
-    kind, n_tables = int(w[0]), int(w[1])
+    kind = int(w[0])
     if kind == PARTS:
-        ends = np.cumsum([2 + n_tables, *w[2 : 2 + n_tables]])
+        n = int(w[1])
+        ends = np.cumsum([2 + n, *w[2 : 2 + n]])
         parts = [decode(words[a:b])[1] for a, b in itertools.pairwise(ends)]
-        return STEP, SimpleNamespace(parts=parts, rows=sum(p.rows for p in parts))
+        return STEP, SimpleNamespace(parts=parts, rows=sum(p.rows for p in parts), flags=parts[0].flags)
     if kind != STEP:
         return kind, None
-    at, shapes = 2, []
+    flags, n_tables = int(w[1]), int(w[2])
+    at, shapes = 3, []
     for _ in range(len(FIELDS) + len(COPIES) + n_tables):
         ndim = int(w[at])
         shapes.append(tuple(int(d) for d in w[at + 1 : at + 1 + ndim]))
@@ -76,7 +87,7 @@ def decode(words: torch.Tensor) -> tuple[int, SimpleNamespace | None]:
     plan = SimpleNamespace(**dict(zip(FIELDS, arrays[:k], strict=True)))
     plan.copies = SimpleNamespace(**dict(zip(COPIES, arrays[k : k + len(COPIES)], strict=True)))
     plan.block_tables = arrays[k + len(COPIES) :]
-    plan.rows = len(plan.num_tokens)
+    plan.rows, plan.flags = len(plan.num_tokens), flags
     return kind, plan
 
 
@@ -90,8 +101,11 @@ class Leader:
     send that fails (a rank is gone), or a failure of rank 0's part of a step (`lockstep`), is
     reported to on_failure, then raised; every later step fails the same way."""
 
-    def __init__(self, group, on_failure: Callable[[str], str | None] | None = None) -> None:
+    def __init__(
+        self, group, on_failure: Callable[[str], str | None] | None = None, tp: TpGroup | None = None
+    ) -> None:
         self.group, self.on_failure = group, on_failure  # on_failure may name the cause better
+        self.tp = tp or TpGroup()  # the model's group: sampled tokens go over it (`share`)
         self.stopped = False
         self.broken: str | None = None  # why the ranks are no longer in step
 
@@ -121,10 +135,16 @@ class Leader:
             self.fail(f"a tensor-parallel rank stopped answering rank 0: {e}".splitlines()[0])
             raise RuntimeError(self.broken) from None
 
-    def send(self, plan) -> None:
+    def send(self, plan, graph: bool = False, share: bool = False) -> None:
+        """Send a plan; graph: it runs in a decode graph's bucket; share: its sampled tokens
+        follow (`share`), as every rank's next inputs."""
         if self.broken is not None:
             raise RuntimeError(self.broken)
-        self._broadcast(encode(STEP, plan))
+        self._broadcast(encode(STEP, plan, GRAPH * graph | SHARE * share))
+
+    def share(self, tokens: torch.Tensor) -> None:
+        """The step's sampled tokens [S] int64 (on the device) to every rank (S > 0)."""
+        self.tp.broadcast(tokens)
 
     def stop(self) -> None:
         if not self.stopped:
@@ -158,13 +178,16 @@ def receive(group) -> tuple[int, SimpleNamespace | None]:
 
 
 @torch.inference_mode()
-def follow(engine, group) -> int:
+def follow(engine, group, tp: TpGroup | None = None) -> int:
     """A rank other than 0: run every plan rank 0 sends on this rank's shard (its KV copies, the
-    forward pass) until it sends STOP; returns the steps run. `engine` is this rank's Engine
-    (its KV pool and model; its own scheduler is never stepped). A plan that fails here raises
-    StepFailed: rank 0 waits in a collective this rank never joins, so it must exit (which ends
-    rank 0's wait at once on gloo) rather than go on."""
-    steps = 0
+    forward pass: in the decode graph's bucket when rank 0's runs there; with overlap, the
+    sampled tokens rank 0 broadcasts over `tp`, the model's group, kept for the next plan's
+    inputs) until it sends STOP; returns the steps run. `engine` is this rank's Engine (its KV
+    pool, model and decode graphs; its own scheduler is never stepped). A plan that fails here
+    raises StepFailed: rank 0 waits in a collective this rank never joins, so it must exit
+    (which ends rank 0's wait at once on gloo) rather than go on."""
+    tp = tp or TpGroup()
+    steps, sampled, tokens = 0, [], None  # the last step's sampled requests and their device tokens
     while True:
         kind, plan = receive(group)
         if kind == STOP:
@@ -174,15 +197,33 @@ def follow(engine, group) -> int:
             mine = plan.parts[rank] if hasattr(plan, "parts") else plan  # data-parallel attention
             engine.pool.apply(mine.copies)
             if plan.rows:  # every rank runs a step with rows somewhere (the MLPs gather them all)
-                views, block, slots = engine.pool.views, engine.config.block_size, engine.pool.slots
-                if mine is plan:
-                    ctx = build_context(plan, views, block, engine.device, slots)
-                else:
-                    ctx = dp_context(plan, rank, views, block, engine.device, slots)
-                engine.model(ctx)  # the collectives of rank 0's forward; the logits are rank 0's to use
+                _forward(engine, plan, mine, rank, device_fill(mine, sampled, tokens))
+            if plan.rows and plan.flags & SHARE:
+                sampled = np.asarray(mine.req_ids)[np.asarray(mine.sample, dtype=bool)].tolist()
+                tokens = torch.empty(len(sampled), dtype=torch.int64, device=engine.device)
+                if sampled:
+                    tp.broadcast(tokens)
             engine.pool.apply_after(mine.copies)
         except Exception as e:
             why = f"{type(e).__name__}: {e}".splitlines()[0]
             rank = dist.get_rank(group)
             raise StepFailed(f"tensor-parallel rank {rank} failed in step {steps + 1}: {why}") from e
         steps += 1
+
+
+def _forward(engine, plan, mine, rank: int, fill) -> None:
+    """This rank's forward pass of a step (the collectives of rank 0's; its logits are rank
+    0's to use); fill: the inputs filled in on the device (`device_fill`)."""
+    if plan.flags & GRAPH:
+        if engine.graphs is None:
+            raise RuntimeError("rank 0 runs this step in a decode graph, this rank has none")
+        engine.graphs.run(plan, fill)
+        return
+    views, block, slots = engine.pool.views, engine.config.block_size, engine.pool.slots
+    if mine is plan:
+        ctx = build_context(plan, views, block, engine.device, slots)
+    else:
+        ctx = dp_context(plan, rank, views, block, engine.device, slots)
+    if fill is not None:
+        fill_tokens(ctx.input_ids, *fill)
+    engine.model(ctx)
