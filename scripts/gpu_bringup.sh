@@ -12,7 +12,8 @@
 #   agentic` (beam, one agent; TOKENIZER: a tokenizer folder, default .tok/: the embedded default's,
 #   saved by tokenizer.save_pretrained); FLA: "1" runs tests/test_fla_bindings.py last with
 #   fla-core's wheel from .fla/ on PYTHONPATH for that run only, under a timeout that dumps the
-#   stacks (faulthandler); empty skips a part.
+#   stacks (faulthandler); BENCH_FLA: "1" runs the benches with fla-core on PYTHONPATH too (its
+#   chunked KDA / Gated DeltaNet for prefill); empty skips a part.
 # Wheels for packages the machine lacks (transformers 5.23, pydantic) travel in .whl/.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -84,11 +85,16 @@ for which in $PARITY; do
   $T $DZ parity --checkpoint "$TMP/$fam" --seed 3 --device cuda --dtype $dtype 2>&1 \
     | grep -v "Loading weights\|falling back" | tee -a "$OUT/parity.log"
 done
+BENCH_PATH=$PYTHONPATH
+if [ -n "${BENCH_FLA-}" ] && [ -d .fla ]; then  # the bench with fla-core's kernels (KDA / Gated DeltaNet)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .fla/*.whl
+  BENCH_PATH="$PYTHONPATH:/tmp/fla"
+fi
 for fam in ${BENCH-glm53_flash}; do
   for q in ${QUANT:-bf16}; do
    for run in $(seq "${REPEAT:-1}"); do
     echo "[${SECONDS}s] == bench decode $fam $q (run $run)"
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    PYTHONPATH=$BENCH_PATH PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
       $T $DZ bench decode --family "$fam" --batches ${BATCHES:-1,8,32} --prompt-len 512 --new-tokens 64 \
       $([ "$q" = bf16 ] || echo --quantization "$q") ${BENCH_FLAGS-} 2>&1 \
       | tr "\r" "\n" | grep -v "loading weights\|falling back\|^$" | tee -a "$OUT/bench.log"
