@@ -329,17 +329,20 @@ def check(seed: int) -> list[str]:
             buf.copy_(torch.stack([p[name] for p in parts]).reshape(buf.shape))
         return w
 
+    # K: two fp8 blocks (128) and several 4-bit blocks, so the K loop runs twice; N: 72 outputs,
+    # a partial column tile of 16 (the interpreter's 4 "SMs" shrink the tiles to 16 columns)
+    n, k, inter = 72, 256, 32
     out = []
     for fmt in ("nvfp4", "mxfp4", "fp8_block"):
-        w = weight(fmt, (200, 384))
+        w = weight(fmt, (n, k))
         for m in (1, 2, 5, 40):  # 1-2: one row a program; then 16- and 32-row tiles
-            x = torch.randn(m, 384, generator=g)
+            x = torch.randn(m, k, generator=g)
             want = ref.linear_packed(x, w)
             err = (tp.linear_packed(x, w) - want).abs().max() / want.abs().max()
             out.append(f"{fmt} linear m={m} {err.item():.2e}")
-        up, down = weight(fmt, (8, 128, 384)), weight(fmt, (8, 384, 64))
+        up, down = weight(fmt, (8, 2 * inter, k)), weight(fmt, (8, k, inter))
         for t in (1, 3, 40):  # pairs <= 2 per expert: one a program; else sorted by expert
-            x = torch.randn(t, 384, generator=g)
+            x = torch.randn(t, k, generator=g)
             ids = torch.rand(t, 8, generator=g).topk(2, dim=-1).indices
             wts = torch.rand(t, 2, generator=g)
             want = ref.moe_experts_packed(x, up, down, wts, ids, True, 3.0)
@@ -352,7 +355,7 @@ def check(seed: int) -> list[str]:
                 got = tp.moe_experts_packed(x, up, down, wts, ids, True, None, "situ", (4.0, 25.0))
                 out.append(f"{fmt} moe situ t={t} {_rel(got, want):.2e}")
         for m in (1, 2):  # the decode GEMV's fp16 sums (bf16 activations): bf16-level error
-            x = torch.randn(m, 384, generator=g).bfloat16()
+            x = torch.randn(m, k, generator=g).bfloat16()
             want = ref.linear_packed(x, w).float()
             err = (tp.linear_packed(x, w).float() - want).abs().max() / want.abs().max()
             out.append(f"{fmt} linear bf16 m={m} {err.item():.2e}")
