@@ -1,6 +1,7 @@
 """Data-parallel attention (`enable_dp_attention`, sdk/engine/dp.py) on 2 and 4 CPU ranks (gloo):
-GLM-5.3 (MLA + DSA, MoE) and GLM-5.3-Flash (MLA + KPool, KDA, hyper-connections) give one
-rank's logits (fp32, within 1e-5 of the largest |logit|) and its greedy tokens through the
+GLM-5.3 (MLA + DSA, MoE), GLM-5.3-Flash (MLA + KPool, KDA, hyper-connections) and Kimi K3 (gated
+MLA, KDA, attention residuals, the latent MoE) give one rank's logits (fp32, within 1e-5 of the
+largest |logit|; Kimi K3 2e-5, below) and its greedy tokens through the
 whole engine: 16-token prefill chunks, prefix-cache hits (the first prompt alone, then all),
 retraction (each rank's pool of 96 tokens holds its own requests only). Each rank runs the
 engine with its one scheduler per attention rank, so the plans agree; the LLM test drives the
@@ -29,7 +30,12 @@ from dayzero.sdk.parity.parallel import check_prompts
 from dayzero.sdk.parity.tiny import write_tiny
 
 TOL = 1e-5  # relative to the largest |logit|
-SEEDS = {"glm53": 3, "glm53_flash": 4}  # the prompts' recorded seed, one a family (CI time)
+# Kimi K3's tiny config is noisier in fp32: its logits sit 2.1e-5 to 3.1e-5 of max|logit| from an
+# fp64 run of the independent reference (prompts of seeds 5, 6, 7), and one rank and 2 DP ranks
+# (which batch the attention otherwise) differ by 1.41e-5 / 1.0e-5 / 4.7e-6 on them while landing
+# as close to fp64 (3.3e-5 / 2.7e-5 / 2.2e-5) with the same tokens: summation order (2026-12-05)
+TOLS = {"kimi_k3": 2e-5}
+SEEDS = {"glm53": 3, "glm53_flash": 4, "kimi_k3": 5}  # the prompts' recorded seed, one a family (CI time)
 # top-k past the longest sequence (63 + 12 tokens): every visible key selected. A pruning top-k
 # breaks the ReLU scores' exact-zero ties by position, differently for other batch shapes
 # (docs/architecture.md, "Sparse attention and ties"), and DP attention batches the requests
@@ -37,12 +43,8 @@ SEEDS = {"glm53": 3, "glm53_flash": 4}  # the prompts' recorded seed, one a fami
 PRUNING = {
     "glm53": {"index_topk": 128},
     "glm53_flash": {"text_config": {"index_topk": 128, "index_kpool": 4}},
+    "kimi_k3": None,  # no indexer
 }
-# Kimi K3 is not here: its tiny config's fp32 logits sit 2.9e-5 to 3.1e-5 of max|logit| from an
-# fp64 run of the independent reference (prompts of seeds 5 and 6), so one rank and 2 DP ranks
-# differ by up to 1.4e-5 (seed 5; 1.0e-5 seed 6), past TOL, while landing as close to fp64 (3.3e-5
-# and 2.7e-5): summation order, measured 2026-12-05; tests/test_tensor_parallel.py has its TP / EP
-# checks
 ENGINE = dict(block_size=4, chunk_size=16, max_tokens_per_step=48, max_batch_size=4, host_cache_bytes=0)
 # a rank's pool: too few for its share of the prompts at once (retraction); on 4 ranks a rank
 # holds one or two of the five requests: a smaller pool (the largest request takes 76 tokens)
@@ -135,7 +137,7 @@ def test_dp_attention_gives_the_logits_and_tokens_of_one_rank(tmp_path, cases, o
         )
         print(f"{family} seed {seed}, DP attention x{size}: logits {err:.2e} of {scale:.2f}", end=" ")
         print(f"logprobs {lp:.2e}")
-        assert err <= TOL * scale, (err, scale)
+        assert err <= TOLS.get(family, TOL) * scale, (err, scale)
         assert b["tokens"] == a["tokens"] and lp <= 1e-4
         assert b["stats"]["retracted"] > 0 and max(b["cached"]) > 0  # the paths under test ran
 
