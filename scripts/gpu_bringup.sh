@@ -85,10 +85,11 @@ for which in $PARITY; do
   $T $DZ parity --checkpoint "$TMP/$fam" --seed 3 --device cuda --dtype $dtype 2>&1 \
     | grep -v "Loading weights\|falling back" | tee -a "$OUT/parity.log"
 done
+# fla-core's wheel from .fla/, unpacked once into /tmp/fla (put on PYTHONPATH where a part asks for it)
+fla() { [ -d /tmp/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .fla/*.whl; }
 BENCH_PATH=$PYTHONPATH
 if [ -n "${BENCH_FLA-}" ] && [ -d .fla ]; then  # the bench with fla-core's kernels (KDA / Gated DeltaNet)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .fla/*.whl
-  BENCH_PATH="$PYTHONPATH:/tmp/fla"
+  fla && BENCH_PATH="$PYTHONPATH:/tmp/fla"
 fi
 for fam in ${BENCH-glm53_flash}; do
   for q in ${QUANT:-bf16}; do
@@ -108,7 +109,7 @@ for run in $(seq "${AGENTIC:-0}"); do
 done
 if [ -n "${FLA-}" ] && [ -d .fla ]; then
   echo "[${SECONDS}s] == pytest tests/test_fla_bindings.py (fla-core)"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .fla/*.whl
+  fla
   PYTHONPATH=/tmp/site:/tmp/fla timeout -s ABRT "${FLA_TIMEOUT:-300}" python3 -X faulthandler -m pytest -q -x \
     -p no:cacheprovider tests/test_fla_bindings.py >>"$OUT/fla.log" 2>&1; tail -40 "$OUT/fla.log"
 fi

@@ -285,7 +285,8 @@ class LLM:
             engine = engine or EngineConfig()
             if size > 1:  # rank 0's engine config, KV pages the smallest rank holds
                 engine = agree_kv(engine, self.config, self.dtype.itemsize, self.ctrl)
-            self.engine = Engine(self.model, self.config, self.ops, engine)  # graphs captured in step
+            # every rank captures the same decode graphs here, in the same order (their collectives)
+            self.engine = Engine(self.model, self.config, self.ops, engine)
             if size > 1 and rank == 0:
                 self.engine.lead(Leader(self.ctrl, self._rank_failed, self.tp))
         if self.followers is not None:

@@ -194,15 +194,14 @@ class Engine:
         self.device, self.dtype = ops.device, ops.dtype
         fields = _scheduler_fields(cfg, config)
         self.groups = scheduler_groups(cfg, self.dtype.itemsize)
-        self.overlap = config.overlap == "on" or (config.overlap == "auto" and self.device.type == "cuda")
-        fields["overlap"] = self.overlap
-        # the prefix cache's key chain starts from a secret of this engine (see SchedulerConfig)
-        fields["cache_salt_hi"], fields["cache_salt_lo"] = secrets.randbits(64), secrets.randbits(64)
         par = cfg.parallel
         self.dp = par.attention_dp and par.size > 1  # one scheduler per attention rank (dp.py)
         if self.dp and config.overlap == "on":
             raise ValueError("data-parallel attention runs without overlap (yet)")
-        self.overlap = fields["overlap"] = self.overlap and not self.dp  # auto: off under it
+        auto = config.overlap == "auto" and self.device.type == "cuda" and not self.dp
+        self.overlap = fields["overlap"] = config.overlap == "on" or auto
+        # the prefix cache's key chain starts from a secret of this engine (see SchedulerConfig)
+        fields["cache_salt_hi"], fields["cache_salt_lo"] = secrets.randbits(64), secrets.randbits(64)
         sched = make_config(self.groups, **fields)
         self.scheduler = DpScheduler(sched, par.size, par.rank) if self.dp else Scheduler(sched)
         self.pool = KvPool(self.scheduler.layout, config.block_size, self.dtype, self.device)
@@ -234,9 +233,11 @@ class Engine:
         whether it runs in a decode graph's bucket (every rank then runs the bucket's padded
         shapes) and, with overlap, that rank 0 broadcasts the step's sampled tokens once drawn
         (the next plan's device-filled inputs on every rank). Every rank has rank 0's engine
-        config (`agree_kv`), so their graphs and overlap agree. A failed send, or a failure of
-        this rank's KV copies, forward or broadcast (their collectives are the others'), is the
-        leader's on_failure: the ranks are out of step, every later step fails."""
+        config (`agree_kv`), so their graphs and overlap agree; the flags make a follower do
+        what rank 0 does, or fail naming why, rather than hang on mismatched shapes. A failed
+        send, or a failure of this rank's KV copies, forward or broadcast (their collectives are
+        the others'), is the leader's on_failure: the ranks are out of step, every later step
+        fails."""
         self.leader = leader
 
     def _lockstep(self) -> contextlib.AbstractContextManager:
