@@ -23,7 +23,8 @@ class PagedMeta:
     slots [T] (cache slot each new token is written to), block_size.
     Host copies (`*_cpu`) let the reference backend loop over rows without syncing.
     `memo` holds what a kernel derives from this metadata once per step (index and mask tensors
-    every layer of the group shares).
+    every layer of the group shares). `scratch`: a slot of the group that no request owns (the
+    pool's scratch page), where a graph-safe op sends the writes a token does not make; -1: none.
     """
 
     query_start: torch.Tensor
@@ -35,6 +36,15 @@ class PagedMeta:
     query_start_cpu: tuple[int, ...]
     kv_lens_cpu: tuple[int, ...]
     memo: dict = field(default_factory=dict, compare=False, repr=False)
+    scratch: int = -1
+
+
+def qsa_row(di: int, pool: int) -> int:
+    """Channels of a QSA pooled key that each position of its block holds: r = ceil(Di / P).
+    Block m's key K_m [Di] lies in the pooled cache's rows of positions m P + i, channels
+    [i r, (i + 1) r) in row i (zeros past Di): a paged group of r elements a token holds one
+    key per P positions, as a group with a token stride of P would."""
+    return -(-di // pool)
 
 
 @dataclass(frozen=True)
@@ -177,7 +187,12 @@ declare_op(
 # over the ranks (all-reduce), then the same top-k on every rank
 declare_op("dsa_scores", "lightning indexer scores [T, L] fp32 by key position (-inf: not visible)")
 declare_op("kpool_scores", "pooled indexer scores [T, M] fp32 by pool of keys (-inf: not visible)")
-declare_op("qsa_scores", "QSA indexer scores [T, M] fp32 by block of mean-pooled keys (-inf: not visible)")
+declare_op(
+    "qsa_pool",
+    "QSA: each block of P raw index keys [N, Di] this step completes -> its pooled, normed, roped key, "
+    "written across the block's first rows of the pooled cache [N', ceil(Di / P)]",
+)
+declare_op("qsa_scores", "QSA indexer scores [T, M] fp32 by block over the pooled keys (-inf: not visible)")
 declare_op(
     "index_topk",
     "indexer scores [T, M] over groups of P keys -> the top groups' positions (+ tail) [T, K]",

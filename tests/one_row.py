@@ -1,7 +1,8 @@
 """A one-request step context for running a single attention block outside the engine.
 
 The request's T tokens are all new (a prefill from position 0) and sit in one cache block per
-group, so a block can be compared with a reference module on the same hidden states.
+group (and a scratch row past it), so a block can be compared with a reference module on the
+same hidden states.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def context(t: int, groups) -> StepContext:
         block_size=t,
         query_start_cpu=(0, t),
         kv_lens_cpu=(t,),
+        scratch=t,
     )
     state_bytes = sum(g.row for g in groups if g.kind == "state")
     state = None
@@ -33,7 +35,7 @@ def context(t: int, groups) -> StepContext:
         input_ids=torch.zeros(t, dtype=torch.int64),
         positions=pos,
         paged=[None if g.kind == "state" else meta for g in groups],
-        caches=[None if g.kind == "state" else torch.zeros(t, g.row) for g in groups],
+        caches=[None if g.kind == "state" else torch.zeros(t + 1, g.row) for g in groups],  # + scratch
         sample_index=torch.tensor([t - 1]),
         state=state,
     )

@@ -1,8 +1,10 @@
-"""PagedMeta for kernel tests: rows of (new tokens, KV length after the step) on shuffled blocks."""
+"""PagedMeta for kernel tests: rows of (new tokens, KV length after the step) on shuffled blocks;
+a sliding group's view of them; a QSA step's raw and pooled key caches."""
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import torch
 
@@ -53,3 +55,24 @@ def selection(g: torch.Generator, meta: PagedMeta, k: int) -> torch.Tensor:
     sel = torch.where((sel >= lens[:, None]) | (torch.rand(t, k, generator=g) < 0.2), -1, sel)
     sel[-1] = -1
     return sel
+
+
+def sliding(meta: PagedMeta, window: int) -> PagedMeta:
+    """The same rows in a sliding-window group: each row's blocks wholly before its first query
+    position - window given back (-1), as the scheduler frees them."""
+    table = meta.block_table.clone()
+    qs, bs = meta.query_start_cpu, meta.block_size
+    for r, kv in enumerate(meta.kv_lens_cpu):
+        first = kv - (qs[r + 1] - qs[r])
+        table[r, : max(0, first - window) // bs] = -1
+    return replace(meta, block_table=table, memo={})
+
+
+def qsa_step(rows: list[tuple[int, int]], pool: int, di: int, g: torch.Generator, device="cpu"):
+    """A QSA step's caches on blocks of 4: (raw keys [N, Di] (a strided view, as the cache is),
+    their sliding group's meta (window `pool`), the pooled cache [N + 1, ceil(Di / P)] holding
+    stale values for the blocks of earlier steps, its meta (scratch: the last row))."""
+    meta, blocks = paged_meta(rows, 4, g, device=device)
+    raw = torch.randn(blocks * 4, di + 3, generator=g)[:, :di].to(device)
+    pooled = torch.randn(blocks * 4 + 1, -(-di // pool), generator=g).to(device)
+    return raw, sliding(meta, pool), pooled, replace(meta, scratch=blocks * 4)

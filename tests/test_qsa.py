@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 from one_row import context
-from paged_meta import paged_meta, selection
+from paged_meta import paged_meta, qsa_step, selection
 
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks import BLOCKS
@@ -61,7 +61,7 @@ def _pair(seed: int, budget: int, pool: int) -> tuple[GqaAttention, torch.nn.Mod
     ops = OpTable(torch.device("cpu"), torch.float32)
     for op, features, head_dim in BLOCKS.get("gqa").needs(cfg):
         ops.need(op, features, head_dim)
-    ours = GqaAttention(cfg, ops.resolve(), ((0, 0), (1, 0)))
+    ours = GqaAttention(cfg, ops.resolve(), ((0, 0), (1, 0), (2, 0)))
     q, gate = ref.q_proj.weight.view(H, 2, D, HIDDEN).unbind(1)
     with torch.no_grad():
         kv = (ref.k_proj.weight, ref.v_proj.weight)
@@ -103,7 +103,8 @@ def _run(seed: int, budget: int, pool: int):
     x = torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(100 + seed))
     groups = [
         CacheGroupCfg("kv", "paged", None, 2 * HK * D, (0,)),
-        CacheGroupCfg("index", "paged", None, DI, (0,)),
+        CacheGroupCfg("index_raw", "sliding", pool, DI, (0,)),
+        CacheGroupCfg("index", "paged", None, -(-DI // pool), (0,)),
     ]
     with torch.no_grad():
         got = ours(x, context(T, groups))
@@ -137,6 +138,7 @@ def test_qsa_with_the_budget_over_the_sequence_is_dense(seed: int) -> None:
 # decode, a chunk after a prefix, a fresh prompt, a row with no token this step, a long row
 ROWS = [(1, 13), (7, 9), (5, 5), (0, 8), (1, 40), (16, 36)]
 DECODE = [(1, 5), (1, 30), (0, 9), (1, 17)]
+POOL_DECODE = [(1, 5), (1, 16), (0, 9), (1, 24), (1, 17)]  # two rows complete a block of 4 and of 8
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -170,37 +172,48 @@ def test_batched_sparse_gqa_equals_the_reference(seed: int, rows) -> None:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("rows", [ROWS, DECODE, [(1, 70), (3, 41)]], ids=["mixed", "decode", "long"])
-def test_batched_qsa_scores_equal_the_reference_at_any_width(seed: int, rows) -> None:
-    """qsa_scores/batched (over the block table's width, as a CUDA graph holds it) against the
-    reference: the same -inf pattern, finite scores within 1e-5 relative, -inf past the
-    reference's width; and the same budget selections (index_topk) with the table widened by 5
-    columns of stale block ids or -1. Pools of 4 (a block) and 8 (two), with and without RoPE."""
-    from dayzero.kernels.batched.indexer import qsa_scores
+@pytest.mark.parametrize("rows", [ROWS, POOL_DECODE, [(1, 70), (3, 41)]], ids=["mixed", "decode", "long"])
+def test_batched_qsa_pool_and_scores_equal_the_reference_at_any_width(seed: int, rows) -> None:
+    """qsa_pool/batched writes the pooled keys of the blocks the step completes as the reference
+    does (the raw keys in a sliding group of window P, its freed blocks -1; every other row left
+    as it was; the tokens that complete nothing to the scratch row), and qsa_scores/batched over
+    the block table's width (as a CUDA graph holds it) gives the reference's -inf pattern, finite
+    scores within 1e-5 relative, -inf past the reference's width, and the same budget selections
+    (index_topk) with the table widened by 5 columns of stale block ids or -1. Pools of 4 (a
+    block) and 8 (two), with and without RoPE; 12 channels, so 8 spread them 2 a position."""
+    from dayzero.kernels.batched.indexer import qsa_pool, qsa_scores
     from dayzero.kernels.reference.mla import index_topk
+    from dayzero.kernels.reference.qsa import qsa_pool as reference_pool
     from dayzero.kernels.reference.qsa import qsa_scores as reference
 
     g = torch.Generator().manual_seed(seed)
-    meta, blocks = paged_meta(rows, 4, g)
-    t = meta.positions.shape[0]
-    q = torch.randn(t, HI, DI, generator=g)
-    cache = torch.randn(blocks * 4, DI + 3, generator=g)[:, :DI]  # a strided view, as the cache is
     w = 1 + 0.1 * torch.randn(DI, generator=g)
-    stale = torch.randint(-1, blocks, (meta.block_table.shape[0], 5), generator=g)
-    wide = replace(meta, block_table=torch.cat((meta.block_table, stale), dim=1), memo={})
     for pool in (4, 8):
+        raw, raw_meta, stale, meta = qsa_step(rows, pool, DI, g)
+        t = meta.positions.shape[0]
+        q = torch.randn(t, HI, DI, generator=g)
+        completing = int(((meta.positions + 1) % pool == 0).sum())
         for inv in (None, 1.0 / 10000 ** (torch.arange(DI // 4) / (DI // 4))):
-            args = (q, cache, w, EPS, inv, True)
-            want = reference(*args, meta, pool, DI**-0.5)
-            got = qsa_scores(*args, meta, pool, DI**-0.5)
+            want_keys, got_keys = stale.clone(), stale.clone()
+            reference_pool(raw, raw_meta, want_keys, meta, w, EPS, inv, True, pool)
+            qsa_pool(raw, raw_meta, got_keys, meta, w, EPS, inv, True, pool)
+            written = (want_keys != stale).any(-1)
+            assert int(written.sum()) == completing * -(-DI // want_keys.shape[1]) > 0
+            assert torch.equal(got_keys[:-1][~written[:-1]], stale[:-1][~written[:-1]])
+            assert (got_keys[written] - want_keys[written]).abs().max() <= TOL
+            want = reference(q, want_keys, meta, pool, DI**-0.5)
+            got = qsa_scores(q, got_keys, meta, pool, DI**-0.5)
             n = want.shape[1]
             assert (got[:, n:] == float("-inf")).all()
             seen = torch.isfinite(want)
-            assert torch.equal(seen, torch.isfinite(got[:, :n]))
-            if seen.any():
-                err = (got[:, :n][seen] - want[seen]).abs().max() / want[seen].abs().max()
-                assert err < TOL, (pool, err)
-            got_wide = qsa_scores(*args, wide, pool, DI**-0.5)
+            assert torch.equal(seen, torch.isfinite(got[:, :n])) and seen.any()
+            err = (got[:, :n][seen] - want[seen]).abs().max() / want[seen].abs().max()
+            assert err < TOL, (pool, err)
+            stale_ids = torch.randint(
+                -1, meta.block_table.max() + 1, (meta.block_table.shape[0], 5), generator=g
+            )
+            wide = replace(meta, block_table=torch.cat((meta.block_table, stale_ids), dim=1), memo={})
+            got_wide = qsa_scores(q, got_keys, wide, pool, DI**-0.5)
             for budget in (pool, 2 * pool):
                 a = index_topk(want, meta.positions, budget, pool, True)
                 b = index_topk(got_wide, meta.positions, budget, pool, True)
@@ -216,6 +229,7 @@ def test_sparse_kernels_are_selected_and_graph_safe() -> None:
     for need, backend in (
         (Need("gqa_attention", frozenset({"causal", "select"})), "batched_select"),
         (Need("qsa_scores", frozenset()), "batched"),
+        (Need("qsa_pool", frozenset()), "batched"),
     ):
         assert select(need, torch.device("cpu"), torch.float32).backend == backend
         assert KERNELS.get(f"{need.op}/{backend}").caps.graphs

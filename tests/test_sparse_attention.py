@@ -17,6 +17,7 @@ from one_row import context
 
 from dayzero.kernels.registry import KERNELS
 from dayzero.kernels.selection import OpTable
+from dayzero.sdk.blocks.attention import GqaAttention
 from dayzero.sdk.blocks.mla import SELECTION, MlaAttention, MlaCfg
 from dayzero.sdk.blocks.rope import rope_table
 from dayzero.sdk.engine.engine import SamplingParams
@@ -56,7 +57,9 @@ def _tie_free(score: torch.Tensor, k: int, gap: float = 2e-6) -> bool:
     """score [T, L] (-inf where not visible): every query with more than k visible keys has a gap
     between its k-th and (k+1)-th best well above fp32 rounding of the scores (~1e-7)."""
     best = score.sort(dim=-1, descending=True).values
-    rows = torch.isfinite(best[:, k]) if best.shape[1] > k else torch.zeros(len(best), dtype=torch.bool)
+    if best.shape[1] <= k:  # no query has more than k to choose from
+        return True
+    rows = torch.isfinite(best[:, k])
     gaps = best[rows, k - 1] - best[rows, k]
     return bool((gaps > gap).all())
 
@@ -397,19 +400,31 @@ def test_indexer_scores_split_by_head_sum_to_the_whole(seed: int) -> None:
 # ten times the fp32 score differences of ~1e-6 between dayzero and the reference), so both select
 # the same keys and the logits must agree to the fp32 parity tolerance. On CUDA this runs the
 # registered GPU kernels (prefill and eager decode steps); on CPU the reference ops.
-DSA_SCORES, KPOOL_SCORES = (KERNELS.get(f"{op}/reference").fn for op in ("dsa_scores", "kpool_scores"))
-PRUNE = {  # family: (overrides, the selecting op, the scores [T, L or M] it ranks from its args, k)
+# Qwen3.8-Flash-Next's QSA: the best 2 blocks of 8 plus the query's own, on cache blocks of 4 and
+# prefill chunks of at most 12 tokens, so a block's raw keys span chunks (the sliding raw group)
+# and its pooled key is written by a later chunk or decode step than most of its keys.
+SCORES = {op: KERNELS.get(f"{op}/reference").fn for op in ("dsa_scores", "kpool_scores", "qsa_scores")}
+PRUNE = {  # family: (overrides, the selecting op, the scores [T, L or M] it ranks from its args, k, engine)
     "glm53": (
         {"index_topk": 8, "index_n_heads": 8},
         "dsa_index",  # (q, w, cache, meta, k, scale)
-        lambda a: DSA_SCORES(*a[:4], a[5]),
+        lambda a: SCORES["dsa_scores"](*a[:4], a[5]),
         8,
+        {"max_tokens_per_step": 256},
     ),
     "glm53_flash": (
         {"text_config": {"index_topk": 8, "index_kpool": 4, "index_n_heads": 8}},
         "kpool_index",  # (q, w, cache, ape, meta, k, pool, scale, tail)
-        lambda a: KPOOL_SCORES(*a[:5], a[6], a[7]),
+        lambda a: SCORES["kpool_scores"](*a[:5], a[6], a[7]),
         2,  # pools
+        {"max_tokens_per_step": 256},
+    ),
+    "qwen38_flash_next": (
+        {"indexer_budget": 16, "indexer_compress_ratio": 8, "indexer_n_heads": 8},
+        "qsa_scores",  # (q, pooled, meta, pool, scale)
+        lambda a: SCORES["qsa_scores"](*a),
+        2,  # blocks
+        {"max_tokens_per_step": 12, "block_size": 4},
     ),
 }
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -419,18 +434,19 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("family", sorted(PRUNE))
 @pytest.mark.parametrize("seed", [0, 7])  # SEEDS' 1 and 2026 tie at 0 in a DSA layer: left out
 def test_pruning_indexers_whole_model_match_reference(tmp_path, family: str, seed: int, device: str) -> None:
-    overrides, op, scores, k = PRUNE[family]
+    overrides, op, scores, k, engine = PRUNE[family]
     dev = torch.device(device)
     ckpt = open_checkpoint(write_tiny(family, tmp_path / "ckpt", seed=seed, overrides=overrides))
     ours, ref = Ours(ckpt, dev, torch.float32), Reference(ckpt, ckpt.folder, dev, torch.float32)
     seen: list[torch.Tensor] = []  # every indexer call's scores, taken when it runs (caches change)
-    for ops in {id(m.ops): m.ops for m in ours.model.modules() if isinstance(m, MlaAttention)}.values():
+    indexed = [m for m in ours.model.modules() if isinstance(m, MlaAttention | GqaAttention)]
+    for ops in {id(m.ops): m.ops for m in indexed}.values():
         _wrap(ops, op, lambda *a: seen.append(scores(a).float().cpu()))
     g = torch.Generator().manual_seed(seed)
     vocab = ours.cfg.embedding.vocab
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (29, 45, 64)]
     got = ours.prefill_logits(prompts)
-    eng = ours.engine(max_tokens_per_step=256, max_batch_size=4, decode_graphs="off")
+    eng = ours.engine(max_batch_size=4, decode_graphs="off", **engine)
     outs = eng.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert seen and all(_tie_free(s, k, gap=1e-5) for s in seen), f"seed {seed}: indexer scores tie"
     tol = Tolerance()  # dayzero parity's fp32 tolerances

@@ -13,9 +13,10 @@ no host copy, no sync: graph-safe.
 DSA:   I[t, j] = sum_h w[t, h] relu(scale <q[t, h], k_j>)                            (fp32)
 KPool: K_m = sum_{i < P} softmax_i(g[mP + i] + ape[i]) k[mP + i]   (per channel),
        I[t, m] = sum_h w[t, h] relu(scale <q[t, h], K_m>),  pool m complete and m P + P - 1 <= p_t
-QSA:   K_m = rope(rmsnorm(mean_{i < P} k[mP + i]) w_k, mP),  I[t, m] = scale sum_h relu(<q[t, h], K_m>)
-Memory: the rows' keys [R, W B, Di] (and gates), the scores of a chunk of tokens [Tc, Hi, W B]
-with Tc from CHUNK_BYTES.
+QSA:   K_m = rope(rmsnorm(mean_{i < P} k[mP + i]) w_k, mP), formed once as block m completes
+       (`qsa_pool`) and read back from the pooled cache,  I[t, m] = scale sum_h relu(<q[t, h], K_m>)
+Memory: the rows' keys [R, W B, Di] (and gates; QSA's pooled [R, W B / P, Di]), the scores of a
+chunk of tokens [Tc, Hi, W B] with Tc from CHUNK_BYTES.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from dayzero.kernels.ops import PagedMeta
-from dayzero.kernels.reference.basic import rms_norm, rope
 from dayzero.kernels.reference.mla import index_topk
+from dayzero.kernels.reference.qsa import pooled_keys, unspread
 from dayzero.kernels.registry import Capabilities, register
 
 CHUNK_BYTES = 64 << 20  # the scores' intermediates per token chunk, at most (about)
@@ -121,35 +122,55 @@ def kpool_index(
     return index_topk(scores, meta.positions, topk, pool, tail)
 
 
-@register("qsa_scores", "batched", Capabilities(**_CAPS))
-def qsa_scores(
-    q: torch.Tensor,
-    cache: torch.Tensor,
+@register("qsa_pool", "batched", Capabilities(**_CAPS))
+def qsa_pool(
+    raw: torch.Tensor,
+    raw_meta: PagedMeta,
+    pooled: torch.Tensor,
+    meta: PagedMeta,
     k_weight: torch.Tensor,
     eps: float,
     inv_freq: torch.Tensor | None,
     neox: bool,
-    meta: PagedMeta,
     pool: int,
-    scale: float,
-) -> torch.Tensor:
-    """The QSA indexer's scores by block of `pool` keys (kernels/reference `qsa_scores`) over the
-    block table's width: q [T, Hi, Di] (normed and roped), cache [N, Di] raw index keys ->
-    [T, W B / P] fp32, -inf where a block is not complete before the query.
+) -> None:
+    """The pooled key of every block this step completes (kernels/reference `qsa_pool`), every
+    token at once: a token at position p_t with (p_t + 1) % P == 0 forms its block's key from
+    the raw keys of positions p_t - P + 1 .. p_t; the other tokens write to the group's scratch
+    slot (meta.scratch), so the shapes stay fixed."""
+    if meta.scratch < 0:
+        raise ValueError("qsa_pool/batched sends the tokens that complete no block to a scratch slot: none")
+    t, di, r = meta.positions.shape[0], raw.shape[1], pooled.shape[1]
+    n, bs, dev = -(-di // r), meta.block_size, raw.device
+    rows = torch.searchsorted(meta.query_start, torch.arange(t, device=dev), right=True) - 1  # [T]
+    pos = meta.positions
+    done = ((pos + 1) % pool == 0) & (pos < meta.kv_lens[rows])  # [T] completes block (p_t + 1) / P - 1
+    start = (pos + 1 - pool).clamp(min=0)  # [T] that block's first position
+    j = torch.minimum(start[:, None] + torch.arange(pool, device=dev), pos[:, None])  # [T, P] held
+    blk = raw_meta.block_table[rows[:, None], j // bs].long().clamp(min=0)
+    keys = pooled_keys(raw[blk * bs + j % bs], k_weight, eps, inv_freq, neox, start)  # [T, Di]
+    keys = torch.nn.functional.pad(keys, (0, n * r - di)).view(t * n, r).to(pooled.dtype)
+    j = torch.minimum(start[:, None] + torch.arange(n, device=dev), pos[:, None])  # [T, n] K_m's rows
+    slots = meta.block_table[rows[:, None], j // bs].long().clamp(min=0) * bs + j % bs
+    pooled[torch.where(done[:, None], slots, meta.scratch).view(-1)] = keys
 
-        K_m = rope(rmsnorm(mean_{i < P} k[m P + i]) w_k, position m P)
+
+@register("qsa_scores", "batched", Capabilities(**_CAPS))
+def qsa_scores(
+    q: torch.Tensor, pooled: torch.Tensor, meta: PagedMeta, pool: int, scale: float
+) -> torch.Tensor:
+    """The QSA indexer's scores by block of `pool` positions (kernels/reference `qsa_scores`) over
+    the block table's width: q [T, Hi, Di] (normed and roped), pooled [N, r] the blocks' keys
+    spread over their positions (kernels/ops.py `qsa_row`) -> [T, W B / P] fp32, -inf where a
+    block is not complete before the query.
+
         I[t, m] = scale sum_h relu(<q[t, h], K_m>)
     """
     t, di = q.shape[0], q.shape[-1]
     rows, slots, visible = _layout(meta, t)
     m = slots.shape[1] // pool
     slots, visible = slots[:, : m * pool], visible[:, : m * pool]
-    r = slots.shape[0]
-    keys = cache[slots].view(r, m, pool, di).float().mean(2).to(cache.dtype)  # [R, M, Di]
-    keys = rms_norm(keys, k_weight, eps, True)
-    if inv_freq is not None:  # block m's key at its first position, m P
-        starts = (torch.arange(m, device=q.device) * pool).repeat(r)  # [R M]
-        keys = rope(keys.reshape(r * m, 1, di), starts, inv_freq, neox).view(r, m, di)
+    keys = unspread(pooled, slots.reshape(-1), pool, di).view(slots.shape[0], m, di)  # [R, M, Di]
     seen = visible.view(t, m, pool)[..., -1]  # [T, M]: the block's last position is visible
     ones = torch.ones(q.shape[:2], dtype=torch.float32, device=q.device)  # [T, Hi]: heads summed
     return _scores(q, ones, keys, rows, scale).masked_fill(~seen, float("-inf"))

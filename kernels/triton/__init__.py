@@ -83,6 +83,7 @@ if importlib.util.find_spec("triton") is not None:
     register("dsa_index", "triton", Capabilities(**_any))(indexer.dsa_index)
     register("kpool_scores", "triton", Capabilities(**_any))(indexer.kpool_scores)
     register("qsa_scores", "triton", Capabilities(**_any))(indexer.qsa_scores)
+    register("qsa_pool", "triton", Capabilities(**_any))(indexer.qsa_pool)
     register("kpool_index", "triton", Capabilities(features=frozenset({"tail"}), **_any))(indexer.kpool_index)
     register("index_topk", "triton", Capabilities(features=frozenset({"tail"}), **_any))(topk.index_topk)
     # the delta rules' and the short conv's decode step (prefill chunks through fla-core where

@@ -11,12 +11,14 @@ KPool (`kpool_scores`): cache rows [k_j ; g_j] (key and pooling gate), pools of 
 complete pool m (m P + P <= kv_len[r]) has the key
     K_m = sum_{i < P} softmax_i(g[mP + i] + ape[i]) k[mP + i]      (softmax per channel, fp32)
     I[t, m] = sum_h w[t, h] relu(scale <q[t, h], K_m>)      m P + P - 1 <= p_t
-QSA (kernels/reference/qsa.py `qsa_scores`): raw index keys k_j, blocks of P positions, complete
-block m's key (each stage rounded to the cache's dtype, as the reference)
+QSA (kernels/reference/qsa.py): raw index keys k_j, blocks of P positions; `qsa_pool` forms the
+key of each block the step completes, one program a completing token (each stage rounded to the
+cache's dtype, as the reference; RoPE pairs a channel with its partner, loaded as a second
+vector: d +- R/2 rotate-half, d xor 1 GPT-J), spread over the block's rows (ops.qsa_row)
     K_m = rope(rmsnorm(mean_{i < P} k[m P + i]) w_k, position m P)
+and `qsa_scores` reads them back
     I[t, m] = scale sum_h relu(<q[t, h], K_m>)              m P + P - 1 <= p_t
-(RoPE pairs a channel with its partner, loaded as a second tile: d +- R/2 rotate-half, d xor 1
-GPT-J), and -inf elsewhere. The reference's scores are [T, L] with L the step's longest row (in
+and -inf elsewhere. The reference's scores are [T, L] with L the step's longest row (in
 keys or pools); these are [T, W B] keys or [T, W B / P] pools (W the block table's width, B the
 block size): the same columns, then -inf, so the top-k picks the same positions.
 
@@ -172,10 +174,8 @@ def _kpool_scores(
 @triton.jit(do_not_specialize=["stride_tr", "stride_ot", "width"])
 def _qsa_scores(
     q_ptr,  # [T, Hi, Di] indexer queries (normed and roped)
-    c_ptr,  # [N, >= Di] raw index keys, rows strided
-    w_ptr,  # [Di] the key norm's weight (as the op multiplies by it)
-    freq_ptr,  # [R / 2] RoPE inverse frequencies (read when ROT)
-    out_ptr,  # [T, WIDTH] fp32 scores by block of P keys
+    c_ptr,  # [N, >= R] pooled keys spread over their blocks' positions, rows strided
+    out_ptr,  # [T, WIDTH] fp32 scores by block of P positions
     rows_ptr,
     pos_ptr,
     kv_lens_ptr,
@@ -185,18 +185,16 @@ def _qsa_scores(
     stride_cn,
     stride_tr,
     stride_ot,
-    eps,
     scale,
     block_size,
     width,
     P: tl.constexpr,
+    R: tl.constexpr,
     HI: tl.constexpr,
     BHI: tl.constexpr,
     DI: tl.constexpr,
     BDI: tl.constexpr,
     BM: tl.constexpr,
-    ROT: tl.constexpr,
-    NEOX: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     t, tile = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -210,8 +208,62 @@ def _qsa_scores(
         return
     ok = m < n_pools
     d = tl.arange(0, BDI)
+    # channel d of K_m lies in the row of position m P + d // R, column d % R (ops.qsa_row)
+    j = m[:, None] * P + (d // R)[None, :]  # [BM, BDI]
+    msk = ok[:, None] & (d < DI)[None, :]
+    blk = tl.load(table_ptr + r * stride_tr + j // block_size, mask=msk, other=-1)
+    row = (blk.to(tl.int64) * block_size + j % block_size) * stride_cn
+    key = tl.load(c_ptr + row + (d % R)[None, :], mask=msk & (blk >= 0), other=0.0)  # [BM, BDI] K_m
+    last = m * P + P - 1  # the block's last position must be held (the batched op's visibility)
+    ok &= tl.load(table_ptr + r * stride_tr + last // block_size, mask=ok, other=-1) >= 0
+    h = tl.arange(0, BHI)
+    q = tl.load(
+        q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
+        mask=(h[:, None] < HI) & (d < DI)[None, :],
+        other=0.0,
+    )  # [BHI, BDI]
+    key = key.to(q.dtype)
+    if IEEE:  # noqa: SIM108  (a compile-time branch in Triton)
+        s = tl.dot(q, tl.trans(key), input_precision="ieee")  # [BHI, BM] fp32
+    else:
+        s = tl.dot(q, tl.trans(key))
+    score = tl.sum(tl.maximum(s, 0.0), 0) * scale  # [BM]
+    tl.store(dst, tl.where(ok, score, float("-inf")), mask=m < width)
+
+
+@triton.jit(do_not_specialize=["stride_rr", "stride_pr"])
+def _qsa_pool(
+    raw_ptr,  # [N, >= Di] raw index keys (the sliding group), rows strided
+    c_ptr,  # [N', >= R] pooled keys, rows strided
+    w_ptr,  # [Di] the key norm's weight (as the op multiplies by it)
+    freq_ptr,  # [RoT / 2] RoPE inverse frequencies (read when ROT)
+    rows_ptr,
+    pos_ptr,
+    kv_lens_ptr,
+    raw_table_ptr,
+    table_ptr,
+    stride_rn,
+    stride_cn,
+    stride_rr,
+    stride_pr,
+    eps,
+    block_size,
+    P: tl.constexpr,
+    R: tl.constexpr,
+    DI: tl.constexpr,
+    BDI: tl.constexpr,
+    ROT: tl.constexpr,
+    NEOX: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    r = tl.load(rows_ptr + t).to(tl.int64)
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    if ((p + 1) % P != 0) | (p >= tl.load(kv_lens_ptr + r)):  # completes no block
+        return
+    start = p + 1 - P  # the block's first position
+    d = tl.arange(0, BDI)
     dm = d < DI
-    # RoPE's partner of channel d (rotate-half: d +- R/2; GPT-J: d xor 1) and its frequency
+    # RoPE's partner of channel d (rotate-half: d +- RoT/2; GPT-J: d xor 1) and its frequency
     if NEOX:
         half = ROT // 2
         pd = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
@@ -219,43 +271,32 @@ def _qsa_scores(
     else:
         pd = tl.where(d < ROT, d ^ 1, d)
         f, first = d // 2, d % 2 == 0
-    acc = tl.zeros((BM, BDI), tl.float32)  # sum_i k[m P + i] by channel
-    acc_p = tl.zeros((BM, BDI), tl.float32)  # the same at each channel's partner
+    acc = tl.zeros((BDI,), tl.float32)  # sum_i k[start + i] by channel
+    acc_p = tl.zeros((BDI,), tl.float32)  # the same at each channel's partner
     for i in range(P):
-        j = m * P + i
-        blk = tl.load(table_ptr + r * stride_tr + j // block_size, mask=ok, other=-1)
-        row = c_ptr + (blk.to(tl.int64) * block_size + j % block_size)[:, None] * stride_cn
-        msk = (ok & (blk >= 0))[:, None] & dm[None, :]
-        acc += tl.load(row + d[None, :], mask=msk, other=0.0).to(tl.float32)
-        acc_p += tl.load(row + pd[None, :], mask=msk, other=0.0).to(tl.float32)
-    last = m * P + P - 1  # the block's last position must be held (the batched op's visibility)
-    ok &= tl.load(table_ptr + r * stride_tr + last // block_size, mask=ok, other=-1) >= 0
-    dt = c_ptr.dtype.element_ty  # each stage rounded to the cache's dtype, as the reference
-    x = (acc / P).to(dt).to(tl.float32)  # [BM, BDI] the mean key
+        j = start + i
+        blk = tl.load(raw_table_ptr + r * stride_rr + j // block_size).to(tl.int64)
+        row = raw_ptr + (blk * block_size + j % block_size) * stride_rn
+        acc += tl.load(row + d, mask=dm, other=0.0).to(tl.float32)
+        acc_p += tl.load(row + pd, mask=dm, other=0.0).to(tl.float32)
+    dt = raw_ptr.dtype.element_ty  # each stage rounded to the cache's dtype, as the reference
+    x = (acc / P).to(dt).to(tl.float32)  # [BDI] the mean key
     xp = (acc_p / P).to(dt).to(tl.float32)
-    rs = 1.0 / tl.sqrt(tl.sum(x * x, 1) / DI + eps)  # [BM]
+    rs = 1.0 / tl.sqrt(tl.sum(x * x, 0) / DI + eps)
     w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
     wp = tl.load(w_ptr + pd, mask=dm, other=0.0).to(tl.float32)
-    y = (x * rs[:, None] * w[None, :]).to(dt).to(tl.float32)
-    if ROT:  # rotated at the block's first position, m P
-        yp = (xp * rs[:, None] * wp[None, :]).to(dt).to(tl.float32)
-        inv = tl.load(freq_ptr + f, mask=d < ROT, other=0.0).to(tl.float32)
-        ang = (m * P).to(tl.float32)[:, None] * inv[None, :]  # [BM, BDI]
-        rot = y * tl.cos(ang) + tl.where(first, -1.0, 1.0)[None, :] * yp * tl.sin(ang)
-        y = tl.where((d < ROT)[None, :], rot.to(dt).to(tl.float32), y)
-    h = tl.arange(0, BHI)
-    q = tl.load(
-        q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :],
-        mask=(h[:, None] < HI) & dm[None, :],
-        other=0.0,
-    )  # [BHI, BDI]
-    key = y.to(q.dtype)  # [BM, BDI] K_m
-    if IEEE:  # noqa: SIM108  (a compile-time branch in Triton)
-        s = tl.dot(q, tl.trans(key), input_precision="ieee")  # [BHI, BM] fp32
-    else:
-        s = tl.dot(q, tl.trans(key))
-    score = tl.sum(tl.maximum(s, 0.0), 0) * scale  # [BM]
-    tl.store(dst, tl.where(ok, score, float("-inf")), mask=m < width)
+    y = (x * rs * w).to(dt).to(tl.float32)
+    if ROT:  # rotated at the block's first position
+        yp = (xp * rs * wp).to(dt).to(tl.float32)
+        ang = start.to(tl.float32) * tl.load(freq_ptr + f, mask=d < ROT, other=0.0).to(tl.float32)
+        rot = y * tl.cos(ang) + tl.where(first, -1.0, 1.0) * yp * tl.sin(ang)
+        y = tl.where(d < ROT, rot.to(dt).to(tl.float32), y)
+    # channel d to the row of position start + d // R, column d % R (zeros past Di)
+    j = start + d // R
+    keep = d < (DI + R - 1) // R * R
+    blk = tl.load(table_ptr + r * stride_pr + j // block_size, mask=keep, other=0).to(tl.int64)
+    dst = c_ptr + (blk * block_size + j % block_size) * stride_cn + d % R
+    tl.store(dst, tl.where(dm, y, 0.0).to(c_ptr.dtype.element_ty), mask=keep)
 
 
 def _heads(hi: int, di: int) -> dict:
@@ -313,34 +354,51 @@ def kpool_scores(
     return out
 
 
-def qsa_scores(
-    q: torch.Tensor,
-    cache: torch.Tensor,
+def qsa_pool(
+    raw: torch.Tensor,
+    raw_meta: PagedMeta,
+    pooled: torch.Tensor,
+    meta: PagedMeta,
     k_weight: torch.Tensor,
     eps: float,
     inv_freq: torch.Tensor | None,
     neox: bool,
-    meta: PagedMeta,
     pool: int,
-    scale: float,
+) -> None:
+    """raw [N, Di] raw index keys (raw_meta: their sliding group's rows), pooled [N', r] ->
+    the key of every block this step completes, spread over its positions' rows (ops.qsa_row);
+    one program a token, those that complete no block return at once."""
+    t, di, r = meta.positions.shape[0], raw.shape[1], pooled.shape[1]
+    if t == 0:
+        return
+    rot = 0 if inv_freq is None else 2 * inv_freq.shape[0]
+    _qsa_pool[(t,)](
+        raw, pooled, k_weight, k_weight if inv_freq is None else inv_freq, token_rows(meta, t),
+        meta.positions, meta.kv_lens, raw_meta.block_table, meta.block_table, raw.stride(0),
+        pooled.stride(0), raw_meta.block_table.stride(0), meta.block_table.stride(0), eps,
+        meta.block_size, P=pool, R=r, DI=di, BDI=max(16, triton.next_power_of_2(di)), ROT=rot,
+        NEOX=neox and rot > 0, num_warps=4,
+    )  # fmt: skip
+
+
+def qsa_scores(
+    q: torch.Tensor, pooled: torch.Tensor, meta: PagedMeta, pool: int, scale: float
 ) -> torch.Tensor:
-    """q [T, Hi, Di] (normed and roped), cache [N, Di] raw index keys, k_weight [Di], inv_freq
-    [R / 2] or None -> [T, W B / P] fp32 scores by block of `pool` keys, -inf where a block is not
-    complete before the query."""
+    """q [T, Hi, Di] (normed and roped), pooled [N, r] the blocks' keys spread over their
+    positions (ops.qsa_row) -> [T, W B / P] fp32 scores by block of `pool` positions, -inf where
+    a block is not complete before the query."""
     t, hi, di = q.shape
     width = meta.block_table.shape[1] * meta.block_size // pool
     out = torch.empty(t, width, dtype=torch.float32, device=q.device)
     if t == 0 or width == 0:
         return out
     q = q if q.stride(-1) == 1 else q.contiguous()
-    rot = 0 if inv_freq is None else 2 * inv_freq.shape[0]
     bm = 16
     _qsa_scores[(t, triton.cdiv(width, bm))](
-        q, cache, k_weight, k_weight if inv_freq is None else inv_freq, out, token_rows(meta, t),
-        meta.positions, meta.kv_lens, meta.block_table, q.stride(0), q.stride(1), cache.stride(0),
-        meta.block_table.stride(0), out.stride(0), eps, scale, meta.block_size, width,
-        P=pool, **_heads(hi, di), BM=bm, ROT=rot, NEOX=neox and rot > 0, IEEE=q.dtype == torch.float32,
-        num_warps=8,
+        q, pooled, out, token_rows(meta, t), meta.positions, meta.kv_lens, meta.block_table,
+        q.stride(0), q.stride(1), pooled.stride(0), meta.block_table.stride(0), out.stride(0), scale,
+        meta.block_size, width, P=pool, R=pooled.shape[1], **_heads(hi, di), BM=bm,
+        IEEE=q.dtype == torch.float32, num_warps=4,
     )  # fmt: skip
     return out
 

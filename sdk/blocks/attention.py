@@ -9,7 +9,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from dayzero.kernels.ops import HeadPrep
+from dayzero.kernels.ops import HeadPrep, qsa_row
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.blocks.base import BLOCKS, BlockDef, CacheDecl, StaticCache
 from dayzero.sdk.blocks.norm import zero_centred
@@ -134,10 +134,13 @@ class GqaAttention(nn.Module):
     y = o W_o (+ b_o: o_bias, by default as bias)      [T, Dm]
 
     With the QSA indexer (Qwen4-Exp) the attention sees only S(t), j in S(t) as well as j <= p_t:
-    [q_i; k_i] = x W_idx                 q_i [T, Hi, Di]; k_i [T, Di] (cached raw, own paged group)
+    [q_i; k_i] = x W_idx                 q_i [T, Hi, Di]; k_i [T, Di] (cached raw in a sliding
+                                          group of window P: a block's keys until it completes)
     q_i <- rope(rmsnorm_Di(q_i), p_t)    (the norm as the q/k norms, zero-centred with them; the
                                           attention's RoPE table on the first rotary channels)
-    K_m = rope(rmsnorm_Di(mean_{i < P} k_i[m P + i]), m P)     complete blocks m of P keys
+    K_m = rope(rmsnorm_Di(mean_{i < P} k_i[m P + i]), m P)     complete blocks m of P keys,
+          formed once when the step holding m P + P - 1 writes it, cached in a paged group of
+          ceil(Di / P) elements a token (kernels/ops.py `qsa_row`): Di / P a token, not Di
     I[t, m] = sum_h relu(<q_i[t, h], K_m>) / sqrt(Di)          blocks ending at or before p_t
     S(t) = the positions of the budget / P best blocks + [P floor((p_t + 1) / P), p_t] (the
            query's incomplete block, always kept)
@@ -156,8 +159,8 @@ class GqaAttention(nn.Module):
     def __init__(self, cfg: GqaCfg, ops: OpTable, caches: tuple[tuple[int, int], ...]) -> None:
         super().__init__()
         self.cfg, self.ops = cfg, ops
-        (self.group, self.offset), *index = caches  # K and V; with the indexer its keys
-        self.index_cache = index[0] if index else None
+        (self.group, self.offset), *index = caches  # K and V; with the indexer raw and pooled keys
+        self.index_caches = tuple(index)
         h, hk, d = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.split = [h * d, hk * d, hk * d] + ([h * d] if cfg.output_gate != "none" else [])
         self.in_proj = nn.Parameter(torch.empty(sum(self.split), cfg.hidden))
@@ -271,11 +274,12 @@ class GqaAttention(nn.Module):
         qi = ops.rms_norm(qi.reshape(t, ix.heads, di), qw, c.norm_eps, c.norm_weight_in_fp32)
         if self.inv_freq is not None:
             qi = ops.rope(qi, ctx.positions, self.inv_freq, c.neox)  # [T, Hi, Di]
-        g, off = self.index_cache
-        cache = ctx.caches[g][:, off : off + di]  # [N, Di] raw index keys
-        meta = ctx.paged[g]
-        ops.cache_write(ki, cache, meta.slots)
-        score = ops.qsa_scores(qi, cache, kw, c.norm_eps, self.inv_freq, c.neox, meta, ix.pool, di**-0.5)
+        (g_raw, off_raw), (g, off) = self.index_caches
+        raw, raw_meta = ctx.caches[g_raw][:, off_raw : off_raw + di], ctx.paged[g_raw]  # [N, Di]
+        ops.cache_write(ki, raw, raw_meta.slots)
+        pooled, meta = ctx.caches[g][:, off : off + qsa_row(di, ix.pool)], ctx.paged[g]  # [N', r]
+        ops.qsa_pool(raw, raw_meta, pooled, meta, kw, c.norm_eps, self.inv_freq, c.neox, ix.pool)
+        score = ops.qsa_scores(qi, pooled, meta, ix.pool, di**-0.5)
         if c.par.size > 1:  # this rank's heads' share of sum_h relu(q_h K_m): summed over ranks
             score = ops.tp.all_reduce(score)
         return ops.index_topk(score, ctx.positions, ix.budget, ix.pool, True)
@@ -404,7 +408,8 @@ def _gqa_needs(c: GqaCfg):
         )
     if c.indexer is not None:
         needs += [("rms_norm", frozenset(fp32), None), ("cache_write", frozenset(), None)]
-        needs += [("qsa_scores", frozenset(), None), ("index_topk", frozenset({"tail"}), None)]
+        needs += [("qsa_pool", frozenset(), None), ("qsa_scores", frozenset(), None)]
+        needs.append(("index_topk", frozenset({"tail"}), None))
         if c.rope_theta is not None:
             rope = {"partial"} | ({"neox"} if c.neox else set())
             needs.append(("rope", frozenset(rope), None))
@@ -414,7 +419,10 @@ def _gqa_needs(c: GqaCfg):
 def _gqa_cache(c: GqaCfg) -> tuple[CacheDecl, ...]:
     row = 2 * c.kv_heads * c.head_dim
     kv = CacheDecl("kv", "sliding", row, c.window) if c.window else CacheDecl("kv", "paged", row)
-    return (kv,) if c.indexer is None else (kv, CacheDecl("index", "paged", c.indexer.head_dim))
+    if (ix := c.indexer) is None:
+        return (kv,)
+    raw = CacheDecl("index_raw", "sliding", ix.head_dim, ix.pool)  # a block's keys until it completes
+    return kv, raw, CacheDecl("index", "paged", qsa_row(ix.head_dim, ix.pool))
 
 
 def _gqa_static_cache(o: GqaOpts) -> tuple[StaticCache, ...]:
@@ -423,7 +431,10 @@ def _gqa_static_cache(o: GqaOpts) -> tuple[StaticCache, ...]:
         if o.window is None
         else StaticCache("kv", "sliding", str(o.window), "kv_swa")
     )
-    return (kv,) if o.indexer is None else (kv, StaticCache("index", "paged", "index_qsa", "index"))
+    if o.indexer is None:
+        return (kv,)
+    raw = StaticCache("index_raw", "sliding", f"qsa_raw_{o.indexer.pool}", "index_raw")
+    return kv, raw, StaticCache("index", "paged", "index_qsa", "index")
 
 
 BLOCKS.add(

@@ -93,6 +93,7 @@ def build_context(
                 block_size=block_size,
                 query_start_cpu=qs_cpu,
                 kv_lens_cpu=kv_lens,
+                scratch=cache.shape[0] - 1,  # a KvPool view's last row lies in its scratch page
             )
         )
     sample_rows = np.nonzero(np.asarray(plan.sample))[0]

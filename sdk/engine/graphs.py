@@ -107,6 +107,7 @@ class DecodeGraphs:
                 block_size=self.block_size,
                 query_start_cpu=tuple(range(size + 1)),
                 kv_lens_cpu=kv_lens_cpu or (0,) * size,
+                scratch=self.scratch[j],
             )
         return StepContext(
             input_ids=ids,

@@ -4,7 +4,8 @@ Device pool bytes: [ state slots: num_slots x state_slot_bytes ][ one scratch st
 [ pages: num_pages x page_bytes ][ one scratch page ] (no state slot at all for a model without
 a State group). The scratch page and slot lie past every block and slot the scheduler hands
 out: the padding rows of a captured decode step write their keys there (`scratch_slot`) and
-read and write their recurrent states there (`scratch_state_slot`).
+read and write their recurrent states there (`scratch_state_slot`); a group's view ends in the
+scratch page, so its last row is a scratch slot too (`PagedMeta.scratch`).
 Block b of paged group g is rows [b * block_size, (b + 1) * block_size) of that group's view
 [num_pages * blocks_per_page[g] * block_size, padded_row_bytes[g]], seen in the cache dtype.
 Host pool: num_host_pages x page_bytes (pinned on CUDA, not zeroed), for retraction and demoted

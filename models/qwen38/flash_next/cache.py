@@ -17,5 +17,6 @@ CACHE_GROUPS = (
         ),
     ),
     GroupDecl(name="kv", kind="paged", members=("attn.kv",)),
+    GroupDecl(name="index_raw", kind="sliding", members=("attn.index_raw",)),
     GroupDecl(name="index", kind="paged", members=("attn.index",)),
 )
