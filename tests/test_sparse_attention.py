@@ -401,8 +401,10 @@ def test_indexer_scores_split_by_head_sum_to_the_whole(seed: int) -> None:
 # the same keys and the logits must agree to the fp32 parity tolerance. On CUDA this runs the
 # registered GPU kernels (prefill and eager decode steps); on CPU the reference ops.
 # Qwen3.8-Flash-Next's QSA: the best 2 blocks of 8 plus the query's own, on cache blocks of 4 and
-# prefill chunks of at most 12 tokens, so a block's raw keys span chunks (the sliding raw group)
-# and its pooled key is written by a later chunk or decode step than most of its keys.
+# prefill chunks of 12 tokens, so a block's raw keys span chunks (the sliding raw group)
+# and its pooled key is written by a later chunk or decode step than most of its keys. The same
+# prompts again in the same engine hit the prefix cache (for QSA at positions 4 mod 8 too, where
+# the next block's first raw keys come from the cached sliding blocks) and decode the same.
 SCORES = {op: KERNELS.get(f"{op}/reference").fn for op in ("dsa_scores", "kpool_scores", "qsa_scores")}
 PRUNE = {  # family: (overrides, the selecting op, the scores [T, L or M] it ranks from its args, k, engine)
     "glm53": (
@@ -424,7 +426,7 @@ PRUNE = {  # family: (overrides, the selecting op, the scores [T, L or M] it ran
         "qsa_scores",  # (q, pooled, meta, pool, scale)
         lambda a: SCORES["qsa_scores"](*a),
         2,  # blocks
-        {"max_tokens_per_step": 12, "block_size": 4},
+        {"chunk_size": 12, "max_tokens_per_step": 28, "block_size": 4},
     ),
 }
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -447,9 +449,16 @@ def test_pruning_indexers_whole_model_match_reference(tmp_path, family: str, see
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (29, 45, 64)]
     got = ours.prefill_logits(prompts)
     eng = ours.engine(max_batch_size=4, decode_graphs="off", **engine)
-    outs = eng.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = eng.generate(prompts, greedy)
+    hits = eng.scheduler.prefix_stats()["hit_tokens"]
+    again = eng.generate(prompts, greedy)  # prefix hits: the cached blocks' keys (QSA: raw and pooled)
+    assert eng.scheduler.prefix_stats()["hit_tokens"] > hits
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
     assert seen and all(_tie_free(s, k, gap=1e-5) for s in seen), f"seed {seed}: indexer scores tie"
     tol = Tolerance()  # dayzero parity's fp32 tolerances
+    for o, a in zip(outs, again, strict=True):
+        assert max(abs(x - y) for x, y in zip(o.logprobs, a.logprobs, strict=True)) < tol.logprobs
     for p, mine, out in zip(prompts, got, outs, strict=True):
         want = ref.logits(p)  # parity's 1e-4, of the largest logit (|logit| up to ~3 here)
         assert (mine - want).abs().max().item() < tol.logits * max(1.0, want.abs().max().item())
