@@ -38,6 +38,7 @@ from dayzero.sdk.engine.parallel import (
     watch_parent,
 )
 from dayzero.sdk.engine.ranks import Leader, StepFailed, follow
+from dayzero.sdk.engine.speculative import SpeculativeConfig
 from dayzero.sdk.families import build, spec_family
 from dayzero.sdk.loader import LOAD_FORMATS, fill_dummy, load_weights, open_checkpoint, refuse_dummy
 from dayzero.sdk.loader.detok import Detokenizer
@@ -188,6 +189,7 @@ class LLM:
         enable_expert_parallel: bool = False,
         launch: Launch | None = None,
         enable_dp_attention: bool = False,
+        speculative_config: dict | str | None = None,
     ) -> None:
         """quantization: the format the checkpoint must hold (checked, see sdk.quant);
         quantize_activations: NVFP4 activation quantization with the checkpoint's input scales
@@ -209,9 +211,11 @@ class LLM:
         1): every rank attends with the whole attention block for its own requests (its KV pool
         holds only theirs: N times the requests in all), the MoE experts split over the ranks
         (expert parallel), dense MLPs, embedding and LM head tensor-parallel over every rank's
-        tokens (sdk/engine/dp.py)."""
+        tokens (sdk/engine/dp.py). speculative_config: vLLM's, e.g. {"method": "ngram",
+        "num_speculative_tokens": 3} (sdk/engine/speculative.py), over `engine`'s."""
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {load_format!r}: known {', '.join(LOAD_FORMATS)}")
+        speculative = SpeculativeConfig.parse(speculative_config)  # refused before any load
         t0 = time.perf_counter()
         self.path = resolve_model(model) if model else embedded_default()
         self.device = torch.device(device or default_device())
@@ -283,6 +287,8 @@ class LLM:
             if callable(engine):  # sized once the weights are resident (free device memory is known)
                 engine = engine(self.config)
             engine = engine or EngineConfig()
+            if speculative is not None:
+                engine = replace(engine, speculative=speculative)
             if size > 1:  # rank 0's engine config, KV pages the smallest rank holds
                 engine = agree_kv(engine, self.config, self.dtype.itemsize, self.ctrl)
             # every rank captures the same decode graphs here, in the same order (their collectives)

@@ -24,6 +24,7 @@ from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
 from dayzero.sdk.engine.kv_pool import KvPool
 from dayzero.sdk.engine.ranks import Leader, from_leader, smallest
 from dayzero.sdk.engine.sampling import Pending, Sampler, SamplingParams
+from dayzero.sdk.engine.speculative import SpeculativeConfig, VerifyRows, verify_rows
 from dayzero.sdk.scheduler import FinishReason, Scheduler, SchedulerError, make_config
 
 GRAPH_MODES = ("auto", "off", "buffers")
@@ -67,12 +68,19 @@ class EngineConfig:
     # plan step N+1 and launch it before reading step N's tokens back (the scheduler's overlap;
     # a decode row's input token is filled in on the device): auto = on CUDA
     overlap: str = "auto"
+    # speculative decoding (sdk/engine/speculative.py; vLLM's --speculative-config): drafted
+    # tokens verified a step; None: off
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.decode_graphs not in GRAPH_MODES:
             raise ValueError(f"decode_graphs {self.decode_graphs!r}; known: {', '.join(GRAPH_MODES)}")
         if self.overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap {self.overlap!r}; known: {', '.join(OVERLAP_MODES)}")
+        if self.speculative is not None and self.overlap == "on":
+            raise ValueError(
+                "speculative decoding runs without overlap (a step's drafts need its accepted tokens)"
+            )
 
 
 def _scheduler_fields(cfg: ModelConfig, config: EngineConfig) -> dict[str, int | bool]:
@@ -87,6 +95,8 @@ def _scheduler_fields(cfg: ModelConfig, config: EngineConfig) -> dict[str, int |
     )
     if config.chunk_size:
         fields["chunk_size"] = config.chunk_size
+    if config.speculative is not None:
+        fields["spec_tokens"] = config.speculative.num_speculative_tokens
     if any(g.kind == "state" for g in cfg.cache_groups):
         snaps = config.snapshot_slots
         fields["snapshot_slots"] = config.max_batch_size if snaps is None else snaps
@@ -176,6 +186,7 @@ class _Launched:
     sample_ids: list[int]  # request of each sampled row
     prefill_tokens: int
     pending: Pending
+    verify: VerifyRows | None = None  # speculative: which sampled rows are whose, and the drafts
 
 
 _ENDED = SamplingParams(max_tokens=1, temperature=0)  # a row whose request ended after its plan
@@ -198,7 +209,11 @@ class Engine:
         self.dp = par.attention_dp and par.size > 1  # one scheduler per attention rank (dp.py)
         if self.dp and config.overlap == "on":
             raise ValueError("data-parallel attention runs without overlap (yet)")
-        auto = config.overlap == "auto" and self.device.type == "cuda" and not self.dp
+        self.spec = config.speculative
+        if self.spec is not None:
+            self._check_speculative()
+            self.drafter = self.spec.drafter()
+        auto = config.overlap == "auto" and self.device.type == "cuda" and not self.dp and self.spec is None
         self.overlap = fields["overlap"] = config.overlap == "on" or auto
         # the prefix cache's key chain starts from a secret of this engine (see SchedulerConfig)
         fields["cache_salt_hi"], fields["cache_salt_lo"] = secrets.randbits(64), secrets.randbits(64)
@@ -223,6 +238,10 @@ class Engine:
         self.stats["device_inputs"] = 0  # input tokens filled in on the device (overlap)
         self.stats["failed_steps"] = 0
         self.stats["failed_requests"] = 0  # aborted alone by a failure after their step (_collect)
+        k = self.spec.num_speculative_tokens if self.spec is not None else 0
+        self.stats["drafted"] = 0  # draft tokens verified (speculative decoding)
+        self.stats["accepted_at"] = [0] * k  # drafts accepted at each draft position
+        self.stats["verify_rows"] = 0  # decode rows that verified drafts
         self.failures = 0  # failed steps in a row (the server's health turns 503 at a few)
         self.graphs = self._decode_graphs()
         # tensor parallel: rank 0 sends each plan to the other ranks before running it (ranks.py)
@@ -256,9 +275,27 @@ class Engine:
             ctx.sample_index = torch.arange(plan.num_input_tokens, device=self.device)
         return ctx
 
+    def _check_speculative(self) -> None:
+        """Refuse, by name, what speculative decoding does not run with yet."""
+        par, why = self.cfg.parallel, []
+        if par.size > 1:
+            kind = "data-parallel attention" if par.attention_dp else "tensor parallelism"
+            why.append(f"{kind} ({par.size} ranks)")
+        if state := [g.name for g in self.cfg.cache_groups if g.kind == "state"]:
+            why.append(
+                f"recurrent state (cache group {', '.join(state)}: not rolled back after a rejection yet)"
+            )
+        if why:
+            raise ValueError(
+                f"speculative decoding ({self.spec.method}) is not implemented with {'; '.join(why)}"
+            )
+
     def _decode_graphs(self) -> DecodeGraphs | None:
         mode, cfg = self.config.decode_graphs, self.cfg
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
+            return None
+        if self.spec is not None:
+            log.info("decode runs eagerly (no CUDA graphs): speculative steps verify k + 1 tokens a row")
             return None
         why = []
         if cfg.parallel.attention_dp and cfg.parallel.size > 1:
@@ -403,6 +440,8 @@ class Engine:
         """Queue the plan's forward pass and sampling on the device (prev: the step before, still
         in flight or just collected, whose device tokens fill the plan's -1 inputs; graph: the
         plan runs in a decode graph's bucket)."""
+        if self.spec is not None:
+            return self._launch_verify(plan)
         fill = self._device_inputs(plan, prev)
         if graph:
             with self._lockstep():
@@ -417,6 +456,51 @@ class Engine:
         sample = np.asarray(plan.sample, dtype=np.int32).copy()
         req_ids = np.asarray(plan.req_ids).copy()
         sample_ids = req_ids[sample.astype(bool)].tolist()
+        pending = self._sample(logits, sample_ids)
+        if self.leader is not None and self.overlap and sample_ids:  # the others' next inputs
+            with self._lockstep():
+                self.leader.share(pending.tokens)
+        prefill = int(np.asarray(plan.num_tokens)[np.asarray(plan.is_prefill, dtype=bool)].sum())
+        return _Launched(plan, req_ids, sample, sample_ids, prefill, pending)
+
+    def _launch_verify(self, plan) -> _Launched:
+        """Queue a speculative step (sdk/engine/speculative.py): each drafted decode row's -1
+        inputs get its request's drafts (a row that is not drafted: its last token again), the
+        model gives logits at all k + 1 positions of a drafted row and at the last token of every
+        other sampling row, and each is sampled under its request's parameters."""
+        k = self.spec.num_speculative_tokens
+        verify, index = verify_rows(plan, k, self._drafts)
+        ids, qs = np.asarray(plan.input_ids), np.asarray(plan.query_start)
+        dst, vals = np.flatnonzero(ids < 0), []
+        for r, rid in enumerate(np.asarray(plan.req_ids).tolist()):
+            if qs[r + 1] - qs[r] != k + 1 or ids[qs[r] + 1] >= 0:
+                continue  # not a decode row with draft slots
+            out = self.requests[rid]
+            drafts = self.drafter(out.prompt_ids + out.token_ids, k)[:k] if verify.count[r] > 1 else []
+            vals += (drafts + [int(ids[qs[r]])] * k)[:k]
+            verify.drafts[r] = drafts + [-1] * (k - len(drafts)) if verify.count[r] > 1 else []
+        with self._lockstep():
+            ctx = self._context(plan)
+            if dst.size:
+                ctx.input_ids[torch.from_numpy(dst).to(self.device)] = torch.tensor(vals, device=self.device)
+            ctx.sample_index = torch.from_numpy(index).to(self.device)
+            logits = self.model(ctx)  # [S, V] fp32
+        req_ids = np.asarray(plan.req_ids).copy()
+        sample_ids = np.repeat(req_ids, verify.count).tolist()
+        pending = self._sample(logits, sample_ids)
+        prefill = int(np.asarray(plan.num_tokens)[np.asarray(plan.is_prefill, dtype=bool)].sum())
+        sample = np.asarray(plan.sample, dtype=np.int32).copy()
+        return _Launched(plan, req_ids, sample, sample_ids, prefill, pending, verify)
+
+    def _drafts(self, rid: int) -> bool:
+        """Whether a request's decode rows verify drafts: not where its sampling reads its own
+        earlier tokens (penalties, bias, min_tokens, a grammar), which the drafts would have to
+        pass through one at a time (speculative.py)."""
+        p = self.params.get(rid)
+        return p is not None and not p.rewrites and p.grammar is None
+
+    def _sample(self, logits: torch.Tensor, sample_ids: list[int]) -> Pending:
+        """Queue the sampling of logits [S, V], row s under request sample_ids[s]'s parameters."""
         # a row of a request that ended after this plan was made (its grammar check failed in the
         # collect just before): sampled greedily, its token dropped (see `_collect`)
         params = [self.params.get(i, _ENDED) for i in sample_ids]
@@ -436,14 +520,8 @@ class Engine:
             ]
             eos = list(self.cfg.eos_token_ids)
             stops = [tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(eos)) for p in params]
-            pending = self.sampler.launch(logits, params, gens, sample_ids, produced, stops, allowed)
-        else:
-            pending = self.sampler.launch(logits, params, gens, allowed=allowed)
-        if self.leader is not None and self.overlap and sample_ids:  # the others' next inputs
-            with self._lockstep():
-                self.leader.share(pending.tokens)
-        prefill = int(np.asarray(plan.num_tokens)[np.asarray(plan.is_prefill, dtype=bool)].sum())
-        return _Launched(plan, req_ids, sample, sample_ids, prefill, pending)
+            return self.sampler.launch(logits, params, gens, sample_ids, produced, stops, allowed)
+        return self.sampler.launch(logits, params, gens, allowed=allowed)
 
     def _device_inputs(self, plan, prev: _Launched | None):
         """The plan's inputs the device fills in from prev's sampled tokens (`device_fill`)."""
@@ -458,7 +536,13 @@ class Engine:
         for rid in done.sample_ids:  # a request's first token: admitted, so its prefix hit is known
             if rid in self.params and not self.requests[rid].token_ids:
                 self.requests[rid].cached_tokens = self.scheduler.cached_tokens_of(rid)
-        self.scheduler.feed(done.req_ids, done.sample, tokens.astype(np.int32))
+        rows = self._new_tokens(done, tokens) if done.verify is not None else None
+        if rows is None:
+            self.scheduler.feed(done.req_ids, done.sample, tokens.astype(np.int32))
+        else:
+            counts = np.asarray([len(t) for _, t in rows], dtype=np.int32)
+            flat = np.asarray([t for _, toks in rows for t in toks], dtype=np.int32)
+            self.scheduler.feed(done.req_ids, counts, flat)
         self.stats["prefill_tokens"] += done.prefill_tokens
         self.stats["decode_tokens"] += done.plan.num_input_tokens - done.prefill_tokens
         # From here the scheduler holds the tokens: nothing may raise out of this loop (the
@@ -466,24 +550,47 @@ class Engine:
         # later step would fail the same way). Each row's token is recorded first; a check of
         # one request that fails after that (its grammar rejects the token) aborts that request.
         touched: dict[int, RequestOutput] = {}
-        for row, (rid, tok, lp) in enumerate(
-            zip(done.sample_ids, tokens.tolist(), logprobs.tolist(), strict=True)
-        ):
+        if rows is None:  # sampled row s: one token
+            rows = [(s, [t]) for s, t in enumerate(tokens.tolist())]
+        for first, toks in rows:
+            rid = done.sample_ids[first] if toks else -1
             if rid not in self.params:  # finished or aborted while this step ran (overlap)
                 continue
             out = self.requests[rid]
             touched[rid] = out
             try:
-                out.token_ids.append(tok)
-                out.logprobs.append(lp)
-                if row in tops:
-                    out.top_logprobs.append(tops[row])
-                self.matchers.accept(rid, tok)
-                if self.matchers.terminated(rid):
-                    self._grammar_done(rid)
+                for s, tok in enumerate(toks, first):
+                    out.token_ids.append(tok)
+                    out.logprobs.append(float(logprobs[s]))
+                    if s in tops:
+                        out.top_logprobs.append(tops[s])
+                    self.matchers.accept(rid, tok)
+                    if self.matchers.terminated(rid):
+                        self._grammar_done(rid)
             except Exception as e:  # this request's failure, not the step's
                 self._fail_request(rid, e)
         return touched
+
+    def _new_tokens(self, done: _Launched, sampled: np.ndarray) -> list[tuple[int, list[int]]]:
+        """A speculative step's (first sampled row, new tokens) of each plan row: the accepted
+        drafts and the token after them (speculative.py), cut after a stop token of the request
+        and at its max_tokens, as the scheduler cuts them."""
+        v, out = done.verify, []
+        sampled = sampled.astype(np.int64)
+        for r, rid in enumerate(done.req_ids.tolist()):
+            toks = v.tokens(r, sampled) if v.count[r] else []
+            if len(v.drafts[r]):
+                self.stats["verify_rows"] += 1
+                self.stats["drafted"] += len(v.drafts[r])
+                for i in range(len(toks) - 1):
+                    self.stats["accepted_at"][i] += 1
+            p = self.params.get(rid)
+            if p is not None and toks:
+                stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.cfg.eos_token_ids))
+                end = next((i + 1 for i, t in enumerate(toks) if t in stops), len(toks))
+                toks = toks[: max(1, min(end, p.max_tokens - len(self.requests[rid].token_ids)))]
+            out.append((int(v.first[r]), toks))
+        return out
 
     def _grammar_done(self, rid: int) -> None:
         """A request whose grammar accepted its end (a stop token it allows only once complete)

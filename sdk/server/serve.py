@@ -40,6 +40,12 @@ def refuse_unsupported_flags(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--kv-cache-dtype {args.kv_cache_dtype}: only 'auto' (the model dtype) is supported yet"
         )
+    from dayzero.sdk.engine.speculative import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(args.speculative_config)
+    except ValueError as e:  # json.JSONDecodeError is one
+        raise ValueError(f"--speculative-config: {e}") from None
 
 
 def engine_config(args: argparse.Namespace, device: str, _cfg=None):
@@ -48,6 +54,7 @@ def engine_config(args: argparse.Namespace, device: str, _cfg=None):
     import torch
 
     from dayzero.sdk.engine.engine import EngineConfig
+    from dayzero.sdk.engine.speculative import SpeculativeConfig
 
     if args.kv_cache_memory:
         kv = parse_size(args.kv_cache_memory)
@@ -69,6 +76,7 @@ def engine_config(args: argparse.Namespace, device: str, _cfg=None):
         max_model_len=args.max_model_len,
         decode_graphs="off" if args.enforce_eager else "auto",
         overlap="off" if args.disable_overlap_schedule else "auto",
+        speculative=SpeculativeConfig.parse(args.speculative_config),
     )
 
 
@@ -368,6 +376,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs: every decode step runs eagerly"
+    )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help="speculative decoding as vLLM spells it, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 3}\' (methods: ngram; each step\'s drafts '
+        "verified in one pass, the output distribution unchanged)",
     )
     p.add_argument(
         "--disable-overlap-schedule",
