@@ -24,7 +24,7 @@ from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
 from dayzero.sdk.engine.kv_pool import KvPool
 from dayzero.sdk.engine.ranks import Leader, from_leader, smallest
 from dayzero.sdk.engine.sampling import Pending, Sampler, SamplingParams
-from dayzero.sdk.engine.speculative import SpeculativeConfig, VerifyRows, verify_rows
+from dayzero.sdk.engine.speculative import SpeculativeConfig, VerifyRows, kept_rows, verify_rows
 from dayzero.sdk.scheduler import FinishReason, Scheduler, SchedulerError, make_config
 
 GRAPH_MODES = ("auto", "off", "buffers")
@@ -187,6 +187,9 @@ class _Launched:
     prefill_tokens: int
     pending: Pending
     verify: VerifyRows | None = None  # speculative: which sampled rows are whose, and the drafts
+    # speculative, with recurrent state: (the verify pass's input ids, each decode row's state
+    # slot [D] and a copy of the slots [D, bytes] from before it, the decode rows [D])
+    saved: tuple | None = None
 
 
 _ENDED = SamplingParams(max_tokens=1, temperature=0)  # a row whose request ended after its plan
@@ -281,10 +284,6 @@ class Engine:
         if par.size > 1:
             kind = "data-parallel attention" if par.attention_dp else "tensor parallelism"
             why.append(f"{kind} ({par.size} ranks)")
-        if state := [g.name for g in self.cfg.cache_groups if g.kind == "state"]:
-            why.append(
-                f"recurrent state (cache group {', '.join(state)}: not rolled back after a rejection yet)"
-            )
         if why:
             raise ValueError(
                 f"speculative decoding ({self.spec.method}) is not implemented with {'; '.join(why)}"
@@ -479,6 +478,15 @@ class Engine:
             drafts = self.drafter(out.prompt_ids + out.token_ids, k)[:k] if verify.count[r] > 1 else []
             vals += (drafts + [int(ids[qs[r]])] * k)[:k]
             verify.drafts[r] = drafts + [-1] * (k - len(drafts)) if verify.count[r] > 1 else []
+        inputs = ids.copy()
+        inputs[dst] = vals
+        saved = None
+        if self.pool.state_bytes:  # the decode rows' states before the drafts (speculative.py)
+            decode = np.flatnonzero(
+                (np.asarray(plan.num_tokens) == k + 1) & ~np.asarray(plan.is_prefill, bool)
+            )
+            slots = torch.from_numpy(np.asarray(plan.state_slots, dtype=np.int64)[decode]).to(self.device)
+            saved = (inputs, slots, self.pool.slots[slots], decode)  # index_select: a copy
         with self._lockstep():
             ctx = self._context(plan)
             if dst.size:
@@ -490,7 +498,22 @@ class Engine:
         pending = self._sample(logits, sample_ids)
         prefill = int(np.asarray(plan.num_tokens)[np.asarray(plan.is_prefill, dtype=bool)].sum())
         sample = np.asarray(plan.sample, dtype=np.int32).copy()
-        return _Launched(plan, req_ids, sample, sample_ids, prefill, pending, verify)
+        return _Launched(plan, req_ids, sample, sample_ids, prefill, pending, verify, saved)
+
+    def _roll_back_states(self, done: _Launched, rows: list[tuple[int, list[int]]]) -> None:
+        """The decode rows that keep fewer than k + 1 tokens: their states from before the
+        verify pass, then their kept inputs once more (speculative.py)."""
+        inputs, slots, before, decode = done.saved
+        k = self.spec.num_speculative_tokens
+        keep = np.zeros(len(rows), dtype=np.int64)
+        for r in decode.tolist():
+            keep[r] = len(rows[r][1]) if len(rows[r][1]) <= k else 0
+        back = torch.from_numpy(keep[decode] > 0).to(self.device)
+        if not bool(back.any()):
+            return
+        self.pool.slots[slots[back]] = before[back]
+        with self._lockstep():
+            self.model(self._context(kept_rows(done.plan, inputs, keep)))
 
     def _drafts(self, rid: int) -> bool:
         """Whether a request's decode rows verify drafts: not where its sampling reads its own
@@ -537,6 +560,8 @@ class Engine:
             if rid in self.params and not self.requests[rid].token_ids:
                 self.requests[rid].cached_tokens = self.scheduler.cached_tokens_of(rid)
         rows = self._new_tokens(done, tokens) if done.verify is not None else None
+        if rows is not None and done.saved is not None:
+            self._roll_back_states(done, rows)
         if rows is None:
             self.scheduler.feed(done.req_ids, done.sample, tokens.astype(np.int32))
         else:

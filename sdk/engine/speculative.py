@@ -15,7 +15,13 @@ distribution (greedy: y_i = argmax p_i, the tokens a run without drafts gives), 
 drafts are. The scheduler keeps a + 1 tokens and rolls the KV of the rest back.
 
 A request whose sampling reads its earlier tokens (penalties, logit bias, min_tokens, a grammar)
-or asks for top logprobs samples only y_0 (a = 0): its drafts are verified as if all wrong.
+samples only y_0 (a = 0): its drafts are verified as if all wrong.
+
+Recurrent state (KDA, Gated DeltaNet, short convolutions, n-gram history) has advanced through
+all k + 1 inputs by the end of the verify pass. Each decode row's state slot is copied before
+it; a row that keeps fewer than k + 1 tokens gets the copy back and its kept inputs
+x_p, d_1, .., d_a run once more (`kept_rows`: KV and index caches of those positions are
+written again with the same values), so its state ends at position p + a as without drafts.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -141,3 +148,26 @@ def verify_rows(plan, k: int, drafted: Callable[[int], bool]) -> tuple[VerifyRow
     first = np.concatenate(([0], np.cumsum(count)[:-1]))
     drafts = [[] for _ in range(len(n))]
     return VerifyRows(first, count, drafts), (np.concatenate(index) if index else np.zeros(0, np.int64))
+
+
+def kept_rows(plan, inputs: np.ndarray, keep: np.ndarray) -> SimpleNamespace:
+    """The rows of `plan` with keep[r] > 0, each cut to its first keep[r] tokens (inputs: the
+    plan's input ids as the verify pass ran them, drafts filled in), sampling nothing: what
+    `build_context` reads of a plan."""
+    rows = np.flatnonzero(keep > 0)
+    qs, n = np.asarray(plan.query_start), keep[rows]
+    token = np.concatenate([np.arange(qs[r], qs[r] + keep[r]) for r in rows]) if rows.size else rows
+    first = np.asarray(plan.kv_lens)[rows] - np.asarray(plan.num_tokens)[rows]
+    return SimpleNamespace(
+        num_tokens=n,
+        query_start=np.concatenate(([0], np.cumsum(n))),
+        positions=np.asarray(plan.positions)[token],
+        kv_lens=first + n,
+        input_ids=inputs[token],
+        sample=np.zeros(len(rows), dtype=np.int32),
+        state_slots=np.asarray(plan.state_slots)[rows],
+        block_tables=[
+            np.asarray(t)[rows] if np.asarray(t).size else np.asarray(t) for t in plan.block_tables
+        ],
+        req_ids=np.asarray(plan.req_ids)[rows],
+    )
