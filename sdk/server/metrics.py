@@ -49,6 +49,20 @@ class Metrics:
             ["state"],
             registry=r,
         )
+        self.drafted = Gauge(
+            "dayzero_spec_draft_tokens", "Draft tokens verified (speculative decoding)", registry=r
+        )
+        self.accepted = Gauge(
+            "dayzero_spec_accepted_tokens",
+            "Draft tokens accepted, by draft position (0: the first draft of a step)",
+            ["position"],
+            registry=r,
+        )
+        self.acceptance = Gauge(
+            "dayzero_spec_mean_acceptance_length",
+            "Tokens a drafted decode row keeps a step: 1 + its accepted drafts, averaged",
+            registry=r,
+        )
         self.python_blocks = Gauge(
             "dayzero_python_allocated_blocks",
             "Python objects' memory blocks (sys.getallocatedblocks)",
@@ -69,6 +83,12 @@ class Metrics:
         for g, group in enumerate(engine.groups):
             self.blocks.labels(group.name).set(s.total_blocks(g) - s.free_blocks(g))
         st = s.prefix_stats()
+        stats = engine.stats
+        if stats["verify_rows"]:
+            self.drafted.set(stats["drafted"])
+            for i, n in enumerate(stats["accepted_at"]):
+                self.accepted.labels(str(i)).set(n)
+            self.acceptance.set(1 + sum(stats["accepted_at"]) / stats["verify_rows"])
         self.cached.set(st["device_entries"])
         if st["lookup_tokens"]:
             self.hit_rate.set(st["hit_tokens"] / st["lookup_tokens"])
