@@ -78,8 +78,11 @@ class Family:
         check_generated(folder, self.spec.hash, f"dayzero codegen --spec {self.spec_path}")
         return import_generated(self.name, folder, part)
 
-    def config(self, hf: dict, source: str = "config.json", par: Parallel = ONE_RANK) -> ModelConfig:
-        return resolve(self.spec, hf, self.module("cache").CACHE_GROUPS, source, par)
+    def config(
+        self, hf: dict, source: str = "config.json", par: Parallel = ONE_RANK, mtp: bool = False
+    ) -> ModelConfig:
+        """mtp: with the NextN layer (MtpCfg), for speculative decoding that drafts with it."""
+        return resolve(self.spec, hf, self.module("cache").CACHE_GROUPS, source, par, mtp)
 
 
 def _discover() -> Registry[Family]:

@@ -1,4 +1,4 @@
-# generated from spec.yaml@bcd6ac27e615, do not edit
+# generated from spec.yaml@2336bc5d7f66, do not edit
 """Kimi K3: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

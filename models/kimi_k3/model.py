@@ -1,4 +1,4 @@
-# generated from spec.yaml@bcd6ac27e615, do not edit
+# generated from spec.yaml@2336bc5d7f66, do not edit
 """Kimi K3: the execution-plane model, composed from the block library.
 
 Each layer: attn, then the MLP, each on its norm of a learned mix of the

@@ -1,4 +1,4 @@
-# generated from spec.yaml@bcd6ac27e615, do not edit
+# generated from spec.yaml@2336bc5d7f66, do not edit
 """Kimi K3: parity against kimi_k3_reference.KimiK3ForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) writes a checkpoint

@@ -25,7 +25,7 @@ from dayzero.sdk.blocks.norm import (
 )
 
 if TYPE_CHECKING:
-    from dayzero.sdk.config.model import LayerCfg, ModelConfig
+    from dayzero.sdk.config.model import LayerCfg, ModelConfig, MtpCfg
     from dayzero.sdk.engine.context import StepContext
 
 
@@ -83,10 +83,12 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.final_norm, ops) if cfg.collapse is None else None
         self.head = LMHead(cfg.head, ops, self.embed)
         self.tp, self.attention_dp = ops.tp, cfg.parallel.attention_dp and cfg.parallel.size > 1
+        self.mtp = None if cfg.mtp is None else NextN(cfg.mtp, ops, self.ATTENTION, self.MLP)
 
-    def forward(self, ctx: StepContext) -> torch.Tensor:
+    def forward(self, ctx: StepContext, hidden: bool = False):
         """[S, V] fp32 logits of the sampling rows; with data-parallel attention (ctx.dp) those
-        of every rank's sampling rows, rank by rank (the same on every rank)."""
+        of every rank's sampling rows, rank by rank (the same on every rank). hidden: (logits,
+        the final normed hidden z of every token [T, Dm]), what the MTP head drafts from."""
         d = ctx.dp
         if d is None and self.attention_dp:
             raise RuntimeError("a data-parallel-attention model runs on steps split over its ranks (ctx.dp)")
@@ -99,11 +101,47 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers):
             nxt = self.layers[i + 1].attn_res if i + 1 < len(self.layers) else None
             x, h, carry = layer(x, h, carry, ctx, nxt)
+        if hidden:
+            if d is not None:
+                raise RuntimeError("the hidden states of data-parallel attention's rows are not gathered")
+            z = self.norm(self.streams.close(x)) if self.collapse is None else self.collapse(x)  # [T, Dm]
+            return self.head(z[ctx.sample_index]), z
         x = x[ctx.sample_index]  # [S, Dm] or [S, N, Dm]
         z = self.norm(self.streams.close(x)) if self.collapse is None else self.collapse(x)  # [S, Dm]
         if d is not None:
             z = self.tp.gather_rows(z, d.sampled)  # every rank's sampling rows
         return self.head(z)  # [S, V] fp32
+
+
+class NextN(nn.Module):
+    """The NextN multi-token-prediction layer (sdk/config/model.py MtpCfg):
+        x_0 = W_eh [rmsnorm_e(emb(t_{i+1})) ; rmsnorm_h(z_i)]      W_eh [Dm, 2 Dm]
+        y = layer(x_0)        (the family's blocks at layer index L, pre-norm; its own KV slice)
+        logits = head(rmsnorm_s(y))
+    at the positions i of the hidden states z it is given; the embedding and the head are the
+    main model's (passed in, not held: one copy of each)."""
+
+    def __init__(self, cfg: MtpCfg, ops: OpTable, attention: dict[str, type], mlp: dict[str, type]) -> None:
+        super().__init__()
+        d = cfg.norm.dim
+        self.enorm, self.hnorm, self.norm = (
+            RMSNorm(cfg.norm, ops),
+            RMSNorm(cfg.norm, ops),
+            RMSNorm(cfg.norm, ops),
+        )
+        self.eh_proj = nn.Parameter(torch.empty(d, 2 * d))
+        self.layer = Layer(cfg.layer, ops, attention, mlp)
+        self.ops = ops
+
+    def forward(
+        self, ids: torch.Tensor, z: torch.Tensor, ctx: StepContext, embed: nn.Module, head: nn.Module
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [T] (each position's next token), z [T, Dm] -> (logits [S, V] fp32 of the
+        sampling rows, y [T, Dm]: the layer's output, which a chained draft feeds back as z)."""
+        x = self.ops.linear(torch.cat((self.enorm(embed(ids)), self.hnorm(z)), dim=-1), self.eh_proj)
+        h, carry = self.layer.attn_res.pre(x, ctx)
+        y, _, _ = self.layer(x, h, carry, ctx, None)
+        return head(self.norm(y[ctx.sample_index])), y
 
 
 def _collapse(cfg, ops: OpTable) -> nn.Module | None:

@@ -131,6 +131,19 @@ class CacheGroupCfg:
 
 
 @dataclass(frozen=True)
+class MtpCfg:
+    """The NextN multi-token-prediction layer (DeepSeek / GLM / Kimi form), decoder layer L (the
+    main stack's count) built by the spec's layer rules, with a pre-norm residual:
+        x_0 = W_eh [rmsnorm_e(emb(t_{i+1})) ; rmsnorm_h(z_i)]      z_i: the target's final hidden
+        y = layer(x_0) at position i         (its own KV, in the main groups' rows)
+        logits = head(rmsnorm_s(y))          (the main LM head and embedding, shared)
+    Chained drafts feed y's normed output back as z."""
+
+    layer: LayerCfg
+    norm: NormCfg  # enorm, hnorm and the shared head's norm: the model's width and eps
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     spec_hash: str
@@ -147,3 +160,4 @@ class ModelConfig:
     # what replaces the final norm: the streams' low-rank collapse (hyper-connections, mixer
     # lowrank), or the attention residuals' output mix and the final norm (attn_res)
     collapse: ResidualCfg | None = None
+    mtp: MtpCfg | None = None  # built when speculative decoding drafts with it (method mtp)

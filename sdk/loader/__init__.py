@@ -53,16 +53,31 @@ class Checkpoint:
 
     @cached_property
     def mapping(self) -> Mapping:
-        """The family's weight rules for this checkpoint's format and config."""
+        """The family's weight rules for this checkpoint's format and config; the MTP layers'
+        tensors (the spec's `mtp` patterns) set aside."""
+        return self._mapping(mtp=False)
+
+    @cached_property
+    def mtp_mapping(self) -> Mapping:
+        """The same with the NextN layer built (speculative decoding with method mtp): decoder
+        layer L's tensors load by the layers' rules into `mtp.layer.*`, the spec's rules for its
+        own tensors (enorm, hnorm, eh_proj, the shared head's norm) into `mtp.*`; none aside."""
+        return self._mapping(mtp=True)
+
+    def _mapping(self, mtp: bool) -> Mapping:
         fam = self.family
         fmt = next((w for w in fam.spec.spec.weights if w.format == self.format), None)
         if fmt is None:
             raise CheckpointError(f"family {fam.name} has no weight rules for {self.format}")
         resolver = Resolver(fam.spec, self.hf, str(self.path))
-        mtp = fam.spec.spec.mtp
-        plan = layer_plan(fam.spec.spec, resolver)  # block-scoped rules match a layer's blocks
-        n = len(plan)
-        mtp_layers = range(n, n + int(resolver.value(mtp.layers))) if mtp else range(0)
+        spec_mtp = fam.spec.spec.mtp
+        plan = layer_plan(fam.spec.spec, resolver, mtp)  # block-scoped rules match a layer's blocks
+        n = len(plan) - mtp
+        if mtp:  # the NextN layer is layer n by the layers' rules (sdk/spec/assemble.py)
+            unused = fmt.model_copy(update={"mtp": fmt.mtp_unused})  # set aside even when built
+            renames = {f"layers.{n}.": "mtp.layer."}
+            return Mapping(unused, resolver.value, range(n, n + 1), plan, str(self.path), renames)
+        mtp_layers = range(n, n + int(resolver.value(spec_mtp.layers))) if spec_mtp else range(0)
         return Mapping(fmt, resolver.value, mtp_layers, plan, str(self.path))
 
     @cached_property
@@ -152,7 +167,8 @@ def load_weights(
     `tensors` (with `count`) replaces reading ckpt's files: weights already in memory, in the
     checkpoint's naming (the decode benchmark hands over the reference model's this way), with
     `packing` the packing of those tensors when they are quantized."""
-    mapping, writer = ckpt.mapping, StrictWriter(model)
+    mapping = ckpt.mtp_mapping if getattr(model, "mtp", None) is not None else ckpt.mapping
+    writer = StrictWriter(model)
     packing = packing if packing is not None else ckpt.packing
     packed = packing.tensors if packing else {}
     aside = 0

@@ -99,8 +99,10 @@ class Mapping:
         mtp_layers: range = range(0),
         layers: Sequence[tuple[str, ...]] = (),
         source: str = "config.json",
+        renames: dict[str, str] | None = None,
     ) -> None:
         self.rules: list[_Rule] = []
+        self.renames = tuple((renames or {}).items())  # target prefixes: the NextN layer's, `mtp.layer.`
         self.layers = [tuple(b) for b in layers]
         for ri, rule in enumerate(fmt.rules):
             skip = bool(value(rule.unless)) if rule.unless else False
@@ -140,6 +142,7 @@ class Mapping:
             if rule.skip:
                 return None
             targets = tuple(self._fill(to, groups, None if rule.splits else rule.transform) for to in rule.to)
+            targets = tuple(self._renamed(t) for t in targets)
             return Split(targets, rule.transform) if rule.splits else targets[0]
         if any(fnmatch.fnmatchcase(name, p) for p in self.ignore):
             return None
@@ -155,6 +158,12 @@ class Mapping:
     def _blocks(self, layer: int | None) -> tuple[str, ...]:
         """Layer `layer`'s (attention, mlp) block names; none past the last layer."""
         return self.layers[layer] if layer is not None and 0 <= layer < len(self.layers) else ()
+
+    def _renamed(self, t: Target) -> Target:
+        for old, new in self.renames:
+            if t.param.startswith(old):
+                return Target(new + t.param[len(old) :], t.selectors, t.transform)
+        return t
 
     @staticmethod
     def _fill(to: str, groups: dict, tf: Callable | None) -> Target:

@@ -22,6 +22,7 @@ from dayzero.sdk.config.model import (
     HyperCfg,
     LayerCfg,
     ModelConfig,
+    MtpCfg,
     NormCfg,
     Parallel,
     ResidualCfg,
@@ -156,12 +157,13 @@ def _indices(v: Any, r: Resolver, where: str, base: int = 0) -> set[int]:
     return set(got)
 
 
-def layer_plan(spec: Spec, r: Resolver) -> list[tuple[str, str]]:
-    """Each layer's (attention block, mlp block) names, from the spec's layer rules."""
+def layer_plan(spec: Spec, r: Resolver, mtp: bool = False) -> list[tuple[str, str]]:
+    """Each layer's (attention block, mlp block) names, from the spec's layer rules; mtp: and the
+    NextN layer's, last (`_mtp_blocks`)."""
     n = r.number(spec.layers.count, int, "layers.count")
     attn = layer_types(spec.layers.attention, n, r, "attention")
     mlp = layer_types(spec.layers.mlp, n, r, "mlp")
-    return list(zip(attn, mlp, strict=True))
+    return list(zip(attn, mlp, strict=True)) + ([_mtp_blocks(spec, r, n, str(r.loaded.path))] if mtp else [])
 
 
 def _keyed(rule: Any, r: Resolver) -> list[tuple[str, Any]]:
@@ -309,10 +311,16 @@ def _ngram(
 
 
 def resolve(
-    loaded: LoadedSpec, hf: dict, group_decls: tuple, source: str = "config.json", par: Parallel = ONE_RANK
+    loaded: LoadedSpec,
+    hf: dict,
+    group_decls: tuple,
+    source: str = "config.json",
+    par: Parallel = ONE_RANK,
+    mtp: bool = False,
 ) -> ModelConfig:
     """Spec + HF config -> ModelConfig. `group_decls` is the generated cache geometry; `par`:
-    this rank's place in tensor parallelism (the blocks' configs and caches are its shards)."""
+    this rank's place in tensor parallelism (the blocks' configs and caches are its shards);
+    mtp: with the NextN layer (MtpCfg), for speculative decoding that drafts with it."""
     spec, r = loaded.spec, Resolver(loaded, hf, source)
     spath = str(loaded.path)
     hidden = r.number(spec.embedding.dim, int, "embedding.dim")
@@ -320,8 +328,8 @@ def resolve(
     if zero and not spec.norm.weight_in_fp32:
         raise SpecError(spath, "norm.zero_centred", "multiplies by (1 + w) in fp32: set weight_in_fp32: true")
     norm = NormCfg(hidden, r.number(spec.norm.eps, float, "norm.eps"), spec.norm.weight_in_fp32, zero)
-    plan = layer_plan(spec, r)
-    n = len(plan)
+    plan = layer_plan(spec, r, mtp)  # with mtp, the NextN layer last: decoder layer n by the same rules
+    n = len(plan) - mtp
     attn_types, mlp_types = [a for a, _ in plan], [m for _, m in plan]
     resolved: dict[str, Any] = {}
     for name, opts in loaded.blocks.items():
@@ -354,7 +362,7 @@ def resolve(
     vocab = r.number(spec.embedding.vocab, int, "embedding.vocab")
     ngram = _ngram(spec, r, hyper, vocab, hidden, norm.eps, n, spath, source, par)
     layers = []
-    for i in range(n):
+    for i in range(len(plan)):
         a, m = attn_types[i], mlp_types[i]
         caches, ngram_caches = [], []
         parts = [(a, decl, caches) for decl in BLOCKS.get(loaded.blocks[a].kind).cache(resolved[a])]
@@ -425,6 +433,10 @@ def resolve(
         )
         for layer in layers
     ]
+    nextn = None
+    if mtp:  # the NextN layer: pre-norm whatever the stack's residual (MtpCfg)
+        prenorm = ResidualCfg("prenorm", norm)
+        nextn = MtpCfg(dataclasses.replace(layers.pop(), attn_res=prenorm, mlp_res=prenorm, ngram=None), norm)
     if vocab % par.size:
         raise SpecError(
             spath, "embedding.vocab", f"{vocab} rows do not split over tensor-parallel size {par.size}"
@@ -460,7 +472,28 @@ def resolve(
         eos_token_ids=eos_ids,
         symbols=tuple(sorted(r.values.items())),
         parallel=par,
+        mtp=nextn,
     )
+
+
+def _mtp_blocks(spec: Spec, r: Resolver, n: int, spath: str) -> tuple[str, str]:
+    """The NextN layer's (attention, mlp) blocks: layer n of a stack of n + 1 by the spec's rules."""
+    if spec.mtp is None or spec.mtp.kind != "nextn":
+        have = "no mtp section" if spec.mtp is None else f"mtp kind {spec.mtp.kind}"
+        raise SpecError(spath, "mtp", f"drafting with the MTP head needs a nextn layer; the spec has {have}")
+    count = r.value(spec.mtp.layers)
+    if count != 1:
+        raise SpecError(
+            spath, "mtp.layers", f"drafting with the MTP head needs 1 nextn layer, the config has {count}"
+        )
+    try:
+        attn = layer_types(spec.layers.attention, n + 1, r, "attention")[n]
+        mlp = layer_types(spec.layers.mlp, n + 1, r, "mlp")[n]
+    except (SpecError, ValueError, IndexError) as e:
+        raise SpecError(
+            spath, "mtp", f"the layer rules do not place a layer {n} (the NextN layer): {e}"
+        ) from None
+    return attn, mlp
 
 
 def check_implemented(implements: dict, r: Resolver, spec_name: str) -> None:

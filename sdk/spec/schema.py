@@ -257,6 +257,10 @@ class WeightFormat(Strict):
     # tensors of the MTP (NextN) layers, set aside for the MTP runtime: globs in which `{mtp}`
     # stands for each MTP layer index (count .. count + mtp.layers - 1); counted, never loaded
     mtp: list[str] = []
+    # of those, the ones the NextN layer does not use when it is built (speculative decoding with
+    # method mtp): copies of the shared embedding or head, parameters its pre-norm residual has
+    # no use for; the same globs, set aside and counted
+    mtp_unused: list[str] = []
     config: dict[str, str] = {}  # gguf: HF field -> metadata key ({arch} expands)
     # gguf: the files' general.architecture values this section reads, when llama.cpp names the
     # architecture other than the spec's model_types (Gemma 3's text decoder is `gemma3`, the
