@@ -255,7 +255,8 @@ class LLM:
             parallel = Parallel(
                 size, rank, enable_expert_parallel or enable_dp_attention, enable_dp_attention
             )
-            self.config = ckpt.family.config(ckpt.hf, str(ckpt.path), parallel)
+            mtp = speculative is not None and speculative.method == "mtp"  # its NextN layer built
+            self.config = ckpt.family.config(ckpt.hf, str(ckpt.path), parallel, mtp)
             log.info("family %s (%s); reading the tokenizer", ckpt.family.name, ckpt.format)
             self.tokenizer = load_tokenizer(ckpt.path, ckpt.format)  # before the weights: fail fast
             self.sampling_defaults = generation_defaults(ckpt.folder) if ckpt.format == "safetensors" else {}

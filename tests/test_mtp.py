@@ -7,7 +7,8 @@ and the tensors the built layer leaves unused (shared_head.head, an embed_tokens
 attention-residual parameters). The reference: the independent K3 reference's final hidden z
 (after the output mix and norm), then x_0 = W_eh [rmsnorm_e(emb(t_{i+1})) ; rmsnorm_h(z_i)], its
 own `Layer(c, L)` as a pre-norm layer, the shared head over rmsnorm_s. Tolerance: 1e-4 of the
-largest |logit| (parity's fp32 bound); 2 recorded seeds.
+largest |logit| (parity's fp32 bound); 2 recorded seeds. Then speculative decoding with method
+mtp: lossless, and its drafts the NextN chain computed by hand.
 """
 
 from __future__ import annotations
@@ -94,17 +95,7 @@ def test_nextn_layer_matches_an_independent_composition(tmp_path, seed: int) -> 
         got, _ = model.mtp(ids[1:], z, ctx, model.embed, model.head)  # [T, V]
         lm = ref.language_model
         z_ref = lm.model(ids[:T])  # [T, H] after the output mix and the final norm
-        eps = text.rms_norm_eps
-        norm = {k: Norm(text.hidden_size, eps) for k in ("e", "h", "s")}
-        for k, name in (("e", "enorm"), ("h", "hnorm"), ("s", "shared_head.norm")):
-            norm[k].weight.copy_(own[f"{name}.weight"])
-        x = (
-            torch.cat((norm["e"](lm.model.embed_tokens(ids[1:])), norm["h"](z_ref)), -1)
-            @ own["eh_proj.weight"].T
-        )
-        x = x + layer.self_attn(layer.input_layernorm(x))
-        x = x + layer.ffn(layer.post_attention_layernorm(x))
-        want = lm.lm_head(norm["s"](x))
+        want, _ = _reference_nextn(lm, layer, own, text)(z_ref, ids[1:])
     scale = want.abs().max().item()
     assert (z - z_ref).abs().max().item() < Tolerance().logits * scale
     assert (logits - lm.lm_head(z_ref)).abs().max().item() < Tolerance().logits * scale
@@ -127,3 +118,62 @@ def test_without_the_mtp_runtime_the_nextn_tensors_are_set_aside(tmp_path) -> No
     n_layer = len(load_file(next(path.glob("*.safetensors"))))
     aside = load_weights(model, ckpt, progress=False)
     assert 0 < aside < n_layer and model.mtp is None
+
+
+def _reference_nextn(lm, layer, own, text):
+    """f(hidden [M, H], next ids [M]) -> (logits [M, V], y [M, H]): the NextN composition over a
+    sequence, causal (the K3 reference's layer attends over the whole sequence)."""
+    eps = text.rms_norm_eps
+    norm = {k: Norm(text.hidden_size, eps) for k in ("e", "h", "s")}
+    for k, name in (("e", "enorm"), ("h", "hnorm"), ("s", "shared_head.norm")):
+        norm[k].weight.data.copy_(own[f"{name}.weight"])
+
+    def f(hidden: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = (
+            torch.cat((norm["e"](lm.model.embed_tokens(ids)), norm["h"](hidden)), -1)
+            @ own["eh_proj.weight"].T
+        )
+        x = x + layer.self_attn(layer.input_layernorm(x))
+        y = x + layer.ffn(layer.post_attention_layernorm(x))
+        return lm.lm_head(norm["s"](y)), y
+
+    return f
+
+
+def test_mtp_drafts_are_the_nextn_layers_chain_and_lossless(tmp_path) -> None:
+    """Speculative decoding with method mtp (3 drafts) on the K3 NextN checkpoint: the greedy
+    tokens of two requests equal a run without drafts, and the first verify step's drafts are
+    the NextN chain computed by hand with the reference composition: d_1 from the target's z over
+    the prompt and the first token, then each d_{j+1} from the previous output fed back."""
+    from kimi_k3_reference import KimiK3ForCausalLM
+
+    from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
+    from dayzero.sdk.engine.speculative import SpeculativeConfig
+
+    k = 3
+    path, text, layer, own = _nextn_checkpoint(tmp_path, 0)
+    model, cfg, _ = _ours(path)
+    ops = next(m.ops for m in model.modules() if hasattr(m, "ops"))
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, text.vocab_size, (n,), generator=g).tolist() for n in (9, 14)]
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    base = Engine(model, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, greedy)
+    eng = Engine(model, cfg, ops, EngineConfig(decode_graphs="off", speculative=SpeculativeConfig("mtp", k)))
+    seen: list[list[list[int]]] = []
+    inner = eng.drafter.draft
+    eng.drafter.draft = lambda *a: seen.append(inner(*a)) or seen[-1]
+    outs = eng.generate(prompts, greedy)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert eng.stats["verify_rows"] > 0
+    ref = KimiK3ForCausalLM.from_pretrained(path).eval()
+    f = _reference_nextn(ref.language_model, layer, own, text)
+    with torch.no_grad():
+        for p, out, drafts in zip(prompts, base, seen[0], strict=True):
+            ids = torch.tensor(p + out.token_ids[:1])
+            hidden, nxt = ref.language_model.model(ids[:-1]), ids[1:]  # z over the prompt, next tokens
+            want = []
+            for _ in range(k):
+                logits, y = f(hidden, nxt)
+                want.append(int(logits[-1].argmax()))
+                hidden, nxt = torch.cat((hidden, y[-1:])), torch.cat((nxt, torch.tensor(want[-1:])))
+            assert len(drafts) == k and drafts == want

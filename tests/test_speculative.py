@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dayzero.sdk.engine.engine import EngineConfig, SamplingParams
-from dayzero.sdk.engine.speculative import SpeculativeConfig, accepted
+from dayzero.sdk.engine.speculative import SpeculativeConfig, TokenDrafter, accepted
 from dayzero.sdk.loader import open_checkpoint
 from dayzero.sdk.parity.runner import RETRACTION, Ours, Tolerance, retraction_budget
 from dayzero.sdk.parity.tiny import write_tiny
@@ -65,7 +65,7 @@ class Oracle:
 def _engine(ours: Ours, drafter=None, **kw):
     eng = ours.engine(decode_graphs="off", speculative=SpeculativeConfig("ngram", K), **kw)
     if drafter is not None:
-        eng.drafter = drafter
+        eng.drafter = TokenDrafter(drafter)
     return eng
 
 
@@ -184,7 +184,7 @@ def test_accepted_counts_leading_matches() -> None:
 
 
 def test_the_ngram_drafter_proposes_what_followed_the_last_match() -> None:
-    propose = SpeculativeConfig("ngram", 3, prompt_lookup_max=3).drafter()
+    propose = SpeculativeConfig("ngram", 3, prompt_lookup_max=3).drafter().propose
     assert propose([1, 2, 3, 4, 9, 2, 3], 3) == [4, 9, 2]  # "2 3" matched, the latest occurrence
     assert propose([7, 1, 7, 2, 7], 2) == [2, 7]
     assert propose([1, 2, 3], 3) == []
@@ -195,7 +195,7 @@ def test_the_ngram_drafter_proposes_what_followed_the_last_match() -> None:
     [
         (
             '{"method": "eagle", "num_speculative_tokens": 2}',
-            r"unknown speculative method 'eagle'; known: ngram",
+            r"unknown speculative method 'eagle'; known: mtp, ngram",
         ),
         ('{"method": "ngram", "num_speculative_tokens": 0}', r"num_speculative_tokens must be in \[1, 16\]"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "draft_tp": 2}', r"unknown key\(s\) draft_tp"),

@@ -216,6 +216,11 @@ class Engine:
         if self.spec is not None:
             self._check_speculative()
             self.drafter = self.spec.drafter()
+            if self.drafter.hidden and getattr(model, "mtp", None) is None:
+                raise ValueError(
+                    f"speculative method {self.spec.method} drafts with the model's MTP layer, which this "
+                    "model was built without (LLM builds it when speculative_config asks for mtp)"
+                )
         auto = config.overlap == "auto" and self.device.type == "cuda" and not self.dp and self.spec is None
         self.overlap = fields["overlap"] = config.overlap == "on" or auto
         # the prefix cache's key chain starts from a secret of this engine (see SchedulerConfig)
@@ -470,14 +475,17 @@ class Engine:
         k = self.spec.num_speculative_tokens
         verify, index = verify_rows(plan, k, self._drafts)
         ids, qs = np.asarray(plan.input_ids), np.asarray(plan.query_start)
-        dst, vals = np.flatnonzero(ids < 0), []
-        for r, rid in enumerate(np.asarray(plan.req_ids).tolist()):
-            if qs[r + 1] - qs[r] != k + 1 or ids[qs[r] + 1] >= 0:
-                continue  # not a decode row with draft slots
-            out = self.requests[rid]
-            drafts = self.drafter(out.prompt_ids + out.token_ids, k)[:k] if verify.count[r] > 1 else []
+        dst = np.flatnonzero(ids < 0)
+        decode = [r for r in range(plan.rows) if qs[r + 1] - qs[r] == k + 1 and ids[qs[r] + 1] < 0]
+        drafted = [r for r in decode if verify.count[r] > 1]
+        proposed = dict(
+            zip(drafted, self.drafter.draft(self, plan, drafted, k) if drafted else [], strict=True)
+        )
+        vals = []
+        for r in decode:  # a row not drafted: its last token again in the slots (rolled back)
+            drafts = proposed.get(r, [])[:k]
             vals += (drafts + [int(ids[qs[r]])] * k)[:k]
-            verify.drafts[r] = drafts + [-1] * (k - len(drafts)) if verify.count[r] > 1 else []
+            verify.drafts[r] = drafts + [-1] * (k - len(drafts)) if r in proposed else []
         inputs = ids.copy()
         inputs[dst] = vals
         saved = None
@@ -492,7 +500,10 @@ class Engine:
             if dst.size:
                 ctx.input_ids[torch.from_numpy(dst).to(self.device)] = torch.tensor(vals, device=self.device)
             ctx.sample_index = torch.from_numpy(index).to(self.device)
-            logits = self.model(ctx)  # [S, V] fp32
+            if self.drafter.hidden:  # the drafter reads the final hidden states of every token
+                logits, verify.z = self.model(ctx, hidden=True)  # [S, V] fp32, [T, Dm]
+            else:
+                logits = self.model(ctx)  # [S, V] fp32
         req_ids = np.asarray(plan.req_ids).copy()
         sample_ids = np.repeat(req_ids, verify.count).tolist()
         pending = self._sample(logits, sample_ids)
@@ -560,8 +571,11 @@ class Engine:
             if rid in self.params and not self.requests[rid].token_ids:
                 self.requests[rid].cached_tokens = self.scheduler.cached_tokens_of(rid)
         rows = self._new_tokens(done, tokens) if done.verify is not None else None
-        if rows is not None and done.saved is not None:
-            self._roll_back_states(done, rows)
+        if rows is not None:
+            if done.saved is not None:
+                self._roll_back_states(done, rows)
+            with self._lockstep():
+                self.drafter.observe(self, done.plan, done.verify.z, [t for _, t in rows])
         if rows is None:
             self.scheduler.feed(done.req_ids, done.sample, tokens.astype(np.int32))
         else:
@@ -648,6 +662,8 @@ class Engine:
         self.params.pop(rid, None)
         self.matchers.drop(rid)
         self.sampler.state.drop(rid)  # its penalties' device counts
+        if self.spec is not None:
+            self.drafter.drop(rid)
 
     def _finished(self, plan) -> dict[int, RequestOutput]:
         """Mark the requests this plan reports finished; they are no longer live."""

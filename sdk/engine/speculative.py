@@ -30,12 +30,48 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
+from typing import Protocol
 
 import numpy as np
+import torch
 
 from dayzero.kernels.registry import Registry, UnknownKeyError
 
-Drafter = Callable[[list[int], int], list[int]]  # (the request's tokens, k) -> up to k drafts
+
+class Drafter(Protocol):
+    """What proposes drafts: for the plan's rows `rows` (decode rows of drafting requests) up to
+    k tokens each; `observe` sees each step's new tokens (and the target's final hidden states
+    when `hidden` asks for them) before the scheduler does; `drop` forgets a finished request."""
+
+    hidden: bool
+
+    def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]]: ...
+
+    def observe(self, engine, plan, z, news: list[list[int]]) -> None: ...
+
+    def drop(self, rid: int) -> None: ...
+
+
+class TokenDrafter:
+    """A drafter that reads the request's tokens alone: propose(tokens, k) -> up to k drafts."""
+
+    hidden = False
+
+    def __init__(self, propose: Callable[[list[int], int], list[int]]) -> None:
+        self.propose = propose
+
+    def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]]:
+        out = []
+        for r in rows:
+            req = engine.requests[int(plan.req_ids[r])]
+            out.append(self.propose(req.prompt_ids + req.token_ids, k)[:k])
+        return out
+
+    def observe(self, engine, plan, z, news: list[list[int]]) -> None:
+        return None
+
+    def drop(self, rid: int) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -84,6 +120,11 @@ DRAFTERS: Registry[Callable[[SpeculativeConfig], Drafter]] = Registry("speculati
 def ngram(cfg: SpeculativeConfig) -> Drafter:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the request's last
     n tokens, for the largest n in [prompt_lookup_min, prompt_lookup_max] that occurs."""
+    return TokenDrafter(prompt_lookup(cfg))
+
+
+def prompt_lookup(cfg: SpeculativeConfig) -> Callable[[list[int], int], list[int]]:
+    """ngram's proposal function (see `ngram`)."""
 
     def propose(tokens: list[int], k: int) -> list[int]:
         arr = np.asarray(tokens)
@@ -117,6 +158,7 @@ class VerifyRows:
     first: np.ndarray  # [R]
     count: np.ndarray  # [R]
     drafts: list[list[int]]
+    z: object = None  # the target's final hidden states [T, Dm], for a drafter that reads them
 
     def tokens(self, r: int, sampled: np.ndarray) -> list[int]:
         """Plan row r's new tokens from the step's sampled tokens [S]: y_0..y_a."""
@@ -150,14 +192,19 @@ def verify_rows(plan, k: int, drafted: Callable[[int], bool]) -> tuple[VerifyRow
     return VerifyRows(first, count, drafts), (np.concatenate(index) if index else np.zeros(0, np.int64))
 
 
-def kept_rows(plan, inputs: np.ndarray, keep: np.ndarray) -> SimpleNamespace:
-    """The rows of `plan` with keep[r] > 0, each cut to its first keep[r] tokens (inputs: the
-    plan's input ids as the verify pass ran them, drafts filled in), sampling nothing: what
-    `build_context` reads of a plan."""
+def kept_rows(plan, inputs: np.ndarray, keep: np.ndarray, start: np.ndarray | None = None) -> SimpleNamespace:
+    """The rows of `plan` with keep[r] > 0, each cut to its tokens [start[r], start[r] + keep[r])
+    (start: 0 by default), their ids from inputs [T] (by the plan's token index), sampling
+    nothing: what `build_context` reads of a plan."""
     rows = np.flatnonzero(keep > 0)
+    start = np.zeros(len(keep), dtype=np.int64) if start is None else start
     qs, n = np.asarray(plan.query_start), keep[rows]
-    token = np.concatenate([np.arange(qs[r], qs[r] + keep[r]) for r in rows]) if rows.size else rows
-    first = np.asarray(plan.kv_lens)[rows] - np.asarray(plan.num_tokens)[rows]
+    token = (
+        np.concatenate([np.arange(qs[r] + start[r], qs[r] + start[r] + keep[r]) for r in rows])
+        if rows.size
+        else rows
+    )
+    first = np.asarray(plan.kv_lens)[rows] - np.asarray(plan.num_tokens)[rows] + start[rows]
     return SimpleNamespace(
         num_tokens=n,
         query_start=np.concatenate(([0], np.cumsum(n))),
@@ -170,4 +217,80 @@ def kept_rows(plan, inputs: np.ndarray, keep: np.ndarray) -> SimpleNamespace:
             np.asarray(t)[rows] if np.asarray(t).size else np.asarray(t) for t in plan.block_tables
         ],
         req_ids=np.asarray(plan.req_ids)[rows],
+        token=token,  # the plan's index of each kept token
     )
+
+
+@DRAFTERS.register("mtp")
+class MtpDrafter:
+    """Greedy drafts from the model's NextN layer (sdk/blocks/decoder.py NextN; the model built
+    with it: ModelConfig.mtp).
+
+    `observe`, after each step: the layer runs over every position i of the step whose next
+    token is now known, with the target's final hidden z_i and that token t_{i+1} (a prefill
+    chunk: all its positions, the last one's next token the prompt's, or the one just sampled; a
+    decode row: x_p .. x_{p+a}, the kept inputs), writing its KV at i; its output at a row's last
+    such position q gives d_1 = argmax of its logits and y_q. `draft` chains the rest at the next
+    verify row's positions p' = q + 1, .., p' + k - 2:
+        d_{j+1} = argmax head(rmsnorm_s(y_{p'+j-1})),  y_{p'+j-1} = layer(W_eh [e(d_j) ; h(y_{p'+j-2})])
+    (the previous output fed back as the hidden, as DeepSeek's and TokenSpeed's NextN chain).
+    The chain's KV at p'.. is rewritten by the next observe from the target's z."""
+
+    hidden = True
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.next: dict[int, tuple[object, int]] = {}  # rid -> (y at its last known position [Dm], d_1)
+
+    def observe(self, engine, plan, z, news: list[list[int]]) -> None:
+        qs, kv = np.asarray(plan.query_start), np.asarray(plan.kv_lens)
+        prefill, ids = np.asarray(plan.is_prefill, dtype=bool), np.asarray(plan.input_ids).copy()
+        keep = np.zeros(len(kv), dtype=np.int64)
+        for r, rid in enumerate(np.asarray(plan.req_ids).tolist()):
+            if rid not in engine.params:  # finished or aborted: nothing more to draft
+                continue
+            if prefill[r]:  # each position's next token: the prompt's, after the last the sampled one
+                req = engine.requests[rid]
+                known = req.prompt_ids + req.token_ids
+                ids[qs[r] : qs[r + 1] - 1] = ids[qs[r] + 1 : qs[r + 1]]
+                ids[qs[r + 1] - 1] = known[kv[r]] if kv[r] < len(known) else (news[r] or [-1])[0]
+                keep[r] = qs[r + 1] - qs[r] if ids[qs[r + 1] - 1] >= 0 else 0
+            elif news[r]:  # a decode row: its kept inputs' next tokens are its new tokens
+                ids[qs[r] : qs[r] + len(news[r])] = news[r]
+                keep[r] = len(news[r])
+        if not keep.any():
+            return
+        sub = kept_rows(plan, ids, keep)
+        ctx = engine._context(sub)
+        last = np.cumsum(sub.num_tokens) - 1
+        ctx.sample_index = torch.from_numpy(last).to(ctx.input_ids.device)
+        m = engine.model
+        logits, y = m.mtp(ctx.input_ids, z[torch.from_numpy(sub.token).to(z.device)], ctx, m.embed, m.head)
+        for j, (rid, d1) in enumerate(zip(sub.req_ids.tolist(), logits.argmax(-1).tolist(), strict=True)):
+            self.next[rid] = (y[int(last[j])], d1)
+
+    def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]]:
+        rids = [int(plan.req_ids[r]) for r in rows]
+        have = [i for i, rid in enumerate(rids) if rid in self.next]
+        out: list[list[int]] = [[] for _ in rows]
+        if not have:
+            return out
+        hidden = torch.stack([self.next[rids[i]][0] for i in have])  # [R', Dm]
+        for i in have:
+            out[i].append(self.next[rids[i]][1])
+        m, keep = engine.model, np.zeros(len(plan.kv_lens), dtype=np.int64)
+        keep[[rows[i] for i in have]] = 1
+        for j in range(1, k):  # d_{j+1} from position p' + j - 1
+            ids = np.asarray(plan.input_ids).copy()
+            qs = np.asarray(plan.query_start)
+            for i in have:
+                ids[qs[rows[i]] + j - 1] = out[i][-1]
+            sub = kept_rows(plan, ids, keep, np.full(len(keep), j - 1, dtype=np.int64))
+            ctx = engine._context(sub)
+            ctx.sample_index = torch.arange(len(have), device=hidden.device)
+            logits, hidden = m.mtp(ctx.input_ids, hidden, ctx, m.embed, m.head)
+            for i, d in zip(have, logits.argmax(-1).tolist(), strict=True):
+                out[i].append(d)
+        return out
+
+    def drop(self, rid: int) -> None:
+        self.next.pop(rid, None)
