@@ -1,2 +1,2 @@
-# generated from spec.yaml@10f73b15d412, do not edit
+# generated from spec.yaml@40d8a6bf3fef, do not edit
 """GLM-5.3 (generated; the source of truth is spec.yaml)."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@10f73b15d412, do not edit
+# generated from spec.yaml@40d8a6bf3fef, do not edit
 """GLM-5.3: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@10f73b15d412, do not edit
+# generated from spec.yaml@40d8a6bf3fef, do not edit
 """GLM-5.3: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

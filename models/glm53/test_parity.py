@@ -1,4 +1,4 @@
-# generated from spec.yaml@10f73b15d412, do not edit
+# generated from spec.yaml@40d8a6bf3fef, do not edit
 """GLM-5.3: parity against transformers.GlmMoeDsaForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) writes a checkpoint

@@ -486,12 +486,15 @@ def _mtp_blocks(spec: Spec, r: Resolver, n: int, spath: str) -> tuple[str, str]:
         raise SpecError(
             spath, "mtp.layers", f"drafting with the MTP head needs 1 nextn layer, the config has {count}"
         )
+    for role, name in (("attention", spec.mtp.attention), ("mlp", spec.mtp.mlp)):
+        if name is not None and name not in spec.blocks:
+            raise SpecError(spath, f"mtp.{role}", f"no block {name!r}; blocks: {', '.join(spec.blocks)}")
     try:
-        attn = layer_types(spec.layers.attention, n + 1, r, "attention")[n]
-        mlp = layer_types(spec.layers.mlp, n + 1, r, "mlp")[n]
+        attn = spec.mtp.attention or layer_types(spec.layers.attention, n + 1, r, "attention")[n]
+        mlp = spec.mtp.mlp or layer_types(spec.layers.mlp, n + 1, r, "mlp")[n]
     except (SpecError, ValueError, IndexError) as e:
         raise SpecError(
-            spath, "mtp", f"the layer rules do not place a layer {n} (the NextN layer): {e}"
+            spath, "mtp", f"the layer rules do not place a layer {n} (the NextN layer; name its blocks): {e}"
         ) from None
     return attn, mlp
 

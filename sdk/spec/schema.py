@@ -343,9 +343,16 @@ class Parity(Strict):
 
 
 class Mtp(Strict):
+    """The multi-token-prediction head. nextn: DeepSeek / GLM / Kimi's NextN layer after the
+    decoder's `layers` (sdk/config/model.py MtpCfg), its blocks those the layer rules give layer
+    L, or `attention` / `mlp` (block names) where the rules cannot place a layer L (per-layer
+    config lists of length L)."""
+
     kind: Literal["nextn", "qwen_mtp"]
     layers: IntV = 1
     draft_tokens: IntV = 1
+    attention: str | None = None
+    mlp: str | None = None
 
 
 class Spec(Strict):
