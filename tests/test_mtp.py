@@ -1,7 +1,9 @@
-"""The NextN MTP layer (sdk/blocks/decoder.py NextN) built from a spec, loaded strictly, against
+"""The MTP layer (sdk/blocks/decoder.py NextN: nextn and qwen_mtp) built from a spec, loaded strictly, against
 an independent composition of its math, fp32 on CPU; then speculative decoding with it.
 
-Tiny Kimi K3 and GLM-5.3 checkpoints get the NextN tensors the releases ship under layer L:
+Tiny Kimi K3 and GLM-5.3 checkpoints get the NextN tensors the releases ship under layer L
+(and a Qwen3.8 one Qwen3.5's mtp.*: fc, the pre-fc norms, norm, mtp.layers.0 a gated-attention
+layer, the output normed before the head and the next draft):
 enorm, hnorm, eh_proj, shared_head.norm, the decoder layer (K3: gated NoPE MLA + latent MoE, by
 its layer rule; GLM-5.3: MLA with its own DSA indexer + MoE, named in the spec's mtp section),
 and the tensors the built layer leaves unused (shared_head.head, an embed_tokens copy; K3's
@@ -154,12 +156,77 @@ def _glm(folder, seed: int, drop: str | None = None) -> Kit:
     )
 
 
-KITS = {"kimi_k3": _kimi, "glm53": _glm}
+def _qwen(folder, seed: int, drop: str | None = None) -> Kit:
+    """Qwen3.8 (Qwen3.5's MoE hybrid): mtp.* names, its layer a full (gated) attention layer under
+    mtp.layers.0., its norms zero-centred (1 + w) as the model's, its output normed before the
+    head and the next draft."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm
+
+    path = write_tiny("qwen38", folder, seed=seed)
+    c = json.loads((path / "config.json").read_text())
+    n = c["num_hidden_layers"]
+    longer = Qwen3_5MoeTextConfig(
+        **{**c, "num_hidden_layers": n + 1, "layer_types": c["layer_types"] + ["full_attention"]}
+    )
+    longer._attn_implementation = "eager"
+    g = torch.Generator().manual_seed(100 + seed)
+    layer = Qwen3_5MoeDecoderLayer(longer, n).eval()
+    _random(layer, g)
+    longer_model = Qwen3_5MoeForCausalLM(longer)  # saved for the layer's checkpoint names
+    longer_model.model.layers[n] = layer
+    longer_model.save_pretrained(folder / "longer")
+    prefix = f"model.layers.{n}."
+    saved = load_file(next((folder / "longer").glob("*.safetensors")))
+    tensors = {f"mtp.layers.0.{k[len(prefix) :]}": v for k, v in saved.items() if k.startswith(prefix)}
+    h = c["hidden_size"]
+    own = {
+        "mtp.fc.weight": torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5,
+        "mtp.pre_fc_norm_embedding.weight": 0.1 * torch.randn(h, generator=g),  # zero-centred: 1 + w
+        "mtp.pre_fc_norm_hidden.weight": 0.1 * torch.randn(h, generator=g),
+        "mtp.norm.weight": 0.1 * torch.randn(h, generator=g),
+    }
+    files = sorted(path.glob("*.safetensors"))
+    extra = tensors | own
+    if drop is not None:
+        extra.pop({"eh_proj.weight": "mtp.fc.weight"}.get(drop, drop))
+    save_file(load_file(files[0]) | extra, files[0], metadata={"format": "pt"})
+    ref = Qwen3_5MoeForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    norm = {}
+    for k, name in (("e", "pre_fc_norm_embedding"), ("h", "pre_fc_norm_hidden"), ("s", "norm")):
+        norm[k] = Qwen3_5MoeRMSNorm(h, c["rms_norm_eps"])
+        norm[k].weight.data.copy_(own[f"mtp.{name}.weight"])
+
+    def z(ids: torch.Tensor) -> torch.Tensor:
+        return ref.model(input_ids=ids[None]).last_hidden_state[0]
+
+    def decoder_layer(x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        pos = torch.arange(m).view(1, 1, -1)
+        mask = torch.full((m, m), torch.finfo(x.dtype).min).triu(1)[None, None]
+        rope = ref.model.rotary_emb(x[None], pos.expand(3, 1, -1))
+        return layer(x[None], position_embeddings=rope, attention_mask=mask, position_ids=pos[0])[0]
+
+    def f(hidden: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = (
+            torch.cat((norm["e"](ref.model.embed_tokens(ids)), norm["h"](hidden)), -1)
+            @ own["mtp.fc.weight"].T
+        )
+        y = norm["s"](decoder_layer(x))  # normed: the head's input and the next draft's hidden
+        return ref.lm_head(y), y
+
+    return Kit(path, own, z, f, ref.model.embed_tokens, ref.lm_head, c["rms_norm_eps"], c["vocab_size"])
+
+
+KITS = {"kimi_k3": _kimi, "glm53": _glm, "qwen38": _qwen}
 
 
 def _nextn(kit: Kit) -> Callable:
-    """f(hidden [M, H], next ids [M]) -> (logits [M, V], y [M, H]): the NextN composition over a
-    sequence (the reference layer attends causally over all of it)."""
+    """f(hidden [M, H], next ids [M]) -> (logits [M, V], what the next draft feeds back [M, H]):
+    the NextN composition over a sequence (the reference layer attends causally over all of it);
+    a kit whose `own` holds no eh_proj.weight gives the whole composition as its `layer`."""
+    if "eh_proj.weight" not in kit.own:
+        return kit.layer
     h = kit.own["eh_proj.weight"].shape[0]
     norm = {k: Norm(h, kit.eps) for k in ("e", "h", "s")}
     for k, name in (("e", "enorm"), ("h", "hnorm"), ("s", "shared_head.norm")):
@@ -188,9 +255,12 @@ def test_nextn_layer_matches_an_independent_composition(tmp_path, family: str, s
     kit = KITS[family](tmp_path, seed)
     model, cfg, _, aside = _ours(family, kit.path)
     # set aside: shared_head.head and embed_tokens (and K3's four attention-residual tensors)
-    assert aside == {"kimi_k3": 6, "glm53": 2}[family]
+    assert aside == {"kimi_k3": 6, "glm53": 2, "qwen38": 0}[family]
     assert cfg.mtp is not None and cfg.mtp.layer.index == len(cfg.layers)
-    assert cfg.mtp.layer.attn_kind == "mla" and cfg.mtp.layer.mlp_kind == "moe"
+    assert (
+        cfg.mtp.layer.attn_kind == ("gqa" if family == "qwen38" else "mla")
+        and cfg.mtp.layer.mlp_kind == "moe"
+    )
     ids = torch.randint(0, kit.vocab, (T + 1,), generator=torch.Generator().manual_seed(seed))
     ctx = context(T, cfg.cache_groups)
     ctx.input_ids = ids[:T].clone()
@@ -255,3 +325,16 @@ def test_mtp_drafts_are_the_nextn_layers_chain_and_lossless(tmp_path, family: st
                 want.append(int(logits[-1].argmax()))
                 hidden, nxt = torch.cat((hidden, y[-1:])), torch.cat((nxt, torch.tensor(want[-1:])))
             assert len(drafts) == k and drafts == want
+
+
+def test_an_mtp_config_value_the_head_does_not_implement_is_refused_by_name(tmp_path) -> None:
+    """Qwen3.8 with mtp_use_dedicated_embeddings (an MTP embedding of its own): served without
+    the head (set aside), refused by name when the head is built."""
+    from dayzero.sdk.errors import SpecError
+
+    path = write_tiny("qwen38", tmp_path, seed=0, overrides={"mtp_use_dedicated_embeddings": True})
+    ckpt = open_checkpoint(path)
+    fam = FAMILIES.get("qwen38")
+    assert fam.config(ckpt.hf, str(path)).mtp is None
+    with pytest.raises(SpecError, match=r"mtp_use_dedicated_embeddings.*True is not implemented"):
+        fam.config(ckpt.hf, str(path), mtp=True)

@@ -1,2 +1,2 @@
-# generated from spec.yaml@fa68adb79894, do not edit
+# generated from spec.yaml@113323a48f37, do not edit
 """Qwen3.8 (generated; the source of truth is spec.yaml)."""

@@ -114,12 +114,13 @@ class Decoder(nn.Module):
 
 
 class NextN(nn.Module):
-    """The NextN multi-token-prediction layer (sdk/config/model.py MtpCfg):
+    """The multi-token-prediction layer (sdk/config/model.py MtpCfg; nextn and qwen_mtp):
         x_0 = W_eh [rmsnorm_e(emb(t_{i+1})) ; rmsnorm_h(z_i)]      W_eh [Dm, 2 Dm]
         y = layer(x_0)        (the family's blocks at layer index L, pre-norm; its own KV slice)
         logits = head(rmsnorm_s(y))
     at the positions i of the hidden states z it is given; the embedding and the head are the
-    main model's (passed in, not held: one copy of each)."""
+    main model's (passed in, not held: one copy of each). A chained draft's next z: y, or
+    rmsnorm_s(y) (feed_normed)."""
 
     def __init__(self, cfg: MtpCfg, ops: OpTable, attention: dict[str, type], mlp: dict[str, type]) -> None:
         super().__init__()
@@ -131,16 +132,19 @@ class NextN(nn.Module):
         )
         self.eh_proj = nn.Parameter(torch.empty(d, 2 * d))
         self.layer = Layer(cfg.layer, ops, attention, mlp)
-        self.ops = ops
+        self.ops, self.feed_normed = ops, cfg.feed_normed
 
     def forward(
         self, ids: torch.Tensor, z: torch.Tensor, ctx: StepContext, embed: nn.Module, head: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [T] (each position's next token), z [T, Dm] -> (logits [S, V] fp32 of the
-        sampling rows, y [T, Dm]: the layer's output, which a chained draft feeds back as z)."""
+        sampling rows, what a chained draft feeds back as z [T, Dm])."""
         x = self.ops.linear(torch.cat((self.enorm(embed(ids)), self.hnorm(z)), dim=-1), self.eh_proj)
         h, carry = self.layer.attn_res.pre(x, ctx)
         y, _, _ = self.layer(x, h, carry, ctx, None)
+        if self.feed_normed:
+            y = self.norm(y)
+            return head(y[ctx.sample_index]), y
         return head(self.norm(y[ctx.sample_index])), y
 
 

@@ -137,10 +137,12 @@ class MtpCfg:
         x_0 = W_eh [rmsnorm_e(emb(t_{i+1})) ; rmsnorm_h(z_i)]      z_i: the target's final hidden
         y = layer(x_0) at position i         (its own KV, in the main groups' rows)
         logits = head(rmsnorm_s(y))          (the main LM head and embedding, shared)
-    Chained drafts feed y's normed output back as z."""
+    A chained draft feeds y back as z (nextn), or rmsnorm_s(y) (qwen_mtp: Qwen3.5's mtp.*, whose
+    output is normed before the head and the next step)."""
 
     layer: LayerCfg
     norm: NormCfg  # enorm, hnorm and the shared head's norm: the model's width and eps
+    feed_normed: bool = False
 
 
 @dataclass(frozen=True)

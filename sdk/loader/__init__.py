@@ -76,7 +76,9 @@ class Checkpoint:
         if mtp:  # the NextN layer is layer n by the layers' rules (sdk/spec/assemble.py)
             unused = fmt.model_copy(update={"mtp": fmt.mtp_unused})  # set aside even when built
             renames = {f"layers.{n}.": "mtp.layer."}
-            return Mapping(unused, resolver.value, range(n, n + 1), plan, str(self.path), renames)
+            alias = fmt.mtp_layer
+            aliases = {alias.prefix: alias.to.replace("{i}", str(n))} if alias else None
+            return Mapping(unused, resolver.value, range(n, n + 1), plan, str(self.path), renames, aliases)
         mtp_layers = range(n, n + int(resolver.value(spec_mtp.layers))) if spec_mtp else range(0)
         return Mapping(fmt, resolver.value, mtp_layers, plan, str(self.path))
 

@@ -100,9 +100,11 @@ class Mapping:
         layers: Sequence[tuple[str, ...]] = (),
         source: str = "config.json",
         renames: dict[str, str] | None = None,
+        aliases: dict[str, str] | None = None,
     ) -> None:
         self.rules: list[_Rule] = []
         self.renames = tuple((renames or {}).items())  # target prefixes: the NextN layer's, `mtp.layer.`
+        self.aliases = tuple((aliases or {}).items())  # source prefixes read as others (mtp.layers.0.)
         self.layers = [tuple(b) for b in layers]
         for ri, rule in enumerate(fmt.rules):
             skip = bool(value(rule.unless)) if rule.unless else False
@@ -127,6 +129,10 @@ class Mapping:
 
     def target(self, name: str) -> Target | Split | None:
         """Where a checkpoint tensor goes; None when deliberately ignored."""
+        for old, new in self.aliases:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
         scoped_out: list[_Rule] = []  # rules whose pattern matched, for another layer kind
         layer = None
         for rule in self.rules:

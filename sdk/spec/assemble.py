@@ -436,7 +436,9 @@ def resolve(
     nextn = None
     if mtp:  # the NextN layer: pre-norm whatever the stack's residual (MtpCfg)
         prenorm = ResidualCfg("prenorm", norm)
-        nextn = MtpCfg(dataclasses.replace(layers.pop(), attn_res=prenorm, mlp_res=prenorm, ngram=None), norm)
+        check_implemented(spec.mtp.implements, r, f"{loaded.path.name}'s mtp head")
+        last = dataclasses.replace(layers.pop(), attn_res=prenorm, mlp_res=prenorm, ngram=None)
+        nextn = MtpCfg(last, norm, feed_normed=spec.mtp.kind == "qwen_mtp")
     if vocab % par.size:
         raise SpecError(
             spath, "embedding.vocab", f"{vocab} rows do not split over tensor-parallel size {par.size}"
@@ -478,9 +480,8 @@ def resolve(
 
 def _mtp_blocks(spec: Spec, r: Resolver, n: int, spath: str) -> tuple[str, str]:
     """The NextN layer's (attention, mlp) blocks: layer n of a stack of n + 1 by the spec's rules."""
-    if spec.mtp is None or spec.mtp.kind != "nextn":
-        have = "no mtp section" if spec.mtp is None else f"mtp kind {spec.mtp.kind}"
-        raise SpecError(spath, "mtp", f"drafting with the MTP head needs a nextn layer; the spec has {have}")
+    if spec.mtp is None:
+        raise SpecError(spath, "mtp", "drafting with the MTP head needs an mtp section; the spec has none")
     count = r.value(spec.mtp.layers)
     if count != 1:
         raise SpecError(

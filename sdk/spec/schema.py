@@ -244,6 +244,11 @@ class WeightRule(Strict):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
+class MtpLayerNames(Strict):
+    prefix: str
+    to: str
+
+
 class WeightFormat(Strict):
     """One checkpoint format's weight rules. gguf's `config` reads the HF config from the file's
     metadata, per HF field: `{arch}.key` (a metadata key, `{arch}` the file's architecture),
@@ -261,6 +266,9 @@ class WeightFormat(Strict):
     # method mtp): copies of the shared embedding or head, parameters its pre-norm residual has
     # no use for; the same globs, set aside and counted
     mtp_unused: list[str] = []
+    # the MTP layer's tensors under their own prefix (Qwen: mtp.layers.0.) are read as decoder
+    # layer L's (`to`, with {i}: L), so that the layers' rules map them
+    mtp_layer: MtpLayerNames | None = None
     config: dict[str, str] = {}  # gguf: HF field -> metadata key ({arch} expands)
     # gguf: the files' general.architecture values this section reads, when llama.cpp names the
     # architecture other than the spec's model_types (Gemma 3's text decoder is `gemma3`, the
@@ -343,16 +351,19 @@ class Parity(Strict):
 
 
 class Mtp(Strict):
-    """The multi-token-prediction head. nextn: DeepSeek / GLM / Kimi's NextN layer after the
-    decoder's `layers` (sdk/config/model.py MtpCfg), its blocks those the layer rules give layer
-    L, or `attention` / `mlp` (block names) where the rules cannot place a layer L (per-layer
-    config lists of length L)."""
+    """The multi-token-prediction head (sdk/config/model.py MtpCfg), one layer after the
+    decoder's L: nextn, DeepSeek / GLM / Kimi's NextN (a chained draft feeds the layer's output
+    back); qwen_mtp, Qwen3.5's mtp.* (the same math, the output normed before it is fed back).
+    Its blocks are those the layer rules give layer L, or `attention` / `mlp` (block names)
+    where the rules cannot place a layer L (per-layer config lists of length L). `implements`:
+    config values the head is built for, checked when it is (as the spec's `implements`)."""
 
     kind: Literal["nextn", "qwen_mtp"]
     layers: IntV = 1
     draft_tokens: IntV = 1
     attention: str | None = None
     mlp: str | None = None
+    implements: dict[str, Any] = {}
 
 
 class Spec(Strict):
