@@ -115,6 +115,24 @@ def _release(fam: Family, rel, groups: list[dict], model_source: str) -> dict:
     return {"checkpoint": rel.checkpoint, "command": command, "needs": line, "status": status}
 
 
+def _mtp_line(spec) -> str:
+    """The card's line on drafting with the family's MTP head (speculative decoding)."""
+    if spec.mtp is None:
+        return ""
+    if spec.residual.kind == "hyper":
+        return (
+            f"MTP head ({spec.mtp.kind}): its tensors are set aside; drafting with it is not implemented "
+            "with hyper-connections yet (`--speculative-config '{\"method\": \"ngram\", ...}'` drafts "
+            "by prompt lookup)."
+        )
+    k = spec.mtp.draft_tokens if isinstance(spec.mtp.draft_tokens, int) else 1
+    flag = f'--speculative-config \'{{"method": "mtp", "num_speculative_tokens": {k}}}\''
+    return (
+        f"Speculative decoding with its MTP head ({spec.mtp.kind}; lossless: the verify pass keeps the "
+        f"target's distribution): add `{flag}` (one rank for now: a tensor-parallel launch refuses it)."
+    )
+
+
 def _residual_text(spec) -> str:
     r, ng = spec.residual, spec.embedding.ngram
     text = r.kind + (", depth-scaled" if r.depth_scaled else "")
@@ -215,6 +233,7 @@ def render(fam: Family) -> dict[str, str]:
     model_py = _model_py(fam, env, header)
     ctx["releases"] = _releases(fam, groups, model_py)
     ctx["variants"] = _variants(fam, env)
+    ctx["mtp"] = _mtp_line(spec)
     out = {
         "__init__.py": f'{header}\n"""{spec.title} (generated; the source of truth is spec.yaml)."""\n',
         "model.py": model_py,

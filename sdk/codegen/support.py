@@ -82,11 +82,11 @@ def support_matrix(fam: Family, groups: tuple | None = None) -> list[tuple[str, 
         rows.append(("final logit softcap", "yes"))
     rows.append(("quantized checkpoints (nvfp4, mxfp4, fp8_block, mixed)", packed_support(needs)))
     if spec.mtp is not None:
-        rows.append(
-            (
-                f"MTP head ({spec.mtp.kind})",
-                "tensors set aside at load; speculative decoding not supported yet",
-            )
+        built = (
+            "built when speculative decoding drafts with it (method mtp; one rank); else set aside"
+            if spec.residual.kind != "hyper"
+            else "tensors set aside at load (not yet with hyper-connections)"
         )
+        rows.append((f"MTP head ({spec.mtp.kind})", built))
     rows += [(f"device: {d}", s) for d, s in device_support(fam, groups, needs).items()]
     return rows

@@ -351,6 +351,12 @@ def resolve(
     windows: list[int | None] = [None] * len(group_decls)
     kinds = [d.kind for d in group_decls]
     hyper = _hyper(spec, r)
+    if mtp and hyper is not None:
+        raise SpecError(
+            spath,
+            "mtp",
+            "the MTP head of a model with hyper-connections (fed by their collapse) is not implemented yet",
+        )
     branch = r.number(spec.residual.branch_scale, float, "residual.branch_scale")
     if branch != 1.0 and hyper is not None:
         raise SpecError(r.source, "residual.branch_scale", "is not implemented with hyper-connections")
