@@ -338,3 +338,11 @@ def test_an_mtp_config_value_the_head_does_not_implement_is_refused_by_name(tmp_
     assert fam.config(ckpt.hf, str(path)).mtp is None
     with pytest.raises(SpecError, match=r"mtp_use_dedicated_embeddings.*True is not implemented"):
         fam.config(ckpt.hf, str(path), mtp=True)
+
+
+def test_the_mtp_head_with_hyper_connections_is_refused_by_name(tmp_path) -> None:
+    from dayzero.sdk.errors import SpecError
+
+    ckpt = open_checkpoint(write_tiny("glm53_flash", tmp_path, seed=0))
+    with pytest.raises(SpecError, match=r"mtp.*hyper-connections .* not implemented yet"):
+        ckpt.family.config(ckpt.hf, str(ckpt.path), mtp=True)
