@@ -351,12 +351,6 @@ def resolve(
     windows: list[int | None] = [None] * len(group_decls)
     kinds = [d.kind for d in group_decls]
     hyper = _hyper(spec, r)
-    if mtp and hyper is not None:
-        raise SpecError(
-            spath,
-            "mtp",
-            "the MTP head of a model with hyper-connections (fed by their collapse) is not implemented yet",
-        )
     branch = r.number(spec.residual.branch_scale, float, "residual.branch_scale")
     if branch != 1.0 and hyper is not None:
         raise SpecError(r.source, "residual.branch_scale", "is not implemented with hyper-connections")
@@ -488,6 +482,9 @@ def _mtp_blocks(spec: Spec, r: Resolver, n: int, spath: str) -> tuple[str, str]:
     """The NextN layer's (attention, mlp) blocks: layer n of a stack of n + 1 by the spec's rules."""
     if spec.mtp is None:
         raise SpecError(spath, "mtp", "drafting with the MTP head needs an mtp section; the spec has none")
+    if spec.residual.kind == "hyper":
+        why = "the MTP head of a model with hyper-connections (fed by their collapse) is not implemented yet"
+        raise SpecError(spath, "mtp", why)
     count = r.value(spec.mtp.layers)
     if count != 1:
         raise SpecError(
