@@ -122,7 +122,7 @@ def _mtp_line(spec) -> str:
     if spec.residual.kind == "hyper":
         return (
             f"MTP head ({spec.mtp.kind}): its tensors are set aside; drafting with it is not implemented "
-            "with hyper-connections yet (`--speculative-config '{\"method\": \"ngram\", ...}'` drafts "
+            'with hyper-connections yet (`--speculative-config \'{"method": "ngram", ...}\'` drafts '
             "by prompt lookup)."
         )
     k = spec.mtp.draft_tokens if isinstance(spec.mtp.draft_tokens, int) else 1
