@@ -1,6 +1,7 @@
 """Speculative decoding through `dayzero serve --speculative-config` on the embedded default
 (SmolLM2-135M, fp32 on CPU): prompt lookup on a text that repeats itself drafts tokens the
-model accepts, the answer is token for token the one `LLM(...)` gives without drafts, and
+model accepts, the answer (whole and streamed) is token for token the one `LLM(...)` gives
+without drafts, and
 /metrics reports the drafts and the mean acceptance length."""
 
 from __future__ import annotations
@@ -36,13 +37,18 @@ def test_a_server_with_prompt_lookup_answers_as_one_without() -> None:
     )
     srv = Server("--dtype", "float32", "--speculative-config", json.dumps(SPEC))
     try:
-        r = httpx.post(
-            f"{srv.url}/v1/completions",
-            json={"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 24, "temperature": 0},
-            timeout=120,
-        )
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want.text
+        streamed = ""  # several tokens a step: each chunk carries what the step kept
+        with httpx.stream(
+            "POST", f"{srv.url}/v1/completions", json=body | {"stream": True}, timeout=120
+        ) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    streamed += json.loads(line[6:])["choices"][0]["text"]
+        assert streamed == want.text
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
         assert _metric(metrics, "dayzero_spec_draft_tokens") > 0
         assert _metric(metrics, "dayzero_spec_mean_acceptance_length") > 1.0  # the repeats are accepted

@@ -284,14 +284,13 @@ class Engine:
         return ctx
 
     def _check_speculative(self) -> None:
-        """Refuse, by name, what speculative decoding does not run with yet."""
-        par, why = self.cfg.parallel, []
+        """Refuse, by name, what speculative decoding does not run with yet: several ranks (their
+        followers would need each step's drafts and extra passes)."""
+        par = self.cfg.parallel
         if par.size > 1:
             kind = "data-parallel attention" if par.attention_dp else "tensor parallelism"
-            why.append(f"{kind} ({par.size} ranks)")
-        if why:
             raise ValueError(
-                f"speculative decoding ({self.spec.method}) is not implemented with {'; '.join(why)}"
+                f"speculative decoding ({self.spec.method}) is not implemented with {kind} ({par.size} ranks)"
             )
 
     def _decode_graphs(self) -> DecodeGraphs | None:
@@ -476,13 +475,14 @@ class Engine:
         verify, index = verify_rows(plan, k, self._drafts)
         ids, qs = np.asarray(plan.input_ids), np.asarray(plan.query_start)
         dst = np.flatnonzero(ids < 0)
-        decode = [r for r in range(plan.rows) if qs[r + 1] - qs[r] == k + 1 and ids[qs[r] + 1] < 0]
-        drafted = [r for r in decode if verify.count[r] > 1]
+        n, prefill = np.asarray(plan.num_tokens), np.asarray(plan.is_prefill, dtype=bool)
+        decode = np.flatnonzero((n == k + 1) & ~prefill)  # x_p and k draft slots (-1)
+        drafted = [r for r in decode.tolist() if verify.count[r] > 1]
         proposed = dict(
             zip(drafted, self.drafter.draft(self, plan, drafted, k) if drafted else [], strict=True)
         )
         vals = []
-        for r in decode:  # a row not drafted: its last token again in the slots (rolled back)
+        for r in decode.tolist():  # a row not drafted: its last token again in the slots (rolled back)
             drafts = proposed.get(r, [])[:k]
             vals += (drafts + [int(ids[qs[r]])] * k)[:k]
             verify.drafts[r] = drafts + [-1] * (k - len(drafts)) if r in proposed else []
@@ -490,9 +490,6 @@ class Engine:
         inputs[dst] = vals
         saved = None
         if self.pool.state_bytes:  # the decode rows' states before the drafts (speculative.py)
-            decode = np.flatnonzero(
-                (np.asarray(plan.num_tokens) == k + 1) & ~np.asarray(plan.is_prefill, bool)
-            )
             slots = torch.from_numpy(np.asarray(plan.state_slots, dtype=np.int64)[decode]).to(self.device)
             saved = (inputs, slots, self.pool.slots[slots], decode)  # index_select: a copy
         with self._lockstep():
@@ -507,9 +504,8 @@ class Engine:
         req_ids = np.asarray(plan.req_ids).copy()
         sample_ids = np.repeat(req_ids, verify.count).tolist()
         pending = self._sample(logits, sample_ids)
-        prefill = int(np.asarray(plan.num_tokens)[np.asarray(plan.is_prefill, dtype=bool)].sum())
         sample = np.asarray(plan.sample, dtype=np.int32).copy()
-        return _Launched(plan, req_ids, sample, sample_ids, prefill, pending, verify, saved)
+        return _Launched(plan, req_ids, sample, sample_ids, int(n[prefill].sum()), pending, verify, saved)
 
     def _roll_back_states(self, done: _Launched, rows: list[tuple[int, list[int]]]) -> None:
         """The decode rows that keep fewer than k + 1 tokens: their states from before the
