@@ -346,3 +346,18 @@ def test_the_mtp_head_with_hyper_connections_is_refused_by_name(tmp_path) -> Non
     ckpt = open_checkpoint(write_tiny("glm53_flash", tmp_path, seed=0))
     with pytest.raises(SpecError, match=r"mtp.*hyper-connections .* not implemented yet"):
         ckpt.family.config(ckpt.hf, str(ckpt.path), mtp=True)
+
+
+def test_the_mtp_head_of_a_quantized_checkpoint_is_refused_by_name(tmp_path) -> None:
+    """Its packed tensors are not loaded into the head yet: refused when its weight rules are
+    asked for, before anything is read."""
+    from dataclasses import replace
+
+    from dayzero.sdk.errors import CheckpointError
+    from dayzero.sdk.quant.config import QuantConfig
+
+    kit = _kimi(tmp_path, 0)
+    quant = QuantConfig("hf_quant_config.json: quantization", "modelopt", "nvfp4")
+    ckpt = replace(open_checkpoint(kit.path), quant=quant)
+    with pytest.raises(CheckpointError, match=r"MTP head of a quantized checkpoint .* not implemented yet"):
+        _ = ckpt.mtp_mapping

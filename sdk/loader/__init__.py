@@ -74,6 +74,12 @@ class Checkpoint:
         plan = layer_plan(fam.spec.spec, resolver, mtp)  # block-scoped rules match a layer's blocks
         n = len(plan) - mtp
         if mtp:  # the NextN layer is layer n by the layers' rules (sdk/spec/assemble.py)
+            if self.quant is not None:
+                raise CheckpointError(
+                    f"{self.path}: drafting with the MTP head of a quantized checkpoint "
+                    f"({self.quant.source}) is not implemented yet (its packed tensors); method ngram "
+                    "drafts without it"
+                )
             unused = fmt.model_copy(update={"mtp": fmt.mtp_unused})  # set aside even when built
             renames = {f"layers.{n}.": "mtp.layer."}
             alias = fmt.mtp_layer
