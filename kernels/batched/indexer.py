@@ -134,17 +134,23 @@ def qsa_pool(
     neox: bool,
     pool: int,
 ) -> None:
-    """The pooled key of every block this step completes (kernels/reference `qsa_pool`), every
-    token at once: a token at position p_t with (p_t + 1) % P == 0 forms its block's key from
-    the raw keys of positions p_t - P + 1 .. p_t; the other tokens write to the group's scratch
-    slot (meta.scratch), so the shapes stay fixed."""
+    """The pooled key of every block this step completes (kernels/reference `qsa_pool`): a token
+    at position p_t with (p_t + 1) % P == 0 forms its block's key from the raw keys of positions
+    p_t - P + 1 .. p_t. At most M = T // P + R tokens of a step complete a block (a row of n
+    tokens completes at most n // P + 1): the completing ones are sorted first and M tokens taken,
+    those among them that complete nothing writing to the group's scratch slot (meta.scratch), so
+    the shapes stay fixed and the work is M P Di, not T P Di."""
     if meta.scratch < 0:
         raise ValueError("qsa_pool/batched sends the tokens that complete no block to a scratch slot: none")
     t, di, r = meta.positions.shape[0], raw.shape[1], pooled.shape[1]
     n, bs, dev = -(-di // r), meta.block_size, raw.device
     rows = torch.searchsorted(meta.query_start, torch.arange(t, device=dev), right=True) - 1  # [T]
-    pos = meta.positions
-    done = ((pos + 1) % pool == 0) & (pos < meta.kv_lens[rows])  # [T] completes block (p_t + 1) / P - 1
+    done = ((meta.positions + 1) % pool == 0) & (meta.positions < meta.kv_lens[rows])  # [T]
+    m = min(t, t // pool + meta.query_start.shape[0] - 1)
+    if m == 0:
+        return
+    pick = torch.argsort((~done).to(torch.int32), stable=True)[:m]  # [M] the completing tokens first
+    rows, pos, done, t = rows[pick], meta.positions[pick], done[pick], m
     start = (pos + 1 - pool).clamp(min=0)  # [T] that block's first position
     j = torch.minimum(start[:, None] + torch.arange(pool, device=dev), pos[:, None])  # [T, P] held
     blk = raw_meta.block_table[rows[:, None], j // bs].long().clamp(min=0)

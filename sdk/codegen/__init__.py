@@ -25,7 +25,7 @@ from dayzero.sdk.codegen.spec_doc import render as render_doc
 from dayzero.sdk.codegen.support import support_matrix
 from dayzero.sdk.engine.geometry import GroupDecl
 from dayzero.sdk.families import FAMILIES, Family
-from dayzero.sdk.spec.assemble import resolve
+from dayzero.sdk.spec.assemble import mtp_unbuildable, resolve
 from dayzero.sdk.spec.checks import rule_blocks
 from dayzero.sdk.spec.reference import spec_config
 
@@ -119,11 +119,10 @@ def _mtp_line(spec) -> str:
     """The card's line on drafting with the family's MTP head (speculative decoding)."""
     if spec.mtp is None:
         return ""
-    if spec.residual.kind == "hyper":
+    if why := mtp_unbuildable(spec):
         return (
-            f"MTP head ({spec.mtp.kind}): its tensors are set aside; drafting with it is not implemented "
-            'with hyper-connections yet (`--speculative-config \'{"method": "ngram", ...}\'` drafts '
-            "by prompt lookup)."
+            f"MTP head ({spec.mtp.kind}): its tensors are set aside ({why}; "
+            '`--speculative-config \'{"method": "ngram", ...}\'` drafts by prompt lookup).'
         )
     k = spec.mtp.draft_tokens if isinstance(spec.mtp.draft_tokens, int) else 1
     flag = f'--speculative-config \'{{"method": "mtp", "num_speculative_tokens": {k}}}\''

@@ -7,7 +7,7 @@ import torch
 from dayzero.kernels.registry import KERNELS, OPS
 from dayzero.kernels.selection import OpTable, load_plugins
 from dayzero.sdk.families import Family, kernel_needs
-from dayzero.sdk.spec.assemble import resolve
+from dayzero.sdk.spec.assemble import mtp_unbuildable, resolve
 from dayzero.sdk.spec.reference import spec_config
 
 DEVICES = ("cpu", "cuda")
@@ -82,10 +82,11 @@ def support_matrix(fam: Family, groups: tuple | None = None) -> list[tuple[str, 
         rows.append(("final logit softcap", "yes"))
     rows.append(("quantized checkpoints (nvfp4, mxfp4, fp8_block, mixed)", packed_support(needs)))
     if spec.mtp is not None:
+        why = mtp_unbuildable(spec)
         built = (
-            "built when speculative decoding drafts with it (method mtp; one rank); else set aside"
-            if spec.residual.kind != "hyper"
-            else "tensors set aside at load (not yet with hyper-connections)"
+            f"tensors set aside at load ({why})"
+            if why
+            else ("built when speculative decoding drafts with it (method mtp; one rank); else set aside")
         )
         rows.append((f"MTP head ({spec.mtp.kind})", built))
     rows += [(f"device: {d}", s) for d, s in device_support(fam, groups, needs).items()]

@@ -272,7 +272,7 @@ class Engine:
         there ends them all (Leader.lockstep); nothing on one rank."""
         return self.leader.lockstep() if self.leader is not None else contextlib.nullcontext()
 
-    def _context(self, plan, every_token: bool = False) -> StepContext:
+    def context(self, plan, every_token: bool = False) -> StepContext:
         """The plan's batch context on this rank (with data-parallel attention: its part's rows,
         and the split); every_token: logits at every token, not the plan's sampling rows."""
         if self.dp:
@@ -452,7 +452,7 @@ class Engine:
             self.stats["graph_steps"] += 1
         else:
             with self._lockstep():
-                ctx = self._context(plan)
+                ctx = self.context(plan)
                 if fill is not None:
                     fill_tokens(ctx.input_ids, *fill)
                 logits = self.model(ctx)  # [S, V] fp32
@@ -493,7 +493,7 @@ class Engine:
             slots = torch.from_numpy(np.asarray(plan.state_slots, dtype=np.int64)[decode]).to(self.device)
             saved = (inputs, slots, self.pool.slots[slots], decode)  # index_select: a copy
         with self._lockstep():
-            ctx = self._context(plan)
+            ctx = self.context(plan)
             if dst.size:
                 ctx.input_ids[torch.from_numpy(dst).to(self.device)] = torch.tensor(vals, device=self.device)
             ctx.sample_index = torch.from_numpy(index).to(self.device)
@@ -520,7 +520,7 @@ class Engine:
             return
         self.pool.slots[slots[back]] = before[back]
         with self._lockstep():
-            self.model(self._context(kept_rows(done.plan, inputs, keep)))
+            self.model(self.context(kept_rows(done.plan, inputs, keep)))
 
     def _drafts(self, rid: int) -> bool:
         """Whether a request's decode rows verify drafts: not where its sampling reads its own
@@ -585,8 +585,9 @@ class Engine:
         # later step would fail the same way). Each row's token is recorded first; a check of
         # one request that fails after that (its grammar rejects the token) aborts that request.
         touched: dict[int, RequestOutput] = {}
+        lps = logprobs.tolist()
         if rows is None:  # sampled row s: one token
-            rows = [(s, [t]) for s, t in enumerate(tokens.tolist())]
+            rows = enumerate((t,) for t in tokens.tolist())
         for first, toks in rows:
             rid = done.sample_ids[first] if toks else -1
             if rid not in self.params:  # finished or aborted while this step ran (overlap)
@@ -596,7 +597,7 @@ class Engine:
             try:
                 for s, tok in enumerate(toks, first):
                     out.token_ids.append(tok)
-                    out.logprobs.append(float(logprobs[s]))
+                    out.logprobs.append(lps[s])
                     if s in tops:
                         out.top_logprobs.append(tops[s])
                     self.matchers.accept(rid, tok)
@@ -698,7 +699,7 @@ class Engine:
                 if plan.rows == 0:
                     self.pool.apply_after(plan.copies)
                     continue
-                logits = self.model(self._context(plan, every_token=True))  # [T, V]
+                logits = self.model(self.context(plan, every_token=True))  # [T, V]
                 self.pool.apply_after(plan.copies)
                 qs = plan.query_start.tolist()
                 for r, rid in enumerate(plan.req_ids.tolist()):

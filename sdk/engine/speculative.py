@@ -213,9 +213,7 @@ def kept_rows(plan, inputs: np.ndarray, keep: np.ndarray, start: np.ndarray | No
         input_ids=inputs[token],
         sample=np.zeros(len(rows), dtype=np.int32),
         state_slots=np.asarray(plan.state_slots)[rows],
-        block_tables=[
-            np.asarray(t)[rows] if np.asarray(t).size else np.asarray(t) for t in plan.block_tables
-        ],
+        block_tables=[t[rows] if t.size else t for t in map(np.asarray, plan.block_tables)],
         req_ids=np.asarray(plan.req_ids)[rows],
         token=token,  # the plan's index of each kept token
     )
@@ -260,7 +258,7 @@ class MtpDrafter:
         if not keep.any():
             return
         sub = kept_rows(plan, ids, keep)
-        ctx = engine._context(sub)
+        ctx = engine.context(sub)
         last = np.cumsum(sub.num_tokens) - 1
         ctx.sample_index = torch.from_numpy(last).to(ctx.input_ids.device)
         m = engine.model
@@ -279,13 +277,12 @@ class MtpDrafter:
             out[i].append(self.next[rids[i]][1])
         m, keep = engine.model, np.zeros(len(plan.kv_lens), dtype=np.int64)
         keep[[rows[i] for i in have]] = 1
+        ids, qs = np.asarray(plan.input_ids).copy(), np.asarray(plan.query_start)
         for j in range(1, k):  # d_{j+1} from position p' + j - 1
-            ids = np.asarray(plan.input_ids).copy()
-            qs = np.asarray(plan.query_start)
             for i in have:
                 ids[qs[rows[i]] + j - 1] = out[i][-1]
             sub = kept_rows(plan, ids, keep, np.full(len(keep), j - 1, dtype=np.int64))
-            ctx = engine._context(sub)
+            ctx = engine.context(sub)
             ctx.sample_index = torch.arange(len(have), device=hidden.device)
             logits, hidden = m.mtp(ctx.input_ids, hidden, ctx, m.embed, m.head)
             for i, d in zip(have, logits.argmax(-1).tolist(), strict=True):

@@ -478,12 +478,19 @@ def resolve(
     )
 
 
+def mtp_unbuildable(spec: Spec) -> str | None:
+    """Why the spec's MTP head cannot be built for drafting (None: it can); the model card and
+    the support matrix say the same."""
+    if spec.mtp is None:
+        return "drafting with the MTP head needs an mtp section; the spec has none"
+    if spec.residual.kind == "hyper":
+        return "the MTP head of a model with hyper-connections (fed by their collapse) is not implemented yet"
+    return None
+
+
 def _mtp_blocks(spec: Spec, r: Resolver, n: int, spath: str) -> tuple[str, str]:
     """The NextN layer's (attention, mlp) blocks: layer n of a stack of n + 1 by the spec's rules."""
-    if spec.mtp is None:
-        raise SpecError(spath, "mtp", "drafting with the MTP head needs an mtp section; the spec has none")
-    if spec.residual.kind == "hyper":
-        why = "the MTP head of a model with hyper-connections (fed by their collapse) is not implemented yet"
+    if why := mtp_unbuildable(spec):
         raise SpecError(spath, "mtp", why)
     count = r.value(spec.mtp.layers)
     if count != 1:
