@@ -40,7 +40,14 @@ from dayzero.sdk.engine.parallel import (
 from dayzero.sdk.engine.ranks import Leader, StepFailed, follow
 from dayzero.sdk.engine.speculative import SpeculativeConfig
 from dayzero.sdk.families import build, spec_family
-from dayzero.sdk.loader import LOAD_FORMATS, fill_dummy, load_weights, open_checkpoint, refuse_dummy
+from dayzero.sdk.loader import (
+    LOAD_FORMATS,
+    fill_dummy,
+    load_weights,
+    open_checkpoint,
+    open_mtp_head,
+    refuse_dummy,
+)
 from dayzero.sdk.loader.detok import Detokenizer
 from dayzero.sdk.loader.tokenizer import load_tokenizer
 from dayzero.sdk.quant import check_requested
@@ -256,7 +263,10 @@ class LLM:
                 size, rank, enable_expert_parallel or enable_dp_attention, enable_dp_attention
             )
             mtp = speculative is not None and speculative.method == "mtp"  # its NextN layer built
-            self.config = ckpt.family.config(ckpt.hf, str(ckpt.path), parallel, mtp)
+            # a NextN head in its own folder: its config fields on top of the checkpoint's
+            head = open_mtp_head(speculative.model, ckpt) if mtp and speculative.model else None
+            hf = head.hf if head is not None else ckpt.hf
+            self.config = ckpt.family.config(hf, str(ckpt.path), parallel, mtp)
             log.info("family %s (%s); reading the tokenizer", ckpt.family.name, ckpt.format)
             self.tokenizer = load_tokenizer(ckpt.path, ckpt.format)  # before the weights: fail fast
             self.sampling_defaults = generation_defaults(ckpt.folder) if ckpt.format == "safetensors" else {}
@@ -269,11 +279,12 @@ class LLM:
                 self.device.type,
                 str(self.dtype).removeprefix("torch."),
             )
-            packed = ckpt.packing.params if ckpt.packing else None
+            packing = ckpt.mtp_packing if mtp and head is None else ckpt.packing  # with a packed head
+            packed = packing.params if packing else None
             self.model, self.ops = build(
                 ckpt.family,
                 self.config,
-                ckpt.hf,
+                hf,
                 self.device,
                 self.dtype,
                 packed,
@@ -284,7 +295,7 @@ class LLM:
                 log.warning("random weights (load format dummy): the answers mean nothing")
                 fill_dummy(self.model, ckpt)
             else:
-                load_weights(self.model, ckpt, progress=progress)
+                load_weights(self.model, ckpt, progress=progress, head=head)
             if callable(engine):  # sized once the weights are resident (free device memory is known)
                 engine = engine(self.config)
             engine = engine or EngineConfig()

@@ -305,6 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--enforce-eager", action="store_true", help="decode: no CUDA graphs (as vLLM's flag)")
     b.add_argument(
+        "--speculative-config",
+        default=None,
+        help="decode: also time each batch drafting so (vLLM's JSON; method mtp: the bench config's "
+        "MTP head, random weights): tok/s, acceptance length, and the break-even acceptance",
+    )
+    b.add_argument(
         "--disable-overlap-schedule",
         action="store_true",
         help="decode: read each step's tokens back before planning the next (as SGLang's flag)",
@@ -315,7 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode: nvfp4, mxfp4 or fp8_block weights for dayzero (ModelOpt layout; transformers: bf16)",
     )
     b.add_argument(
-        "--model", default=None, help="agentic: MODEL for dayzero serve (default: the embedded one)"
+        "--model",
+        default=None,
+        help="decode: a real checkpoint instead of --family's bench config (chat prompts, no transformers "
+        "run); agentic: MODEL for dayzero serve (default: the embedded one)",
     )
     b.add_argument("--agents", type=int, default=1, help="agentic: concurrent agents")
     b.add_argument("--turns", default="10-15", help="agentic: turns per agent, N or LO-HI (seeded)")

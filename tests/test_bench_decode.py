@@ -96,3 +96,30 @@ def test_kimi_k3_bench_config_keeps_the_release_layer_rule() -> None:
     release = fam.config(spec_config(spec, {}))
     assert cfg.embedding.dim == release.embedding.dim == 7168
     assert cfg.layers[3].attn == release.layers[3].attn and cfg.layers[1].mlp.top_k == 16
+
+
+def test_drafting_rows_count_kept_tokens_and_acceptance(tmp_path, capsys) -> None:
+    """`--speculative-config` rows on the CPU: a tiny Llama with a random NextN head drafts 2
+    tokens a step at batch 2: a rate, a step time and an acceptance length in [1, k + 1], and the
+    table's last line gives the break-even (drafting's step time over a plain step's)."""
+    from types import SimpleNamespace
+
+    from dayzero.sdk.bench.decode import print_drafting, time_drafting
+    from dayzero.sdk.engine.engine import EngineConfig
+    from dayzero.sdk.engine.speculative import SpeculativeConfig
+    from dayzero.sdk.families import build
+    from dayzero.sdk.loader import fill_dummy
+
+    ckpt = open_checkpoint(write_tiny("llama", tmp_path / "ckpt", seed=0))
+    hf = ckpt.hf | {"num_nextn_predict_layers": 1}
+    cfg = ckpt.family.config(hf, str(ckpt.path), mtp=True)
+    model, ops = build(ckpt.family, cfg, hf, torch.device("cpu"), torch.float32)
+    fill_dummy(model, ckpt)
+    spec = SpeculativeConfig("mtp", 2)
+    engine_cfg = EngineConfig(max_batch_size=2, decode_graphs="off")
+    args = SimpleNamespace(prompt_len=8, new_tokens=6)
+    tps, ms, accept = time_drafting(model, cfg, ops, engine_cfg, spec, 2, args)
+    assert tps > 0 and ms > 0 and 1.0 <= accept <= 3.0
+    print_drafting("llama", spec, [(2, tps / accept, ms / 2, tps, ms, accept)])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == f"speculative_llama b2={tps:.1f} accept_b2={accept:.2f} breakeven_b2=2.00"

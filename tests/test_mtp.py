@@ -348,16 +348,59 @@ def test_the_mtp_head_with_hyper_connections_is_refused_by_name(tmp_path) -> Non
         ckpt.family.config(ckpt.hf, str(ckpt.path), mtp=True)
 
 
-def test_the_mtp_head_of_a_quantized_checkpoint_is_refused_by_name(tmp_path) -> None:
-    """Its packed tensors are not loaded into the head yet: refused when its weight rules are
-    asked for, before anything is read."""
-    from dataclasses import replace
+def test_a_quantized_checkpoints_mtp_head_loads_packed_and_drafts(tmp_path) -> None:
+    """K3 with W4A16 NVFP4 routed experts (ModelOpt's layout), the NextN layer's among them: built
+    for drafting, the head's experts load packed, and its logits equal those of the same
+    checkpoint with every packed weight dequantized into a float checkpoint (the packed reference
+    kernel dequantizes, then multiplies: within fp32 rounding, 1e-5 of the largest |logit|);
+    drafting with it keeps the greedy tokens of a run without drafts."""
+    from dayzero.kernels.packed import DEQUANT, PackedWeight
+    from dayzero.sdk.bench.quantize import quantize
 
-    from dayzero.sdk.errors import CheckpointError
-    from dayzero.sdk.quant.config import QuantConfig
+    kit = _kimi(tmp_path / "float", 0)
+    tensors = load_file(next(kit.path.glob("*.safetensors")))
+    packed, dequantized = {}, {}
+    for name, t in tensors.items():
+        if ".experts." not in name:
+            packed[name] = dequantized[name] = t
+            continue
+        c = quantize(t.float(), "nvfp4")
+        packed |= {name: c["codes"], f"{name}_scale": c["scale"], f"{name}_scale_2": c["global"][0]}
+        dequantized[name] = DEQUANT["nvfp4"](c).float()
+    for folder, out in (("packed", packed), ("dequantized", dequantized)):
+        (tmp_path / folder).mkdir()
+        for f in kit.path.iterdir():
+            if f.suffix != ".safetensors":
+                (tmp_path / folder / f.name).write_bytes(f.read_bytes())
+        save_file(out, tmp_path / folder / "model.safetensors", metadata={"format": "pt"})
+    side = {"quantization": {"quant_algo": "W4A16_NVFP4", "group_size": 16, "exclude_modules": []}}
+    (tmp_path / "packed" / "hf_quant_config.json").write_text(json.dumps(side))
+    quant, cfg, ops, _ = _ours_packed(tmp_path / "packed")
+    assert any(isinstance(m, PackedWeight) for m in quant.mtp.modules())  # the head's experts
+    flt, _, _, _ = _ours("kimi_k3", tmp_path / "dequantized")
+    ids = torch.randint(0, kit.vocab, (T + 1,), generator=torch.Generator().manual_seed(3))
+    ctx = context(T, cfg.cache_groups)
+    ctx.input_ids = ids[:T].clone()
+    ctx.sample_index = torch.arange(T)
+    with torch.no_grad():
+        got = quant.mtp(ids[1:], quant(ctx, hidden=True)[1], ctx, quant.embed, quant.head)[0]
+        want = flt.mtp(ids[1:], flt(ctx, hidden=True)[1], ctx, flt.embed, flt.head)[0]
+    assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    prompts = [
+        torch.randint(0, kit.vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        for n in (7, 12)
+    ]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    base = Engine(quant, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, greedy)
+    eng = Engine(quant, cfg, ops, EngineConfig(decode_graphs="off", speculative=SpeculativeConfig("mtp", 2)))
+    assert [o.token_ids for o in eng.generate(prompts, greedy)] == [o.token_ids for o in base]
+    assert eng.stats["verify_rows"] > 0
 
-    kit = _kimi(tmp_path, 0)
-    quant = QuantConfig("hf_quant_config.json: quantization", "modelopt", "nvfp4")
-    ckpt = replace(open_checkpoint(kit.path), quant=quant)
-    with pytest.raises(CheckpointError, match=r"MTP head of a quantized checkpoint .* not implemented yet"):
-        _ = ckpt.mtp_mapping
+
+def _ours_packed(path):
+    """`_ours` for a quantized checkpoint: the model built with its packing, the head's too."""
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.family.config(ckpt.hf, str(path), mtp=True)
+    model, ops = build(ckpt.family, cfg, ckpt.hf, torch.device("cpu"), torch.float32, ckpt.mtp_packing.params)
+    aside = load_weights(model, ckpt, progress=False)
+    return model, cfg, ops, aside

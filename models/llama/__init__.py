@@ -1,2 +1,2 @@
-# generated from spec.yaml@295532eda313, do not edit
+# generated from spec.yaml@8659430fa18c, do not edit
 """Llama (generated; the source of truth is spec.yaml)."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@295532eda313, do not edit
+# generated from spec.yaml@8659430fa18c, do not edit
 """Llama: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@295532eda313, do not edit
+# generated from spec.yaml@8659430fa18c, do not edit
 """Llama: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

@@ -1,4 +1,4 @@
-# generated from spec.yaml@295532eda313, do not edit
+# generated from spec.yaml@8659430fa18c, do not edit
 """Llama: parity against transformers.LlamaForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) writes a checkpoint

@@ -18,6 +18,7 @@ import json
 import math
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -27,12 +28,25 @@ from dayzero.kernels.selection import OpTable
 from dayzero.sdk.bench.packed_weights import bench_packing, packable, quantized_stream, random_packed
 from dayzero.sdk.blocks.mlp import MoE
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
+from dayzero.sdk.engine.speculative import SpeculativeConfig
 from dayzero.sdk.families import FAMILIES, born_as, build, kernel_needs
-from dayzero.sdk.loader import Checkpoint, load_weights
+from dayzero.sdk.loader import Checkpoint, load_weights, open_checkpoint, open_mtp_head
+from dayzero.sdk.loader.tokenizer import load_tokenizer
 from dayzero.sdk.quant.packing import PackedParam
 from dayzero.sdk.spec.reference import merge, reference_class, spec_config
 
 KV_BYTES = 8 << 30  # the engines' KV pool: the budget a long prefill runs within
+# --model's chat prompts (none of them among scripts/train_nextn.py's training topics)
+BENCH_TOPICS = (
+    "the pyramids",
+    "snowflakes",
+    "kangaroos",
+    "the piano",
+    "lightning",
+    "coral reefs",
+    "maps",
+    "soap",
+)
 
 
 def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -62,7 +76,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
         a.record()
         dst.copy_(src)
         b.record()
-        torch.cuda.synchronize()
+        _sync()
         if i >= 5:
             times.append(a.elapsed_time(b) / 1e3)
     return 2 * nbytes / float(np.median(times))
@@ -101,25 +115,77 @@ def _bytes(w: torch.Tensor | PackedWeight) -> int:
     return w.nbytes() if isinstance(w, PackedWeight) else w.numel() * w.element_size()
 
 
-def time_ours(eng: Engine, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> tuple[float, float]:
-    """(tokens/s, wall ms a decode step) over the timed steps."""
+def time_ours(
+    eng: Engine,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    vocab: int,
+    prompts: list[list[int]] | None = None,
+) -> tuple[float, float]:
+    """(tokens/s, wall ms a decode step) over the timed steps (with drafts: the tokens kept).
+    Prompts: random ids of prompt_len (EOS ignored), or `prompts` in turn (stopping at EOS)."""
     rng = np.random.default_rng(batch)
-    params = SamplingParams(max_tokens=new_tokens + 64, temperature=0, ignore_eos=True)
-    ids = [eng.add(rng.integers(0, vocab, prompt_len).tolist(), params) for _ in range(batch)]
+    k = eng.spec.num_speculative_tokens if eng.spec else 0
+    params = SamplingParams(max_tokens=(new_tokens + 64) * (k + 1), temperature=0, ignore_eos=prompts is None)
+    ids = [
+        eng.add(prompts[i % len(prompts)] if prompts else rng.integers(0, vocab, prompt_len).tolist(), params)
+        for i in range(batch)
+    ]
     while any(len(eng.requests[i].token_ids) < 3 for i in ids):  # prefill + two warm-up decodes
         eng.step()
-    torch.cuda.synchronize()
-    t0, steps = time.perf_counter(), 0
+    _sync()
+    t0, steps, before = time.perf_counter(), 0, sum(len(eng.requests[i].token_ids) for i in ids)
     while steps < new_tokens - 1 and all(not eng.requests[i].finished for i in ids):
         eng.step()
         steps += 1
-    torch.cuda.synchronize()
+    _sync()
     dt = time.perf_counter() - t0
+    tokens = sum(len(eng.requests[i].token_ids) for i in ids) - before
     for i in ids:
         eng.abort(i)
     while eng.has_work():
         eng.step()
-    return batch * steps / dt, 1e3 * dt / max(steps, 1)
+    return tokens / dt, 1e3 * dt / max(steps, 1)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():  # the drafting rows' CPU test runs time_ours too
+        torch.cuda.synchronize()
+
+
+def time_drafting(
+    model, cfg, ops, engine_cfg: EngineConfig, spec: SpeculativeConfig, batch: int, args, prompts=None
+):
+    """(tok/s, ms a step, mean acceptance length) of `batch` rows drafting by `spec`."""
+    eng = Engine(model, cfg, ops, replace(engine_cfg, speculative=spec))
+    tps, step_ms = time_ours(eng, batch, args.prompt_len, args.new_tokens, cfg.embedding.vocab, prompts)
+    st = eng.stats
+    accept = 1 + sum(st["accepted_at"]) / max(1, st["verify_rows"])
+    del eng
+    torch.cuda.empty_cache()
+    return tps, step_ms, accept
+
+
+def print_drafting(name: str, spec: SpeculativeConfig, rows: list[tuple]) -> None:
+    """Drafting's rows: a step's cost against a plain step's gives the break-even acceptance length
+    (drafting pays when the mean acceptance length exceeds it)."""
+    print(f"drafting: {spec.method}, {spec.num_speculative_tokens} tokens a step")
+    print(
+        f"{'batch':>5} {'plain tok/s':>12} {'drafting tok/s':>15} {'accept len':>11} "
+        f"{'step ms':>16} {'break-even':>11}"
+    )
+    for b, plain, plain_ms, tps, ms, accept in rows:
+        print(
+            f"{b:>5} {plain:>12.1f} {tps:>15.1f} {accept:>11.2f} "
+            f"{f'{ms:.2f} / {plain_ms:.2f}':>16} {ms / plain_ms:>11.2f}"
+        )
+    print(
+        f"speculative_{name} "
+        + " ".join(
+            f"b{b}={t:.1f} accept_b{b}={a:.2f} breakeven_b{b}={ms / pm:.2f}" for b, _, pm, t, ms, a in rows
+        )
+    )
 
 
 def gpu_step_ms(eng: Engine, prompt_len: int, vocab: int, steps: int = 16) -> float:
@@ -150,7 +216,7 @@ def gpu_step_ms(eng: Engine, prompt_len: int, vocab: int, steps: int = 16) -> fl
             eng.model.forward = timed
             eng.step()
             eng.model.forward = forward
-            torch.cuda.synchronize()
+            _sync()
             times.append(a.elapsed_time(b))
     eng.abort(rid)
     while eng.has_work():
@@ -164,10 +230,10 @@ def time_prefill_ours(eng: Engine, n: int, vocab: int, runs: int = 3) -> tuple[f
     rng, times = np.random.default_rng(n), []
     torch.cuda.reset_peak_memory_stats()
     for _ in range(runs + 1):  # the first run warms the kernels up
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         eng.generate([rng.integers(0, vocab, n).tolist()], SamplingParams(max_tokens=1, temperature=0))
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
         eng.scheduler.flush_prefix_cache()
     return float(np.median(times[1:])), torch.cuda.max_memory_allocated()
@@ -178,11 +244,11 @@ def time_prefill_transformers(ref: torch.nn.Module, n: int, vocab: int, runs: in
     g, times = torch.Generator().manual_seed(n), []
     for _ in range(runs + 1):
         ids = torch.randint(0, vocab, (1, n), generator=g).cuda()
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
                      disable_compile=True, eos_token_id=None, pad_token_id=0)  # fmt: skip
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
     return float(np.median(times[1:]))
 
@@ -194,7 +260,7 @@ def time_transformers(
     ids = torch.randint(0, vocab, (batch, prompt_len), generator=g).cuda()
 
     def run(n: int) -> float:
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         ref.generate(
             ids,
@@ -208,7 +274,7 @@ def time_transformers(
             eos_token_id=None,
             pad_token_id=0,
         )
-        torch.cuda.synchronize()
+        _sync()
         return time.perf_counter() - t0
 
     run(2)  # warm-up
@@ -254,12 +320,12 @@ def profile_decode(
     ]
     while min(len(eng.requests[r].token_ids) for r in rids) < 3:
         eng.step()
-    torch.cuda.synchronize()
+    _sync()
     print(f"profile: {steps} decode steps of batch {batch}")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             eng.step()
-        torch.cuda.synchronize()
+        _sync()
     avg = prof.key_averages()
     print(avg.table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=40))
     print(avg.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
@@ -276,16 +342,14 @@ def profile_decode(
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             while eng.has_work():
                 eng.step()
-            torch.cuda.synchronize()
+            _sync()
         print(f"prefill of {prefill_len} tokens:")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
 
 
-def main(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("dayzero bench decode: needs a CUDA GPU (none visible)")
-        return 2
-    dev, dtype = torch.device("cuda"), torch.bfloat16
+def bench_model(args: argparse.Namespace, mtp: bool, dev: torch.device, dtype: torch.dtype):
+    """(family, config, model, ops, the transformers reference or None, the weight format): the
+    family's bench config with random weights, made in the reference class when it runs."""
     fam = FAMILIES.get(args.family)
     spec = fam.spec.spec
     overrides = merge(dict(spec.bench), json.loads(args.set) if args.set else {})
@@ -293,7 +357,7 @@ def main(args: argparse.Namespace) -> int:
     cls = reference_class(spec.reference) if args.reference else None
     print(f"building {spec.reference.rsplit('.', 1)[1]} with {json.dumps(overrides)}")
     torch.manual_seed(0)
-    cfg = fam.config(hf)
+    cfg = fam.config(hf, mtp=mtp)
     fmt = args.quantization and FORMATS.get(args.quantization).name  # unknown: fails listing the known
     ckpt = Checkpoint(fam.spec.folder / "<in-memory>", "safetensors", hf, fam)
     ref, packing = None, None
@@ -322,12 +386,57 @@ def main(args: argparse.Namespace) -> int:
             if packing
             else len(shapes)
         )
+        head, model.mtp = model.mtp, None  # the reference builds no MTP layer: its head stays random
         load_weights(model, ckpt, tensors=stream, count=n, packing=packing)
+        model.mtp = head
+        with torch.no_grad():
+            for p in head.parameters() if head is not None else ():
+                p.normal_(0, 0.02)
     else:  # timing only: random weights of the same shapes, no reference model
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0, 0.02)
         random_packed(model)
+    return fam, cfg, model, ops, ref, fmt
+
+
+def checkpoint_model(args: argparse.Namespace, spec: SpeculativeConfig | None, dev, dtype):
+    """(family, config, model, ops, prompts) of a real checkpoint (--model), with the MTP head of
+    spec's `model` folder when it names one; prompts: chat prompts on BENCH_TOPICS, real text for
+    the drafts to be accepted on."""
+    ckpt = open_checkpoint(args.model)
+    head = open_mtp_head(spec.model, ckpt) if spec is not None and spec.model else None
+    hf = head.hf if head is not None else ckpt.hf
+    fam = ckpt.family
+    cfg = fam.config(hf, str(ckpt.path), mtp=spec is not None and spec.method == "mtp")
+    model, ops = build(fam, cfg, hf, dev, dtype)
+    print(f"kernels: {ops.chosen()}")
+    load_weights(model, ckpt, head=head)
+    tok = load_tokenizer(ckpt.path, ckpt.format)
+    texts = [f"Tell me about {t}." for t in BENCH_TOPICS]
+    if tok.chat_template is None:  # a base model: the bare text
+        return fam, cfg, model, ops, [tok.encode(t) for t in texts]
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts
+    ]
+    return fam, cfg, model, ops, [list(c["input_ids"]) for c in chats]
+
+
+def main(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("dayzero bench decode: needs a CUDA GPU (none visible)")
+        return 2
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    speculative = SpeculativeConfig.parse(args.speculative_config)
+    mtp = speculative is not None and speculative.method == "mtp"
+    if args.model:
+        fam, cfg, model, ops, prompts = checkpoint_model(args, speculative, dev, dtype)
+        ref, fmt = None, None
+    else:
+        if speculative is not None and speculative.model:
+            raise ValueError("--speculative-config 'model' (an MTP head's folder) goes with --model")
+        fam, cfg, model, ops, ref, fmt = bench_model(args, mtp, dev, dtype)
+        prompts = None
     resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     print(f"weights resident on the GPU: {resident / 2**30:.2f} GiB ({fmt or 'bf16'})")
     bw = copy_bandwidth(dev)
@@ -337,29 +446,28 @@ def main(args: argparse.Namespace) -> int:
         f"params {total / 1e9:.2f}B, active {active / 1e9:.2f}B; copy bandwidth {bw / 1e12:.2f} TB/s; "
         f"{bpt / 1e9:.2f} GB per decode step at batch 1 -> roofline {roofline:.0f} tok/s"
     )
-    rows, host_gpu = [], None
+    rows, host_gpu, drafted = [], None, []
     graphs = "off" if args.enforce_eager else "auto"
     for b in (int(x) for x in args.batches.split(",")):
-        eng = Engine(
-            model,
-            cfg,
-            ops,
-            EngineConfig(
-                kv_cache_bytes=KV_BYTES,
-                host_cache_bytes=0,
-                block_size=64,
-                max_batch_size=b,
-                max_tokens_per_step=8192,
-                decode_graphs=graphs,
-                overlap="off" if args.disable_overlap_schedule else "auto",
-            ),
+        engine_cfg = EngineConfig(
+            kv_cache_bytes=KV_BYTES,
+            host_cache_bytes=0,
+            block_size=64,
+            max_batch_size=b,
+            max_tokens_per_step=8192,
+            decode_graphs=graphs,
+            overlap="off" if args.disable_overlap_schedule else "auto",
         )
+        eng = Engine(model, cfg, ops, engine_cfg)
         print(f"batch {b}: {eng.graphs.report if eng.graphs else 'eager decode (no CUDA graphs)'}")
-        ours, step_ms = time_ours(eng, b, args.prompt_len, args.new_tokens, cfg.embedding.vocab)
+        ours, step_ms = time_ours(eng, b, args.prompt_len, args.new_tokens, cfg.embedding.vocab, prompts)
         if b == 1:
             host_gpu = (step_ms, gpu_step_ms(eng, args.prompt_len, cfg.embedding.vocab))
         del eng
         torch.cuda.empty_cache()
+        if speculative is not None:
+            drafting = time_drafting(model, cfg, ops, engine_cfg, speculative, b, args, prompts)
+            drafted.append((b, ours, step_ms, *drafting))
         theirs = float("nan")
         if ref is not None:
             try:
@@ -415,6 +523,8 @@ def main(args: argparse.Namespace) -> int:
         print(
             f"batch 1 decode step: {host_gpu[0]:.2f} ms wall (host), {host_gpu[1]:.2f} ms forward on the GPU"
         )
+    if speculative is not None:
+        print_drafting(fam.name, speculative, drafted)
     if prefill is not None:
         n, o, t = prefill
         print(

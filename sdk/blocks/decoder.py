@@ -122,6 +122,8 @@ class NextN(nn.Module):
     main model's (passed in, not held: one copy of each). A chained draft's next z: y, or
     rmsnorm_s(y) (feed_normed)."""
 
+    linear_weights = ("eh_proj",)  # read through ops.linear: a quantized checkpoint may pack it
+
     def __init__(self, cfg: MtpCfg, ops: OpTable, attention: dict[str, type], mlp: dict[str, type]) -> None:
         super().__init__()
         d = cfg.norm.dim

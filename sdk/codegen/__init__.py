@@ -28,6 +28,7 @@ from dayzero.sdk.families import FAMILIES, Family
 from dayzero.sdk.spec.assemble import mtp_unbuildable, resolve
 from dayzero.sdk.spec.checks import rule_blocks
 from dayzero.sdk.spec.reference import spec_config
+from dayzero.sdk.spec.resolver import Resolver
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 OUTPUTS = ("__init__.py", "model.py", "cache.py", "README.md", "test_parity.py")
@@ -115,7 +116,7 @@ def _release(fam: Family, rel, groups: list[dict], model_source: str) -> dict:
     return {"checkpoint": rel.checkpoint, "command": command, "needs": line, "status": status}
 
 
-def _mtp_line(spec) -> str:
+def _mtp_line(fam: Family, spec) -> str:
     """The card's line on drafting with the family's MTP head (speculative decoding)."""
     if spec.mtp is None:
         return ""
@@ -126,10 +127,21 @@ def _mtp_line(spec) -> str:
         )
     k = spec.mtp.draft_tokens if isinstance(spec.mtp.draft_tokens, int) else 1
     flag = f'--speculative-config \'{{"method": "mtp", "num_speculative_tokens": {k}}}\''
-    return (
+    line = (
         f"Speculative decoding with its MTP head ({spec.mtp.kind}; lossless: the verify pass keeps the "
-        f"target's distribution): add `{flag}` (one rank for now: a tensor-parallel launch refuses it)."
+        f"target's distribution): add `{flag}` (one rank for now: a tensor-parallel launch refuses it); "
+        "a head in its own folder (config.json + safetensors under the layer's checkpoint names): "
+        '`"model": "DIR"` in that config.'
     )
+    rels = spec.release if isinstance(spec.release, list) else [spec.release] if spec.release else []
+    layers = [
+        Resolver(fam.spec, spec_config(spec, dict(r.config)), "release").value(spec.mtp.layers) for r in rels
+    ]
+    if rels and not any(layers):
+        line += (
+            " The release config declares no MTP layer: drafting needs a checkpoint or head folder with one."
+        )
+    return line
 
 
 def _residual_text(spec) -> str:
@@ -232,7 +244,7 @@ def render(fam: Family) -> dict[str, str]:
     model_py = _model_py(fam, env, header)
     ctx["releases"] = _releases(fam, groups, model_py)
     ctx["variants"] = _variants(fam, env)
-    ctx["mtp"] = _mtp_line(spec)
+    ctx["mtp"] = _mtp_line(fam, spec)
     out = {
         "__init__.py": f'{header}\n"""{spec.title} (generated; the source of truth is spec.yaml)."""\n',
         "model.py": model_py,

@@ -82,10 +82,17 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int = 4  # ngram: the longest suffix matched
     prompt_lookup_min: int = 1  # ngram: the shortest
+    # mtp: a folder holding the NextN head in its own checkpoint (config.json + safetensors), for
+    # a model whose checkpoint carries none (sdk/loader open_mtp_head; scripts/train_nextn.py)
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in DRAFTERS:  # named with the known ones
             raise ValueError(str(UnknownKeyError(DRAFTERS.what, self.method, DRAFTERS.keys())))
+        if self.model is not None and self.method != "mtp":
+            raise ValueError(
+                f"speculative config: 'model' (an MTP head's folder) goes with method mtp, not {self.method}"
+            )
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

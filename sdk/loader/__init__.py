@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -32,6 +33,7 @@ __all__ = [
     "fill_dummy",
     "load_weights",
     "open_checkpoint",
+    "open_mtp_head",
     "refuse_dummy",
 ]
 
@@ -74,12 +76,6 @@ class Checkpoint:
         plan = layer_plan(fam.spec.spec, resolver, mtp)  # block-scoped rules match a layer's blocks
         n = len(plan) - mtp
         if mtp:  # the NextN layer is layer n by the layers' rules (sdk/spec/assemble.py)
-            if self.quant is not None:
-                raise CheckpointError(
-                    f"{self.path}: drafting with the MTP head of a quantized checkpoint "
-                    f"({self.quant.source}) is not implemented yet (its packed tensors); method ngram "
-                    "drafts without it"
-                )
             unused = fmt.model_copy(update={"mtp": fmt.mtp_unused})  # set aside even when built
             renames = {f"layers.{n}.": "mtp.layer."}
             alias = fmt.mtp_layer
@@ -90,7 +86,16 @@ class Checkpoint:
 
     @cached_property
     def packing(self) -> Packing | None:
-        """Which parameters are stored packed (from the tensor headers); None when unquantized."""
+        """Which parameters are stored packed (from the tensor headers); None when unquantized.
+        The MTP layers' tensors are left out (set aside by `mapping`)."""
+        return self._packing(self.mapping)
+
+    @cached_property
+    def mtp_packing(self) -> Packing | None:
+        """The same with the NextN layer built (`mtp_mapping`): its packed weights too."""
+        return self._packing(self.mtp_mapping)
+
+    def _packing(self, mapping: Mapping) -> Packing | None:
         if self.quant is None:
             return None
         files = safetensors_io.shard_files(self.path)
@@ -99,7 +104,6 @@ class Checkpoint:
             for f in files
             for t in safetensors_io.read_header(f)
         }
-        mapping = self.mapping
         return find_packing(
             self.quant, {n: h for n, h in header.items() if not mapping.is_mtp(n)}, mapping.param_of
         )
@@ -141,6 +145,54 @@ def open_checkpoint(path: str | Path, family: str | None = None) -> Checkpoint:
     return Checkpoint(p, "safetensors", hf, fam, read_quant_config(p, hf))
 
 
+def _load_head(writer: StrictWriter, head: Checkpoint) -> None:
+    """The NextN layer's tensors from a head's own folder; one that maps outside the layer (`mtp.*`)
+    is refused by name, so a head cannot overwrite the model it drafts for."""
+    mapping = head.mtp_mapping
+    for name, tensor in head.tensors():
+        if mapping.is_mtp(name):  # copies of the shared embedding or head
+            continue
+        target = mapping.target(name)
+        if target is None:
+            continue
+        params = [t.param for t in target.parts] if isinstance(target, Split) else [target.param]
+        if outside := [q for q in params if not q.startswith("mtp.")]:
+            raise WeightError(
+                f"{head.path}: tensor {name} writes {outside[0]}, not the NextN layer: an MTP head's "
+                f"folder holds that layer's tensors only (model.layers.{len(mapping.layers) - 1}.*)"
+            )
+        if isinstance(target, Split):
+            writer.write_split(name, target, tensor)
+        else:
+            writer.write(name, target, tensor)
+
+
+def open_mtp_head(path: str | Path, base: Checkpoint) -> Checkpoint:
+    """A NextN head in its own folder, for `base`, whose checkpoint carries none: config.json
+    with the MTP fields (num_nextn_predict_layers: 1, ...) and safetensors holding the tensors a
+    checkpoint with the layer would (`model.layers.{L}.*` in Llama's naming). The head reads as
+    a checkpoint of base's family with base's config and the head's fields on top; a field both
+    hold must agree (a head made for another model is refused, by field)."""
+    p = Path(path)
+    if not (p / "config.json").exists():
+        raise CheckpointError(f"{p}: an MTP head's folder needs a config.json (and its safetensors)")
+    head = json.loads((p / "config.json").read_text())
+    for key, value in head.items():
+        if key in base.hf and not _same(value, base.hf[key]):
+            raise CheckpointError(
+                f"{p}: the MTP head was made for another model: {key} is {value!r} in its config.json, "
+                f"{base.hf[key]!r} in {base.path}'s"
+            )
+    return Checkpoint(p, "safetensors", base.hf | head, base.family)
+
+
+def _same(a: object, b: object) -> bool:
+    """Config values equal (floats to float32's rounding: a GGUF stores them in 32 bits)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, int | float) and isinstance(b, int | float) and math.isclose(a, b, rel_tol=1e-6)
+    return a == b
+
+
 LOAD_FORMATS = ("auto", "dummy")  # dummy: vLLM's --load-format dummy (random weights, nothing read)
 
 
@@ -168,16 +220,19 @@ def load_weights(
     tensors: Iterator[tuple[str, torch.Tensor]] | None = None,
     count: int | None = None,
     packing: Packing | None = None,
+    head: Checkpoint | None = None,
 ) -> int:
     """Stream every checkpoint tensor into the model through the spec's rules; strict. Returns
     how many MTP-layer tensors were set aside (the spec's `mtp` patterns).
 
     `tensors` (with `count`) replaces reading ckpt's files: weights already in memory, in the
     checkpoint's naming (the decode benchmark hands over the reference model's this way), with
-    `packing` the packing of those tensors when they are quantized."""
-    mapping = ckpt.mtp_mapping if getattr(model, "mtp", None) is not None else ckpt.mapping
+    `packing` the packing of those tensors when they are quantized. `head` (open_mtp_head): the
+    model's NextN layer comes from there, not from ckpt (whose MTP tensors, if any, stay aside)."""
+    own_mtp = getattr(model, "mtp", None) is not None and head is None  # the NextN layer from ckpt
+    mapping = ckpt.mtp_mapping if own_mtp else ckpt.mapping
     writer = StrictWriter(model)
-    packing = packing if packing is not None else ckpt.packing
+    packing = packing if packing is not None else ckpt.mtp_packing if own_mtp else ckpt.packing
     packed = packing.tensors if packing else {}
     aside = 0
     total = count if tensors is not None else ckpt.count()
@@ -217,6 +272,8 @@ def load_weights(
         del tensor  # dropped before the next tensor is read (bounds peak memory)
         bar.update(1)
     bar.close()
+    if head is not None:
+        _load_head(writer, head)
     writer.finish()
     if aside:
         log.info("%d MTP tensor(s) set aside: the MTP runtime (speculative decoding) is not built yet", aside)
