@@ -38,7 +38,7 @@ from dayzero.sdk.engine.parallel import (
     watch_parent,
 )
 from dayzero.sdk.engine.ranks import Leader, StepFailed, follow
-from dayzero.sdk.engine.speculative import SpeculativeConfig
+from dayzero.sdk.engine.speculative import SpeculativeConfig, check_parallel
 from dayzero.sdk.families import build, spec_family
 from dayzero.sdk.loader import (
     LOAD_FORMATS,
@@ -223,6 +223,8 @@ class LLM:
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {load_format!r}: known {', '.join(LOAD_FORMATS)}")
         speculative = SpeculativeConfig.parse(speculative_config)  # refused before any load
+        if speculative is not None:
+            check_parallel(speculative, tensor_parallel_size, enable_dp_attention)
         t0 = time.perf_counter()
         self.path = resolve_model(model) if model else embedded_default()
         self.device = torch.device(device or default_device())

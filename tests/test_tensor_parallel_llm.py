@@ -24,6 +24,7 @@ from dayzero.sdk.config.model import Parallel
 from dayzero.sdk.engine.engine import EngineConfig, SamplingParams, kv_capacity
 from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.parallel import RankError
+from dayzero.sdk.engine.speculative import TokenDrafter
 from dayzero.sdk.loader import open_checkpoint
 from dayzero.sdk.parity.tiny import write_tiny
 
@@ -207,3 +208,50 @@ def test_a_rank_that_fails_while_loading_is_named_with_its_error(checkpoints, tm
     print(f"rank 1's load failure named in {took:.1f} s")
     assert took < 60, took
     assert not torch.distributed.is_initialized()  # rank 0 left the group: a new LLM may start
+
+
+def first_right(ps: list[dict], outs: list[list[int]], right: int = 2) -> TokenDrafter:
+    """Drafts from the known greedy answers: the first `right` of a step's right, the rest off
+    by one; none once a request leaves them (its seeded answer)."""
+    full = [p["prompt_token_ids"] + o for p, o in zip(ps, outs, strict=True)]
+
+    def propose(tokens: list[int], k: int) -> list[int]:
+        known = next((f for f in full if f[: len(tokens)] == tokens), [])
+        return [t if i < right else t + 1 for i, t in enumerate(known[len(tokens) : len(tokens) + k])]
+
+    return TokenDrafter(propose)
+
+
+@pytest.mark.parametrize(("family", "seed"), [("llama", 6), ("glm53_flash", 7)])
+def test_drafting_on_ranks_answers_as_one_rank(checkpoints, family, seed):
+    """Speculative decoding (3 drafts a step, the first 2 right) on 2 ranks: rank 0 sends each
+    step's verify pass (the inputs with the drafts) and rollback pass (glm53_flash's KDA states
+    restored and the kept inputs run again) after the plan; through chunked prefill, prefix hits
+    and retraction, the answers (greedy and seeded) equal one rank's with the same drafts, and
+    the greedy ones one rank's without drafts."""
+    path = str(checkpoints[family])
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    plain = answers(LLM(path, device="cpu", dtype="float32", engine=sized(80), progress=False), seed)
+    one = LLM(path, device="cpu", dtype="float32", engine=sized(80), progress=False, speculative_config=spec)
+    one.engine.drafter = first_right(prompts(seed), plain[:3])
+    want = answers(one, seed)
+    many = LLM(path, device="cpu", dtype="float32", engine=sized(80, 80), progress=False,
+               tensor_parallel_size=2, speculative_config=spec)  # fmt: skip
+    many.engine.drafter = first_right(prompts(seed), plain[:3])  # drafts are rank 0's alone
+    try:
+        got = answers(many, seed)
+        stats = dict(many.engine.stats)
+    finally:
+        many.close()
+    assert got == want and got[:3] == plain[:3]
+    assert stats["accepted_at"][1] > 0 and stats["accepted_at"][2] == 0 and stats["retracted"] > 0, stats
+    assert stats["accepted_at"] == one.engine.stats["accepted_at"]
+
+
+def test_drafting_with_the_mtp_head_on_ranks_is_refused_by_name(checkpoints):
+    with pytest.raises(ValueError, match=r"MTP head \(mtp\) is not implemented with tensor parallelism \(2"):
+        LLM(str(checkpoints["llama"]), device="cpu", tensor_parallel_size=2,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 2})  # fmt: skip
+    with pytest.raises(ValueError, match=r"\(ngram\) is not implemented with data-parallel attention"):
+        LLM(str(checkpoints["llama"]), device="cpu", tensor_parallel_size=2, enable_dp_attention=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})  # fmt: skip

@@ -22,9 +22,16 @@ from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.grammar import Matchers
 from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
 from dayzero.sdk.engine.kv_pool import KvPool
-from dayzero.sdk.engine.ranks import Leader, from_leader, smallest
+from dayzero.sdk.engine.ranks import END, ROLLBACK, VERIFY, Leader, from_leader, smallest
 from dayzero.sdk.engine.sampling import Pending, Sampler, SamplingParams
-from dayzero.sdk.engine.speculative import SpeculativeConfig, VerifyRows, kept_rows, verify_rows
+from dayzero.sdk.engine.speculative import (
+    SpeculativeConfig,
+    VerifyRows,
+    check_parallel,
+    roll_back,
+    save_states,
+    verify_rows,
+)
 from dayzero.sdk.scheduler import FinishReason, Scheduler, SchedulerError, make_config
 
 GRAPH_MODES = ("auto", "off", "buffers")
@@ -214,8 +221,8 @@ class Engine:
             raise ValueError("data-parallel attention runs without overlap (yet)")
         self.spec = config.speculative
         if self.spec is not None:
-            self._check_speculative()
             self.drafter = self.spec.drafter()
+            check_parallel(self.spec, par.size, par.attention_dp)
             if self.drafter.hidden and getattr(model, "mtp", None) is None:
                 raise ValueError(
                     f"speculative method {self.spec.method} drafts with the model's MTP layer, which this "
@@ -282,16 +289,6 @@ class Engine:
         if every_token:
             ctx.sample_index = torch.arange(plan.num_input_tokens, device=self.device)
         return ctx
-
-    def _check_speculative(self) -> None:
-        """Refuse, by name, what speculative decoding does not run with yet: several ranks (their
-        followers would need each step's drafts and extra passes)."""
-        par = self.cfg.parallel
-        if par.size > 1:
-            kind = "data-parallel attention" if par.attention_dp else "tensor parallelism"
-            raise ValueError(
-                f"speculative decoding ({self.spec.method}) is not implemented with {kind} ({par.size} ranks)"
-            )
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         mode, cfg = self.config.decode_graphs, self.cfg
@@ -403,8 +400,17 @@ class Engine:
         self.stats["retracted"] += len(plan.retracted_ids)
         touched |= self._finished(plan)
         graph = self.graphs is not None and self.graphs.fits(plan)
+        passes = self.leader is not None and self.spec is not None and plan.rows > 0
         if self.leader is not None:
-            self.leader.send(plan, graph=graph, share=self.overlap)
+            self.leader.send(plan, graph=graph, share=self.overlap, passes=passes)
+        try:
+            self._run(plan, graph, touched)
+        finally:
+            if passes and self.leader.broken is None:  # the others wait for the step's last pass
+                self.leader.pass_(END)
+
+    def _run(self, plan, graph: bool, touched: dict[int, RequestOutput]) -> None:
+        """A step's copies, forward pass and sampling, and the collection of what is done."""
         with self._lockstep():
             self.pool.apply(plan.copies)  # a plan may carry copies (restores) and no rows
         prev = self._inflight if self.overlap else None
@@ -488,10 +494,9 @@ class Engine:
             verify.drafts[r] = drafts + [-1] * (k - len(drafts)) if r in proposed else []
         inputs = ids.copy()
         inputs[dst] = vals
-        saved = None
-        if self.pool.state_bytes:  # the decode rows' states before the drafts (speculative.py)
-            slots = torch.from_numpy(np.asarray(plan.state_slots, dtype=np.int64)[decode]).to(self.device)
-            saved = (inputs, slots, self.pool.slots[slots], decode)  # index_select: a copy
+        saved = save_states(self, plan, inputs, decode)  # the decode rows' states before the drafts
+        if self.leader is not None:
+            self.leader.pass_(VERIFY, inputs, index, decode)
         with self._lockstep():
             ctx = self.context(plan)
             if dst.size:
@@ -510,17 +515,14 @@ class Engine:
     def _roll_back_states(self, done: _Launched, rows: list[tuple[int, list[int]]]) -> None:
         """The decode rows that keep fewer than k + 1 tokens: their states from before the
         verify pass, then their kept inputs once more (speculative.py)."""
-        inputs, slots, before, decode = done.saved
-        k = self.spec.num_speculative_tokens
+        decode, k = done.saved[3], self.spec.num_speculative_tokens
         keep = np.zeros(len(rows), dtype=np.int64)
         for r in decode.tolist():
             keep[r] = len(rows[r][1]) if len(rows[r][1]) <= k else 0
-        back = torch.from_numpy(keep[decode] > 0).to(self.device)
-        if not bool(back.any()):
-            return
-        self.pool.slots[slots[back]] = before[back]
+        if self.leader is not None:
+            self.leader.pass_(ROLLBACK, keep)
         with self._lockstep():
-            self.model(self.context(kept_rows(done.plan, inputs, keep)))
+            roll_back(self, done.plan, done.saved, keep)
 
     def _drafts(self, rid: int) -> bool:
         """Whether a request's decode rows verify drafts: not where its sampling reads its own

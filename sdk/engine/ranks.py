@@ -13,6 +13,11 @@ the arrays in FIELDS' order, then the plan's copies in COPIES' order, then the b
 With data-parallel attention (dp.py) a step is every attention rank's plan:
   [PARTS, P, the length of each part's message..., each part's message]
 and each rank runs its own part, knowing the others' sizes.
+Speculative decoding (`PASSES`): a step's forward passes wait for what only rank 0 knows (the
+drafts, then which of them were kept), so the plan is followed by messages
+  [PASS, mode, number of arrays, (ndim, dims...) per array, the arrays' values...]
+VERIFY (the inputs with the drafts, the sampled token index, the decode rows), ROLLBACK (the
+tokens each row keeps), then END; each rank runs rank 0's pass (speculative.py) on its shard.
 """
 
 from __future__ import annotations
@@ -29,9 +34,12 @@ import torch.distributed as dist
 from dayzero.kernels.collective import TpGroup
 from dayzero.sdk.engine.context import build_context, device_fill, fill_tokens
 from dayzero.sdk.engine.dp import dp_context
+from dayzero.sdk.engine.speculative import roll_back, save_states
 
-STEP, STOP, PARTS = 1, 2, 3
-GRAPH, SHARE = 1, 2  # a step's flags: it runs in a decode graph's bucket; its tokens are broadcast
+STEP, STOP, PARTS, PASS = 1, 2, 3, 4
+# a step's flags: it runs in a decode graph's bucket; its tokens are broadcast; passes follow
+GRAPH, SHARE, PASSES = 1, 2, 4
+VERIFY, ROLLBACK, END = 1, 2, 3  # a speculative step's passes (PASS messages)
 FIELDS = (
     "num_tokens", "query_start", "positions", "kv_lens", "input_ids", "sample", "state_slots", "req_ids",
 )  # fmt: skip
@@ -58,6 +66,33 @@ def encode(kind: int, plan=None, flags: int = 0) -> torch.Tensor:
     for a in arrays:
         head += [a.ndim, *a.shape]
     return torch.from_numpy(np.concatenate([np.asarray(head, dtype=np.int64), *(a.ravel() for a in arrays)]))
+
+
+def encode_pass(mode: int, *arrays: np.ndarray) -> torch.Tensor:
+    """A speculative step's pass: its mode and int64 arrays."""
+    arrays = tuple(np.asarray(a).astype(np.int64, copy=False) for a in arrays)
+    head = [PASS, mode, len(arrays)]
+    for a in arrays:
+        head += [a.ndim, *a.shape]
+    return torch.from_numpy(np.concatenate([np.asarray(head, dtype=np.int64), *(a.ravel() for a in arrays)]))
+
+
+def decode_pass(words: torch.Tensor) -> tuple[int, list[np.ndarray]]:
+    """(mode, arrays) of a PASS message."""
+    w = words.numpy()
+    if int(w[0]) != PASS:
+        raise RuntimeError(f"expected a speculative step's pass from rank 0, got message kind {int(w[0])}")
+    mode, n, at, shapes = int(w[1]), int(w[2]), 3, []
+    for _ in range(n):
+        ndim = int(w[at])
+        shapes.append(tuple(int(d) for d in w[at + 1 : at + 1 + ndim]))
+        at += 1 + ndim
+    arrays = []
+    for shape in shapes:
+        size = int(np.prod(shape, dtype=np.int64))
+        arrays.append(w[at : at + size].reshape(shape))
+        at += size
+    return mode, arrays
 
 
 def decode(words: torch.Tensor) -> tuple[int, SimpleNamespace | None]:
@@ -135,12 +170,19 @@ class Leader:
             self.fail(f"a tensor-parallel rank stopped answering rank 0: {e}".splitlines()[0])
             raise RuntimeError(self.broken) from None
 
-    def send(self, plan, graph: bool = False, share: bool = False) -> None:
+    def send(self, plan, graph: bool = False, share: bool = False, passes: bool = False) -> None:
         """Send a plan; graph: it runs in a decode graph's bucket; share: its sampled tokens
-        follow (`share`), as every rank's next inputs."""
+        follow (`share`), as every rank's next inputs; passes: a speculative step's passes
+        follow (`pass_`), then END."""
         if self.broken is not None:
             raise RuntimeError(self.broken)
-        self._broadcast(encode(STEP, plan, GRAPH * graph | SHARE * share))
+        self._broadcast(encode(STEP, plan, GRAPH * graph | SHARE * share | PASSES * passes))
+
+    def pass_(self, mode: int, *arrays: np.ndarray) -> None:
+        """A speculative step's pass, before rank 0 runs it (END: none follows)."""
+        if self.broken is not None:
+            raise RuntimeError(self.broken)
+        self._broadcast(encode_pass(mode, *arrays))
 
     def share(self, tokens: torch.Tensor) -> None:
         """The step's sampled tokens [S] int64 (on the device) to every rank (S > 0)."""
@@ -169,12 +211,16 @@ def smallest(values: tuple[int, ...], group) -> tuple[tuple[int, ...], int]:
     return tuple(v // size for v in low), low[0] % size
 
 
-def receive(group) -> tuple[int, SimpleNamespace | None]:
+def _words(group) -> torch.Tensor:
     n = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(n, 0, group=group)
     words = torch.empty(int(n.item()), dtype=torch.int64)
     dist.broadcast(words, 0, group=group)
-    return decode(words)
+    return words
+
+
+def receive(group) -> tuple[int, SimpleNamespace | None]:
+    return decode(_words(group))
 
 
 @torch.inference_mode()
@@ -196,6 +242,10 @@ def follow(engine, group, tp: TpGroup | None = None) -> int:
             rank = dist.get_rank(group)
             mine = plan.parts[rank] if hasattr(plan, "parts") else plan  # data-parallel attention
             engine.pool.apply(mine.copies)
+            if plan.flags & PASSES:  # speculative: rank 0's passes, the step's end copies after verify
+                _passes(engine, plan, group)
+                steps += 1
+                continue
             if plan.rows:  # every rank runs a step with rows somewhere (the MLPs gather them all)
                 _forward(engine, plan, mine, rank, device_fill(mine, sampled, tokens))
             if plan.rows and plan.flags & SHARE:
@@ -209,6 +259,31 @@ def follow(engine, group, tp: TpGroup | None = None) -> int:
             rank = dist.get_rank(group)
             raise StepFailed(f"tensor-parallel rank {rank} failed in step {steps + 1}: {why}") from e
         steps += 1
+
+
+def _passes(engine, plan, group) -> None:
+    """A speculative step's passes as rank 0 runs them (sdk/engine/speculative.py): the verify
+    pass on the inputs with the drafts (the decode rows' states saved first; the step's end
+    copies after it, as on rank 0), then a rollback of the rows that keep fewer tokens."""
+    saved = None
+    while True:
+        mode, arrays = decode_pass(_words(group))
+        if mode == END:
+            return
+        if mode == VERIFY:
+            inputs, index, decode_rows = arrays
+            saved = save_states(engine, plan, inputs, decode_rows)
+            ctx = engine.context(plan)
+            ctx.input_ids.copy_(torch.from_numpy(inputs))
+            ctx.sample_index = torch.from_numpy(index).to(engine.device)
+            engine.model(ctx)
+            engine.pool.apply_after(plan.copies)
+        elif mode == ROLLBACK:
+            if saved is None:
+                raise RuntimeError("a rollback pass of a step whose states were not saved")
+            roll_back(engine, plan, saved, arrays[0])
+        else:
+            raise RuntimeError(f"unknown speculative pass mode {mode}")
 
 
 def _forward(engine, plan, mine, rank: int, fill) -> None:

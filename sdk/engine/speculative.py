@@ -123,6 +123,23 @@ class SpeculativeConfig:
 DRAFTERS: Registry[Callable[[SpeculativeConfig], Drafter]] = Registry("speculative method")
 
 
+def check_parallel(spec: SpeculativeConfig, size: int, attention_dp: bool) -> None:
+    """Refuse, by name, what drafting does not run with on `size` ranks yet: data-parallel
+    attention, and a drafter that runs the model's MTP head (its passes would have to run on every
+    rank's shard). Tensor parallelism with drafts from the tokens runs: the verify and rollback
+    passes follow the plan to every rank (ranks.py)."""
+    if size > 1 and attention_dp:
+        raise ValueError(
+            f"speculative decoding ({spec.method}) is not implemented with data-parallel attention "
+            f"({size} ranks)"
+        )
+    if size > 1 and spec.drafter().hidden:
+        raise ValueError(
+            f"speculative decoding with the MTP head ({spec.method}) is not implemented with tensor "
+            f"parallelism ({size} ranks) yet; method ngram drafts there"
+        )
+
+
 @DRAFTERS.register("ngram")
 def ngram(cfg: SpeculativeConfig) -> Drafter:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the request's last
@@ -224,6 +241,26 @@ def kept_rows(plan, inputs: np.ndarray, keep: np.ndarray, start: np.ndarray | No
         req_ids=np.asarray(plan.req_ids)[rows],
         token=token,  # the plan's index of each kept token
     )
+
+
+def save_states(engine, plan, inputs: np.ndarray, decode: np.ndarray) -> tuple | None:
+    """The decode rows' recurrent states before the verify pass, with the pass's inputs [T]
+    (None: the model keeps no state)."""
+    if not engine.pool.state_bytes:
+        return None
+    slots = torch.from_numpy(np.asarray(plan.state_slots, dtype=np.int64)[decode]).to(engine.device)
+    return inputs, slots, engine.pool.slots[slots], decode  # index_select: a copy
+
+
+def roll_back(engine, plan, saved: tuple, keep: np.ndarray) -> None:
+    """The decode rows with keep[r] > 0 (they keep fewer than k + 1 tokens): their states from
+    before the verify pass, then their kept inputs once more (the module docstring)."""
+    inputs, slots, before, decode = saved
+    back = torch.from_numpy(keep[decode] > 0).to(engine.device)
+    if not bool(back.any()):
+        return
+    engine.pool.slots[slots[back]] = before[back]
+    engine.model(engine.context(kept_rows(plan, inputs, keep)))
 
 
 @DRAFTERS.register("mtp")
