@@ -254,7 +254,7 @@ class LLM:
                 kwargs = dict(model=str(self.path), device=device, dtype=dtype, family=family)
                 kwargs |= dict(quantization=quantization, quantize_activations=quantize_activations)
                 kwargs |= dict(load_format=load_format, enable_expert_parallel=enable_expert_parallel)
-                kwargs |= dict(enable_dp_attention=enable_dp_attention)
+                kwargs |= dict(enable_dp_attention=enable_dp_attention, speculative_config=speculative)
                 kwargs |= dict(engine=rank_engine(engine))  # each rank sizes its own KV memory
                 self.followers = Followers(follow_rank, launch.local_ranks(), (launch.of(rank, port), kwargs))
                 self.followers.watch(self._rank_failed)

@@ -248,10 +248,7 @@ def test_drafting_on_ranks_answers_as_one_rank(checkpoints, family, seed):
     assert stats["accepted_at"] == one.engine.stats["accepted_at"]
 
 
-def test_drafting_with_the_mtp_head_on_ranks_is_refused_by_name(checkpoints):
-    with pytest.raises(ValueError, match=r"MTP head \(mtp\) is not implemented with tensor parallelism \(2"):
-        LLM(str(checkpoints["llama"]), device="cpu", tensor_parallel_size=2,
-            speculative_config={"method": "mtp", "num_speculative_tokens": 2})  # fmt: skip
+def test_drafting_with_data_parallel_attention_is_refused_by_name(checkpoints):
     with pytest.raises(ValueError, match=r"\(ngram\) is not implemented with data-parallel attention"):
         LLM(str(checkpoints["llama"]), device="cpu", tensor_parallel_size=2, enable_dp_attention=True,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})  # fmt: skip

@@ -129,7 +129,8 @@ def _mtp_line(fam: Family, spec) -> str:
     flag = f'--speculative-config \'{{"method": "mtp", "num_speculative_tokens": {k}}}\''
     line = (
         f"Speculative decoding with its MTP head ({spec.mtp.kind}; lossless: the verify pass keeps the "
-        f"target's distribution): add `{flag}` (one rank for now: a tensor-parallel launch refuses it); "
+        f"target's distribution): add `{flag}` (with tensor parallelism too; not with data-parallel "
+        "attention yet); "
         "a head in its own folder (config.json + safetensors under the layer's checkpoint names): "
         '`"model": "DIR"` in that config.'
     )

@@ -86,7 +86,7 @@ def support_matrix(fam: Family, groups: tuple | None = None) -> list[tuple[str, 
         built = (
             f"tensors set aside at load ({why})"
             if why
-            else ("built when speculative decoding drafts with it (method mtp; one rank); else set aside")
+            else ("built when speculative decoding drafts with it (method mtp); else set aside")
         )
         rows.append((f"MTP head ({spec.mtp.kind})", built))
     rows += [(f"device: {d}", s) for d, s in device_support(fam, groups, needs).items()]

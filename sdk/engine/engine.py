@@ -22,9 +22,12 @@ from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.grammar import Matchers
 from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
 from dayzero.sdk.engine.kv_pool import KvPool
-from dayzero.sdk.engine.ranks import END, ROLLBACK, VERIFY, Leader, from_leader, smallest
+from dayzero.sdk.engine.ranks import Leader, from_leader, smallest
 from dayzero.sdk.engine.sampling import Pending, Sampler, SamplingParams
 from dayzero.sdk.engine.speculative import (
+    END,
+    ROLLBACK,
+    VERIFY,
     SpeculativeConfig,
     VerifyRows,
     check_parallel,
@@ -496,7 +499,7 @@ class Engine:
         inputs[dst] = vals
         saved = save_states(self, plan, inputs, decode)  # the decode rows' states before the drafts
         if self.leader is not None:
-            self.leader.pass_(VERIFY, inputs, index, decode)
+            self.leader.pass_(VERIFY, inputs, index, decode, np.asarray([int(self.drafter.hidden)]))
         with self._lockstep():
             ctx = self.context(plan)
             if dst.size:

@@ -16,8 +16,12 @@ and each rank runs its own part, knowing the others' sizes.
 Speculative decoding (`PASSES`): a step's forward passes wait for what only rank 0 knows (the
 drafts, then which of them were kept), so the plan is followed by messages
   [PASS, mode, number of arrays, (ndim, dims...) per array, the arrays' values...]
-VERIFY (the inputs with the drafts, the sampled token index, the decode rows), ROLLBACK (the
-tokens each row keeps), then END; each rank runs rank 0's pass (speculative.py) on its shard.
+in rank 0's order: DRAFT (the MTP head's chained drafts: the inputs, the rows, the token), VERIFY
+(the inputs with the drafts, the sampled token index, the decode rows, whether the drafter reads
+the hidden states), ROLLBACK (the tokens each row keeps), OBSERVE (the MTP head over the tokens
+whose next token became known: their next tokens, the rows, the requests finished since), then
+END; each rank runs rank 0's pass (speculative.py) on its shard, and keeps its own copy of the
+MTP head's last outputs by request (rank 0's drafter keeps the drafts too).
 """
 
 from __future__ import annotations
@@ -34,12 +38,21 @@ import torch.distributed as dist
 from dayzero.kernels.collective import TpGroup
 from dayzero.sdk.engine.context import build_context, device_fill, fill_tokens
 from dayzero.sdk.engine.dp import dp_context
-from dayzero.sdk.engine.speculative import roll_back, save_states
+from dayzero.sdk.engine.speculative import (
+    DRAFT,
+    END,
+    OBSERVE,
+    ROLLBACK,
+    VERIFY,
+    draft_pass,
+    observe_pass,
+    roll_back,
+    save_states,
+)
 
 STEP, STOP, PARTS, PASS = 1, 2, 3, 4
 # a step's flags: it runs in a decode graph's bucket; its tokens are broadcast; passes follow
 GRAPH, SHARE, PASSES = 1, 2, 4
-VERIFY, ROLLBACK, END = 1, 2, 3  # a speculative step's passes (PASS messages)
 FIELDS = (
     "num_tokens", "query_start", "positions", "kv_lens", "input_ids", "sample", "state_slots", "req_ids",
 )  # fmt: skip
@@ -234,6 +247,7 @@ def follow(engine, group, tp: TpGroup | None = None) -> int:
     (which ends rank 0's wait at once on gloo) rather than go on."""
     tp = tp or TpGroup()
     steps, sampled, tokens = 0, [], None  # the last step's sampled requests and their device tokens
+    heads: dict[int, torch.Tensor] = {}  # speculative, MTP: each request's last head output [Dm]
     while True:
         kind, plan = receive(group)
         if kind == STOP:
@@ -243,7 +257,7 @@ def follow(engine, group, tp: TpGroup | None = None) -> int:
             mine = plan.parts[rank] if hasattr(plan, "parts") else plan  # data-parallel attention
             engine.pool.apply(mine.copies)
             if plan.flags & PASSES:  # speculative: rank 0's passes, the step's end copies after verify
-                _passes(engine, plan, group)
+                _passes(engine, plan, group, heads)
                 steps += 1
                 continue
             if plan.rows:  # every rank runs a step with rows somewhere (the MLPs gather them all)
@@ -261,27 +275,44 @@ def follow(engine, group, tp: TpGroup | None = None) -> int:
         steps += 1
 
 
-def _passes(engine, plan, group) -> None:
-    """A speculative step's passes as rank 0 runs them (sdk/engine/speculative.py): the verify
-    pass on the inputs with the drafts (the decode rows' states saved first; the step's end
-    copies after it, as on rank 0), then a rollback of the rows that keep fewer tokens."""
-    saved = None
+def _passes(engine, plan, group, heads: dict[int, torch.Tensor]) -> None:
+    """A speculative step's passes as rank 0 runs them (sdk/engine/speculative.py): the MTP
+    head's chained drafts, the verify pass on the inputs with the drafts (the decode rows' states
+    saved first; the step's end copies after it, as on rank 0), a rollback of the rows that keep
+    fewer tokens, the MTP head over the step's known tokens (`heads`: its outputs by request)."""
+    saved, z, hidden = None, None, None
     while True:
         mode, arrays = decode_pass(_words(group))
         if mode == END:
             return
-        if mode == VERIFY:
-            inputs, index, decode_rows = arrays
+        if mode == DRAFT:
+            ids, keep, start = arrays
+            if int(start[0]) == 0:  # the chain starts from each row's last observed output
+                rids = np.asarray(plan.req_ids)[keep > 0].tolist()
+                hidden = torch.stack([heads[r] for r in rids])
+            _, hidden = draft_pass(engine, plan, ids, keep, int(start[0]), hidden)
+        elif mode == VERIFY:
+            inputs, index, decode_rows, reads_hidden = arrays
             saved = save_states(engine, plan, inputs, decode_rows)
             ctx = engine.context(plan)
             ctx.input_ids.copy_(torch.from_numpy(inputs))
             ctx.sample_index = torch.from_numpy(index).to(engine.device)
-            engine.model(ctx)
+            if int(reads_hidden[0]):
+                _, z = engine.model(ctx, hidden=True)
+            else:
+                engine.model(ctx)
             engine.pool.apply_after(plan.copies)
         elif mode == ROLLBACK:
             if saved is None:
                 raise RuntimeError("a rollback pass of a step whose states were not saved")
             roll_back(engine, plan, saved, arrays[0])
+        elif mode == OBSERVE:
+            ids, keep, dropped = arrays
+            for rid in dropped.tolist():
+                heads.pop(rid, None)
+            if (out := observe_pass(engine, plan, z, ids, keep)) is not None:
+                _, y, rids, last = out
+                heads.update((rid, y[int(last[j])]) for j, rid in enumerate(rids))
         else:
             raise RuntimeError(f"unknown speculative pass mode {mode}")
 

@@ -121,22 +121,18 @@ class SpeculativeConfig:
 
 
 DRAFTERS: Registry[Callable[[SpeculativeConfig], Drafter]] = Registry("speculative method")
+# a speculative step's passes, as rank 0 sends them to the other ranks (ranks.py)
+VERIFY, ROLLBACK, OBSERVE, DRAFT, END = 1, 2, 3, 4, 5
 
 
 def check_parallel(spec: SpeculativeConfig, size: int, attention_dp: bool) -> None:
     """Refuse, by name, what drafting does not run with on `size` ranks yet: data-parallel
-    attention, and a drafter that runs the model's MTP head (its passes would have to run on every
-    rank's shard). Tensor parallelism with drafts from the tokens runs: the verify and rollback
-    passes follow the plan to every rank (ranks.py)."""
+    attention. With tensor parallelism a step's passes (the MTP head's, the verify and the
+    rollback pass) follow the plan to every rank (ranks.py)."""
     if size > 1 and attention_dp:
         raise ValueError(
             f"speculative decoding ({spec.method}) is not implemented with data-parallel attention "
             f"({size} ranks)"
-        )
-    if size > 1 and spec.drafter().hidden:
-        raise ValueError(
-            f"speculative decoding with the MTP head ({spec.method}) is not implemented with tensor "
-            f"parallelism ({size} ranks) yet; method ngram drafts there"
         )
 
 
@@ -282,6 +278,7 @@ class MtpDrafter:
 
     def __init__(self, cfg: SpeculativeConfig) -> None:
         self.next: dict[int, tuple[object, int]] = {}  # rid -> (y at its last known position [Dm], d_1)
+        self.dropped: list[int] = []  # finished since the last observe (the other ranks' copies go)
 
     def observe(self, engine, plan, z, news: list[list[int]]) -> None:
         qs, kv = np.asarray(plan.query_start), np.asarray(plan.kv_lens)
@@ -299,15 +296,14 @@ class MtpDrafter:
             elif news[r]:  # a decode row: its kept inputs' next tokens are its new tokens
                 ids[qs[r] : qs[r] + len(news[r])] = news[r]
                 keep[r] = len(news[r])
-        if not keep.any():
+        if engine.leader is not None:  # every rank runs the pass on its shard (ranks.py)
+            engine.leader.pass_(OBSERVE, ids, keep, np.asarray(self.dropped, dtype=np.int64))
+        self.dropped = []
+        out = observe_pass(engine, plan, z, ids, keep)
+        if out is None:
             return
-        sub = kept_rows(plan, ids, keep)
-        ctx = engine.context(sub)
-        last = np.cumsum(sub.num_tokens) - 1
-        ctx.sample_index = torch.from_numpy(last).to(ctx.input_ids.device)
-        m = engine.model
-        logits, y = m.mtp(ctx.input_ids, z[torch.from_numpy(sub.token).to(z.device)], ctx, m.embed, m.head)
-        for j, (rid, d1) in enumerate(zip(sub.req_ids.tolist(), logits.argmax(-1).tolist(), strict=True)):
+        logits, y, rids, last = out
+        for j, (rid, d1) in enumerate(zip(rids, logits.argmax(-1).tolist(), strict=True)):
             self.next[rid] = (y[int(last[j])], d1)
 
     def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]]:
@@ -319,19 +315,44 @@ class MtpDrafter:
         hidden = torch.stack([self.next[rids[i]][0] for i in have])  # [R', Dm]
         for i in have:
             out[i].append(self.next[rids[i]][1])
-        m, keep = engine.model, np.zeros(len(plan.kv_lens), dtype=np.int64)
+        keep = np.zeros(len(plan.kv_lens), dtype=np.int64)
         keep[[rows[i] for i in have]] = 1
         ids, qs = np.asarray(plan.input_ids).copy(), np.asarray(plan.query_start)
         for j in range(1, k):  # d_{j+1} from position p' + j - 1
             for i in have:
                 ids[qs[rows[i]] + j - 1] = out[i][-1]
-            sub = kept_rows(plan, ids, keep, np.full(len(keep), j - 1, dtype=np.int64))
-            ctx = engine.context(sub)
-            ctx.sample_index = torch.arange(len(have), device=hidden.device)
-            logits, hidden = m.mtp(ctx.input_ids, hidden, ctx, m.embed, m.head)
+            if engine.leader is not None:
+                engine.leader.pass_(DRAFT, ids, keep, np.asarray([j - 1], dtype=np.int64))
+            logits, hidden = draft_pass(engine, plan, ids, keep, j - 1, hidden)
             for i, d in zip(have, logits.argmax(-1).tolist(), strict=True):
                 out[i].append(d)
         return out
 
     def drop(self, rid: int) -> None:
-        self.next.pop(rid, None)
+        if self.next.pop(rid, None) is not None:
+            self.dropped.append(rid)
+
+
+def observe_pass(engine, plan, z: torch.Tensor, ids: np.ndarray, keep: np.ndarray):
+    """The NextN layer over the plan's rows with keep[r] > 0, their first keep[r] tokens with
+    next tokens ids [T] and the target's z [T, Dm]: (logits [R', V] at each row's last kept
+    token, y [T', Dm], the rows' request ids, each row's last index in y); None: no row."""
+    if not keep.any():
+        return None
+    sub = kept_rows(plan, ids, keep)
+    ctx = engine.context(sub)
+    last = np.cumsum(sub.num_tokens) - 1
+    ctx.sample_index = torch.from_numpy(last).to(ctx.input_ids.device)
+    m = engine.model
+    logits, y = m.mtp(ctx.input_ids, z[torch.from_numpy(sub.token).to(z.device)], ctx, m.embed, m.head)
+    return logits, y, sub.req_ids.tolist(), last
+
+
+def draft_pass(engine, plan, ids: np.ndarray, keep: np.ndarray, start: int, hidden: torch.Tensor):
+    """A chained draft: the NextN layer at token `start` of each row with keep[r] > 0, fed the
+    previous output `hidden` [R', Dm] -> (logits [R', V], its output [R', Dm])."""
+    sub = kept_rows(plan, ids, keep, np.full(len(keep), start, dtype=np.int64))
+    ctx = engine.context(sub)
+    ctx.sample_index = torch.arange(len(sub.num_tokens), device=hidden.device)
+    m = engine.model
+    return m.mtp(ctx.input_ids, hidden, ctx, m.embed, m.head)
