@@ -3,7 +3,7 @@ its own greedy generations, and save it as a head folder that dayzero drafts wit
 
     dayzero serve MODEL --speculative-config '{"method": "mtp", "model": "OUT", "num_speculative_tokens": 3}'
 
-    python scripts/train_nextn.py OUT [--model PATH] [--prompts 256] [--new-tokens 160] [--epochs 3]
+    python scripts/train_nextn.py OUT [--model PATH] [--prompts 640] [--new-tokens 160] [--epochs 6]
 
 The head (sdk/config/model.py MtpCfg), at each position i of a sequence t with the model's final
 normed hidden states z:

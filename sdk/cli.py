@@ -308,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculative-config",
         default=None,
         help="decode: also time each batch drafting so (vLLM's JSON; method mtp: the bench config's "
-        "MTP head, random weights): tok/s, acceptance length, and the break-even acceptance",
+        "MTP head, random weights, where the config has one (else --set its layer count); with --model "
+        "the checkpoint's, or the head folder of 'model'): tok/s, acceptance length, break-even",
     )
     b.add_argument(
         "--disable-overlap-schedule",

@@ -139,11 +139,18 @@ def test_drafting_with_a_head_folder_is_lossless(tmp_path) -> None:
 
 
 def test_a_head_made_for_another_model_is_refused_by_field(tmp_path) -> None:
+    """A field both configs hold must agree; a field only the head's holds may be the MTP layer
+    count alone (anything else would change the model it drafts for)."""
     base = write_tiny("llama", tmp_path / "base", seed=0)
     _head(tmp_path / "head", base, 0)
     cfg = json.loads((tmp_path / "head" / "config.json").read_text())
     (tmp_path / "head" / "config.json").write_text(json.dumps(cfg | {"hidden_size": 128}))
     with pytest.raises(CheckpointError, match=r"another model: hidden_size is 128 in its config.json, 64"):
+        open_mtp_head(tmp_path / "head", open_checkpoint(base))
+    scaled = cfg | {"rope_scaling": {"type": "linear", "factor": 2}}
+    (tmp_path / "head" / "config.json").write_text(json.dumps(scaled))
+    adds = r"sets rope_scaling, .* adds only the MTP layer count \(num_nextn_predict_layers\)"
+    with pytest.raises(CheckpointError, match=adds):
         open_mtp_head(tmp_path / "head", open_checkpoint(base))
     with pytest.raises(CheckpointError, match=r"needs a config.json"):
         open_mtp_head(tmp_path / "base" / "nothing", open_checkpoint(base))

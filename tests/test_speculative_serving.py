@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -52,6 +53,29 @@ def test_a_server_with_prompt_lookup_answers_as_one_without() -> None:
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
         assert _metric(metrics, "dayzero_spec_draft_tokens") > 0
         assert _metric(metrics, "dayzero_spec_mean_acceptance_length") > 1.0  # the repeats are accepted
+    finally:
+        srv.stop()
+
+
+def test_a_server_drafting_with_a_head_folder_answers_as_one_without() -> None:
+    """`--speculative-config` with method mtp and the trained head's folder (tests/data/
+    smollm2_nextn): the server builds and loads the head; the answer is the one without drafts."""
+    prompt = "Tell me about the pyramids."
+    want = (
+        LLM(None, device="cpu", dtype="float32", progress=False)
+        .generate(prompt, SamplingParams(max_tokens=24, temperature=0))[0]
+        .outputs[0]
+    )
+    head = Path(__file__).parent / "data" / "smollm2_nextn"
+    spec = {"method": "mtp", "model": str(head), "num_speculative_tokens": 2}
+    srv = Server("--dtype", "float32", "--speculative-config", json.dumps(spec))
+    try:
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want.text
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        assert _metric(metrics, "dayzero_spec_draft_tokens") > 0
     finally:
         srv.stop()
 

@@ -132,8 +132,8 @@ def time_ours(
         eng.add(prompts[i % len(prompts)] if prompts else rng.integers(0, vocab, prompt_len).tolist(), params)
         for i in range(batch)
     ]
-    while any(len(eng.requests[i].token_ids) < 3 for i in ids):  # prefill + two warm-up decodes
-        eng.step()
+    while any(len(eng.requests[i].token_ids) < 3 and not eng.requests[i].finished for i in ids):
+        eng.step()  # prefill + two warm-up decodes
     _sync()
     t0, steps, before = time.perf_counter(), 0, sum(len(eng.requests[i].token_ids) for i in ids)
     while steps < new_tokens - 1 and all(not eng.requests[i].finished for i in ids):
@@ -409,7 +409,8 @@ def checkpoint_model(args: argparse.Namespace, spec: SpeculativeConfig | None, d
     hf = head.hf if head is not None else ckpt.hf
     fam = ckpt.family
     cfg = fam.config(hf, str(ckpt.path), mtp=spec is not None and spec.method == "mtp")
-    model, ops = build(fam, cfg, hf, dev, dtype)
+    packing = ckpt.mtp_packing if cfg.mtp is not None and head is None else ckpt.packing
+    model, ops = build(fam, cfg, hf, dev, dtype, packing.params if packing else None)
     print(f"kernels: {ops.chosen()}")
     load_weights(model, ckpt, head=head)
     tok = load_tokenizer(ckpt.path, ckpt.format)

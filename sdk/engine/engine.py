@@ -410,7 +410,8 @@ class Engine:
             self._run(plan, graph, touched)
         finally:
             if passes and self.leader.broken is None:  # the others wait for the step's last pass
-                self.leader.pass_(END)
+                with contextlib.suppress(RuntimeError):  # a lost rank: the leader is broken, said once
+                    self.leader.pass_(END)
 
     def _run(self, plan, graph: bool, touched: dict[int, RequestOutput]) -> None:
         """A step's copies, forward pass and sampling, and the collection of what is done."""
@@ -487,9 +488,10 @@ class Engine:
         n, prefill = np.asarray(plan.num_tokens), np.asarray(plan.is_prefill, dtype=bool)
         decode = np.flatnonzero((n == k + 1) & ~prefill)  # x_p and k draft slots (-1)
         drafted = [r for r in decode.tolist() if verify.count[r] > 1]
-        proposed = dict(
-            zip(drafted, self.drafter.draft(self, plan, drafted, k) if drafted else [], strict=True)
-        )
+        with self._lockstep():  # the MTP head's draft passes run on every rank
+            proposed = dict(
+                zip(drafted, self.drafter.draft(self, plan, drafted, k) if drafted else [], strict=True)
+            )
         vals = []
         for r in decode.tolist():  # a row not drafted: its last token again in the slots (rolled back)
             drafts = proposed.get(r, [])[:k]

@@ -312,7 +312,7 @@ def _passes(engine, plan, group, heads: dict[int, torch.Tensor]) -> None:
                 heads.pop(rid, None)
             if (out := observe_pass(engine, plan, z, ids, keep)) is not None:
                 _, y, rids, last = out
-                heads.update((rid, y[int(last[j])]) for j, rid in enumerate(rids))
+                heads.update((rid, y[int(last[j])].clone()) for j, rid in enumerate(rids))
         else:
             raise RuntimeError(f"unknown speculative pass mode {mode}")
 

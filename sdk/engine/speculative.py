@@ -304,7 +304,7 @@ class MtpDrafter:
             return
         logits, y, rids, last = out
         for j, (rid, d1) in enumerate(zip(rids, logits.argmax(-1).tolist(), strict=True)):
-            self.next[rid] = (y[int(last[j])], d1)
+            self.next[rid] = (y[int(last[j])].clone(), d1)  # a view would pin the pass's [T', Dm]
 
     def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]]:
         rids = [int(plan.req_ids[r]) for r in rows]

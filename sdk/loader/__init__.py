@@ -177,13 +177,30 @@ def open_mtp_head(path: str | Path, base: Checkpoint) -> Checkpoint:
     if not (p / "config.json").exists():
         raise CheckpointError(f"{p}: an MTP head's folder needs a config.json (and its safetensors)")
     head = json.loads((p / "config.json").read_text())
+    own = _mtp_fields(base.family)
     for key, value in head.items():
         if key in base.hf and not _same(value, base.hf[key]):
             raise CheckpointError(
                 f"{p}: the MTP head was made for another model: {key} is {value!r} in its config.json, "
                 f"{base.hf[key]!r} in {base.path}'s"
             )
+        if key not in base.hf and key not in own:  # it would change the model it drafts for
+            raise CheckpointError(
+                f"{p}: config.json sets {key}, which {base.path}'s config does not; a head's config "
+                f"adds only the MTP layer count ({', '.join(sorted(own)) or 'none in this spec'})"
+            )
     return Checkpoint(p, "safetensors", base.hf | head, base.family)
+
+
+def _mtp_fields(family: Family) -> set[str]:
+    """The config fields the spec's `mtp.layers` reads (a `$symbol`'s fields)."""
+    spec = family.spec.spec
+    layers = spec.mtp.layers if spec.mtp is not None else None
+    if not (isinstance(layers, str) and layers.startswith("$")):
+        return set()
+    sym = spec.symbols.get(layers[1:])
+    field = sym if isinstance(sym, str) else getattr(sym, "field", None)
+    return {field} if isinstance(field, str) else set(field or ())
 
 
 def _same(a: object, b: object) -> bool:

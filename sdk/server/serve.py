@@ -54,7 +54,6 @@ def engine_config(args: argparse.Namespace, device: str, _cfg=None):
     import torch
 
     from dayzero.sdk.engine.engine import EngineConfig
-    from dayzero.sdk.engine.speculative import SpeculativeConfig
 
     if args.kv_cache_memory:
         kv = parse_size(args.kv_cache_memory)
@@ -76,7 +75,6 @@ def engine_config(args: argparse.Namespace, device: str, _cfg=None):
         max_model_len=args.max_model_len,
         decode_graphs="off" if args.enforce_eager else "auto",
         overlap="off" if args.disable_overlap_schedule else "auto",
-        speculative=SpeculativeConfig.parse(args.speculative_config),
     )
 
 
@@ -121,6 +119,7 @@ def load(args: argparse.Namespace, template: str | None = None, launch=None):
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         enable_dp_attention=args.enable_dp_attention,
+        speculative_config=args.speculative_config,  # method mtp: its head built and loaded
         launch=launch,
     )
     if llm.rank != 0:
@@ -381,8 +380,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--speculative-config",
         default=None,
         help="speculative decoding as vLLM spells it, e.g. "
-        '\'{"method": "ngram", "num_speculative_tokens": 3}\' (methods: ngram; each step\'s drafts '
-        "verified in one pass, the output distribution unchanged)",
+        '\'{"method": "mtp", "num_speculative_tokens": 3}\' (methods: ngram, prompt lookup; mtp, the '
+        "model's MTP head, or a head folder as \"model\"; each step's drafts verified in one pass, the "
+        "output distribution unchanged)",
     )
     p.add_argument(
         "--disable-overlap-schedule",
