@@ -43,6 +43,7 @@ from dayzero.sdk.api import LLM, embedded_default
 from dayzero.sdk.bench.decode import BENCH_TOPICS as HELD_OUT  # the gate's and the bench's topics
 from dayzero.sdk.engine.engine import SamplingParams
 from dayzero.sdk.engine.speculative import SpeculativeConfig
+from dayzero.sdk.loader.tokenizer import chat_ids
 
 # fmt: off
 TOPICS = [
@@ -68,11 +69,6 @@ TASKS = [
 ]
 # fmt: on
 assert not set(HELD_OUT) & set(TOPICS)
-
-
-def chat_ids(llm: LLM, text: str) -> list[int]:
-    enc = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return list(enc["input_ids"] if isinstance(enc, dict) or hasattr(enc, "keys") else enc)
 
 
 def generate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], int]]:
@@ -169,7 +165,8 @@ def main() -> None:
     pairs = [(t, topic) for t in TASKS for topic in TOPICS]
     rng.shuffle(pairs)
     texts = [task.format(topic) for task, topic in pairs[: a.prompts]]
-    data = generate(llm, [chat_ids(llm, t) for t in texts], a.new_tokens)
+    tok = llm.tokenizer
+    data = generate(llm, [chat_ids(tok, t) for t in texts], a.new_tokens)
     del llm
 
     print("[2/4] the model's final hidden states (transformers)")
@@ -233,10 +230,7 @@ def main() -> None:
         "held_out_top1": round(vhits / vcount, 4), "held_out_loss": round(vloss.item(), 4),
     }  # fmt: skip
     save(head, base, a.out, info)
-    check = [f"Tell me about {x}." for x in HELD_OUT[:4]]
-    llm = LLM(str(path))
-    prompts = [chat_ids(llm, t) for t in check]
-    del llm
+    prompts = [chat_ids(tok, f"Tell me about {x}.") for x in HELD_OUT[:4]]
     acc = acceptance(str(path) if a.model else None, a.out, prompts, 64)
     info["acceptance_length_k3"] = round(acc, 3)
     (a.out / "training.json").write_text(json.dumps(info, indent=1) + "\n")

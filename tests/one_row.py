@@ -39,3 +39,16 @@ def context(t: int, groups) -> StepContext:
         sample_index=torch.tensor([t - 1]),
         state=state,
     )
+
+
+@torch.no_grad()
+def nextn_logits(model, cfg, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A model built with its MTP head, one request of ids[:T] (T = len(ids) - 1): (its logits
+    [T, V], its final hidden z [T, Dm], the head's logits [T, V] at each position i with the next
+    token ids[i + 1])."""
+    t = ids.shape[0] - 1
+    ctx = context(t, cfg.cache_groups)
+    ctx.input_ids = ids[:t].clone()
+    ctx.sample_index = torch.arange(t)
+    logits, z = model(ctx, hidden=True)
+    return logits, z, model.mtp(ids[1:], z, ctx, model.embed, model.head)[0]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from kimi_k3_reference import KimiK3ForCausalLM, Layer, Norm
-from one_row import context
+from one_row import nextn_logits
 from safetensors.torch import load_file, save_file
 
 from dayzero.models.kimi_k3.config import KimiK3TextConfig
@@ -262,12 +262,8 @@ def test_nextn_layer_matches_an_independent_composition(tmp_path, family: str, s
         and cfg.mtp.layer.mlp_kind == "moe"
     )
     ids = torch.randint(0, kit.vocab, (T + 1,), generator=torch.Generator().manual_seed(seed))
-    ctx = context(T, cfg.cache_groups)
-    ctx.input_ids = ids[:T].clone()
-    ctx.sample_index = torch.arange(T)
+    logits, z, got = nextn_logits(model, cfg, ids)
     with torch.no_grad():
-        logits, z = model(ctx, hidden=True)
-        got, _ = model.mtp(ids[1:], z, ctx, model.embed, model.head)  # [T, V]
         z_ref = kit.z(ids[:T])  # [T, H] the final hidden, normed
         want, _ = _nextn(kit)(z_ref, ids[1:])
     scale = want.abs().max().item()
@@ -379,12 +375,7 @@ def test_a_quantized_checkpoints_mtp_head_loads_packed_and_drafts(tmp_path) -> N
     assert any(isinstance(m, PackedWeight) for m in quant.mtp.modules())  # the head's experts
     flt, _, _, _ = _ours("kimi_k3", tmp_path / "dequantized")
     ids = torch.randint(0, kit.vocab, (T + 1,), generator=torch.Generator().manual_seed(3))
-    ctx = context(T, cfg.cache_groups)
-    ctx.input_ids = ids[:T].clone()
-    ctx.sample_index = torch.arange(T)
-    with torch.no_grad():
-        got = quant.mtp(ids[1:], quant(ctx, hidden=True)[1], ctx, quant.embed, quant.head)[0]
-        want = flt.mtp(ids[1:], flt(ctx, hidden=True)[1], ctx, flt.embed, flt.head)[0]
+    got, want = nextn_logits(quant, cfg, ids)[2], nextn_logits(flt, cfg, ids)[2]
     assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
     prompts = [
         torch.randint(0, kit.vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()

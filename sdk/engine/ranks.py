@@ -63,40 +63,18 @@ COPIES = (
 )  # fmt: skip
 
 
-def encode(kind: int, plan=None, flags: int = 0) -> torch.Tensor:
-    """The message of a plan (or of `kind` alone) as one int64 tensor."""
-    if plan is None:
-        return torch.tensor([kind, 0], dtype=torch.int64)
-    if hasattr(plan, "parts"):  # data-parallel attention: every rank's plan
-        msgs = [encode(kind, p, flags) for p in plan.parts]
-        head = torch.tensor([PARTS, len(msgs), *(m.numel() for m in msgs)], dtype=torch.int64)
-        return torch.cat([head, *msgs])
-    arrays = [np.asarray(getattr(plan, f)) for f in FIELDS]
-    arrays += [np.asarray(getattr(plan.copies, f)) for f in COPIES]
-    tables = [np.asarray(t) for t in plan.block_tables]
-    arrays = [a.astype(np.int64, copy=False) for a in arrays + tables]
-    head = [kind, flags, len(tables)]
+def _pack(head: list[int], arrays) -> torch.Tensor:
+    """head, then (ndim, dims...) of each array, then the arrays' values, as one int64 tensor."""
+    arrays = [np.asarray(a).astype(np.int64, copy=False) for a in arrays]
     for a in arrays:
-        head += [a.ndim, *a.shape]
+        head = [*head, a.ndim, *a.shape]
     return torch.from_numpy(np.concatenate([np.asarray(head, dtype=np.int64), *(a.ravel() for a in arrays)]))
 
 
-def encode_pass(mode: int, *arrays: np.ndarray) -> torch.Tensor:
-    """A speculative step's pass: its mode and int64 arrays."""
-    arrays = tuple(np.asarray(a).astype(np.int64, copy=False) for a in arrays)
-    head = [PASS, mode, len(arrays)]
-    for a in arrays:
-        head += [a.ndim, *a.shape]
-    return torch.from_numpy(np.concatenate([np.asarray(head, dtype=np.int64), *(a.ravel() for a in arrays)]))
-
-
-def decode_pass(words: torch.Tensor) -> tuple[int, list[np.ndarray]]:
-    """(mode, arrays) of a PASS message."""
-    w = words.numpy()
-    if int(w[0]) != PASS:
-        raise RuntimeError(f"expected a speculative step's pass from rank 0, got message kind {int(w[0])}")
-    mode, n, at, shapes = int(w[1]), int(w[2]), 3, []
-    for _ in range(n):
+def _unpack(w: np.ndarray, at: int, count: int) -> list[np.ndarray]:
+    """The `count` arrays `_pack` wrote from word `at` on."""
+    shapes = []
+    for _ in range(count):
         ndim = int(w[at])
         shapes.append(tuple(int(d) for d in w[at + 1 : at + 1 + ndim]))
         at += 1 + ndim
@@ -105,7 +83,33 @@ def decode_pass(words: torch.Tensor) -> tuple[int, list[np.ndarray]]:
         size = int(np.prod(shape, dtype=np.int64))
         arrays.append(w[at : at + size].reshape(shape))
         at += size
-    return mode, arrays
+    return arrays
+
+
+def encode(kind: int, plan=None, flags: int = 0) -> torch.Tensor:
+    """The message of a plan (or of `kind` alone) as one int64 tensor."""
+    if plan is None:
+        return torch.tensor([kind, 0], dtype=torch.int64)
+    if hasattr(plan, "parts"):  # data-parallel attention: every rank's plan
+        msgs = [encode(kind, p, flags) for p in plan.parts]
+        head = torch.tensor([PARTS, len(msgs), *(m.numel() for m in msgs)], dtype=torch.int64)
+        return torch.cat([head, *msgs])
+    arrays = [getattr(plan, f) for f in FIELDS] + [getattr(plan.copies, f) for f in COPIES]
+    tables = list(plan.block_tables)
+    return _pack([kind, flags, len(tables)], arrays + tables)
+
+
+def encode_pass(mode: int, *arrays: np.ndarray) -> torch.Tensor:
+    """A speculative step's pass: its mode and int64 arrays."""
+    return _pack([PASS, mode, len(arrays)], arrays)
+
+
+def decode_pass(words: torch.Tensor) -> tuple[int, list[np.ndarray]]:
+    """(mode, arrays) of a PASS message."""
+    w = words.numpy()
+    if int(w[0]) != PASS:
+        raise RuntimeError(f"expected a speculative step's pass from rank 0, got message kind {int(w[0])}")
+    return int(w[1]), _unpack(w, 3, int(w[2]))
 
 
 def decode(words: torch.Tensor) -> tuple[int, SimpleNamespace | None]:
@@ -121,16 +125,7 @@ def decode(words: torch.Tensor) -> tuple[int, SimpleNamespace | None]:
     if kind != STEP:
         return kind, None
     flags, n_tables = int(w[1]), int(w[2])
-    at, shapes = 3, []
-    for _ in range(len(FIELDS) + len(COPIES) + n_tables):
-        ndim = int(w[at])
-        shapes.append(tuple(int(d) for d in w[at + 1 : at + 1 + ndim]))
-        at += 1 + ndim
-    arrays = []
-    for shape in shapes:
-        n = int(np.prod(shape, dtype=np.int64))
-        arrays.append(w[at : at + n].reshape(shape))
-        at += n
+    arrays = _unpack(w, 3, len(FIELDS) + len(COPIES) + n_tables)
     k = len(FIELDS)
     plan = SimpleNamespace(**dict(zip(FIELDS, arrays[:k], strict=True)))
     plan.copies = SimpleNamespace(**dict(zip(COPIES, arrays[k : k + len(COPIES)], strict=True)))

@@ -78,3 +78,13 @@ def load_tokenizer(path: Path, fmt: str):
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot load the tokenizer ({e})") from None
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    """The ids of one user message under the tokenizer's chat template, ready for the answer
+    (a tokenizer without a template: the bare text)."""
+    if tok.chat_template is None:
+        return tok.encode(text)
+    return list(
+        tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"]
+    )
