@@ -13,7 +13,9 @@
 #   saved by tokenizer.save_pretrained); FLA: "1" runs tests/test_fla_bindings.py last with
 #   fla-core's wheel from .fla/ on PYTHONPATH for that run only, under a timeout that dumps the
 #   stacks (faulthandler); BENCH_FLA: "1" runs the benches with fla-core on PYTHONPATH too (its
-#   chunked KDA / Gated DeltaNet for prefill); empty skips a part.
+#   chunked KDA / Gated DeltaNet for prefill); SPEC: "family:k ..." drafting benches (method mtp
+#   with k tokens, the bench config's head on random weights: the cost side and the break-even
+#   acceptance; SPEC_BATCHES, default 1,8; SPEC_FLAGS more flags); empty skips a part.
 # Wheels for packages the machine lacks (transformers 5.23, pydantic) travel in .whl/.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -101,6 +103,14 @@ for fam in ${BENCH-glm53_flash}; do
       | tr "\r" "\n" | grep -v "loading weights\|falling back\|^$" | tee -a "$OUT/bench.log"
    done
   done
+done
+for which in ${SPEC-}; do
+  fam=${which%:*}; k=${which#*:}
+  echo "[${SECONDS}s] == bench decode $fam drafting $k tokens"
+  PYTHONPATH=$BENCH_PATH PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    $T $DZ bench decode --family "$fam" --batches ${SPEC_BATCHES:-1,8} --prompt-len 512 --new-tokens 64 \
+    --no-reference --prefill-len 0 --speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": $k}" \
+    ${SPEC_FLAGS-} 2>&1 | tr "\r" "\n" | grep -v "loading weights\|falling back\|^$" | tee -a "$OUT/spec.log"
 done
 for run in $(seq "${AGENTIC:-0}"); do
   echo "[${SECONDS}s] == bench agentic beam (run $run)"

@@ -29,12 +29,13 @@ from one_row import nextn_logits
 from safetensors.torch import load_file, save_file
 
 from dayzero.models.kimi_k3.config import KimiK3TextConfig
+from dayzero.sdk.api import LLM
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.engine.speculative import SpeculativeConfig
 from dayzero.sdk.errors import WeightError
 from dayzero.sdk.families import FAMILIES, build
 from dayzero.sdk.loader import load_weights, open_checkpoint
-from dayzero.sdk.parity.runner import Tolerance
+from dayzero.sdk.parity.runner import RETRACTION, Tolerance, retraction_budget
 from dayzero.sdk.parity.tiny import write_tiny
 
 T = 19
@@ -42,8 +43,10 @@ T = 19
 
 @dataclass
 class Kit:
-    """A family's NextN checkpoint and its reference: z(ids) -> [T, H] final hidden, layer(x)
-    -> the reference decoder layer L as a pre-norm layer over a sequence [M, H], embed, lm_head."""
+    """A family's NextN checkpoint and its reference: z(ids) -> [T, H] final hidden (or [T, N, H]
+    streams), layer(x) -> the reference decoder layer L as a pre-norm layer over a sequence
+    [M, H] (composed: the whole composition f of `_nextn`), embed, lm_head; final(z): the
+    hidden the model's own head reads."""
 
     path: object
     own: dict[str, torch.Tensor]
@@ -53,6 +56,8 @@ class Kit:
     lm_head: torch.nn.Module
     eps: float
     vocab: int
+    composed: bool = False
+    final: Callable = lambda z: z
 
 
 def _random(module: torch.nn.Module, g: torch.Generator) -> None:
@@ -215,17 +220,93 @@ def _qwen(folder, seed: int, drop: str | None = None) -> Kit:
         y = norm["s"](decoder_layer(x))  # normed: the head's input and the next draft's hidden
         return ref.lm_head(y), y
 
-    return Kit(path, own, z, f, ref.model.embed_tokens, ref.lm_head, c["rms_norm_eps"], c["vocab_size"])
+    return Kit(
+        path,
+        own,
+        z,
+        f,
+        ref.model.embed_tokens,
+        ref.lm_head,
+        c["rms_norm_eps"],
+        c["vocab_size"],
+        composed=True,
+    )
 
 
-KITS = {"kimi_k3": _kimi, "glm53": _glm, "qwen38": _qwen}
+def _glm_flash(folder, seed: int, drop: str | None = None) -> Kit:
+    """GLM-5.3-Flash (hyper-connections over N streams): the NextN layer at index L is an indexed
+    MLA + MoE layer with hyper-connections of its own; the reference reads the target's streams
+    before their collapse (a hook on transformers' hc_head) and composes DeepSeek-V4's MTP:
+        X_0[:, n] = W_eh [enorm(e) ; hnorm(Z[:, n])],  Y = layer_L(X_0),
+        logits = lm_head(shared_head.norm(mean_n Y[:, n])),  Y fed back."""
+    from transformers import AutoConfig, Glm5NextForConditionalGeneration
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextDecoderLayer, Glm5NextTextRMSNorm
+
+    path = write_tiny("glm53_flash", folder, seed=seed)
+    cfg = AutoConfig.from_pretrained(path)
+    t = cfg.text_config
+    n, h = t.num_hidden_layers, t.hidden_size
+    longer = AutoConfig.from_pretrained(path)
+    lt = longer.text_config
+    lt.num_hidden_layers = n + 1
+    lt.layer_types = [*t.layer_types, "indexed_attention"]
+    lt.indexer_types = [*t.indexer_types, "full"]
+    lt.mlp_layer_types = [*t.mlp_layer_types, "sparse"]
+    g = torch.Generator().manual_seed(100 + seed)
+    layer = Glm5NextTextDecoderLayer(lt, n).eval()
+    _random(layer, g)
+    own = _own(h, t.vocab_size, g)
+    longer_model = Glm5NextForConditionalGeneration(longer)  # saved for layer L's checkpoint names
+    longer_model.model.language_model.layers[n] = layer
+    longer_model.save_pretrained(folder / "longer")
+    prefix = f"model.language_model.layers.{n}."
+    saved = load_file(next((folder / "longer").glob("*.safetensors")))
+    _write(path, prefix, {k[len(prefix) :]: v for k, v in saved.items() if k.startswith(prefix)}, own, drop)
+    ref = Glm5NextForConditionalGeneration.from_pretrained(path).eval()
+    lm = ref.model.language_model
+    streams: list[torch.Tensor] = []
+    lm.hc_head.register_forward_hook(lambda mod, args, out: streams.append(args[0][0]))
+    norm = {}
+    for k, name in (("e", "enorm"), ("h", "hnorm"), ("s", "shared_head.norm")):
+        norm[k] = Glm5NextTextRMSNorm(h, t.rms_norm_eps)
+        norm[k].weight.data.copy_(own[f"{name}.weight"])
+
+    def z(ids: torch.Tensor) -> torch.Tensor:  # [T, N, H]: the streams before the collapse
+        streams.clear()
+        lm(input_ids=ids[None])
+        return streams[-1]
+
+    def f(hidden: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        m, n_streams, _ = hidden.shape
+        e = norm["e"](lm.embed_tokens(ids))[:, None, :].expand(m, n_streams, h)
+        x = torch.cat((e, norm["h"](hidden)), -1) @ own["eh_proj.weight"].T  # [M, N, H]
+        mask = torch.ones(1, m, dtype=torch.bool)
+        y = layer(x[None], attention_mask=mask, position_ids=torch.arange(m)[None], position_embeddings=None)
+        y = (y[0] if isinstance(y, tuple) else y)[0]  # [M, N, H]
+        return ref.lm_head(norm["s"](y.mean(1))), y
+
+    return Kit(
+        path,
+        own,
+        z,
+        f,
+        lm.embed_tokens,
+        ref.lm_head,
+        t.rms_norm_eps,
+        t.vocab_size,
+        composed=True,
+        final=lambda x: lm.norm(lm.hc_head(x[None]))[0],
+    )
+
+
+KITS = {"kimi_k3": _kimi, "glm53": _glm, "qwen38": _qwen, "glm53_flash": _glm_flash}
 
 
 def _nextn(kit: Kit) -> Callable:
     """f(hidden [M, H], next ids [M]) -> (logits [M, V], what the next draft feeds back [M, H]):
     the NextN composition over a sequence (the reference layer attends causally over all of it);
-    a kit whose `own` holds no eh_proj.weight gives the whole composition as its `layer`."""
-    if "eh_proj.weight" not in kit.own:
+    a `composed` kit gives the whole composition as its `layer`."""
+    if kit.composed:
         return kit.layer
     h = kit.own["eh_proj.weight"].shape[0]
     norm = {k: Norm(h, kit.eps) for k in ("e", "h", "s")}
@@ -255,7 +336,7 @@ def test_nextn_layer_matches_an_independent_composition(tmp_path, family: str, s
     kit = KITS[family](tmp_path, seed)
     model, cfg, _, aside = _ours(family, kit.path)
     # set aside: shared_head.head and embed_tokens (and K3's four attention-residual tensors)
-    assert aside == {"kimi_k3": 6, "glm53": 2, "qwen38": 0}[family]
+    assert aside == {"kimi_k3": 6, "glm53": 2, "qwen38": 0, "glm53_flash": 2}[family]
     assert cfg.mtp is not None and cfg.mtp.layer.index == len(cfg.layers)
     assert (
         cfg.mtp.layer.attn_kind == ("gqa" if family == "qwen38" else "mla")
@@ -268,7 +349,7 @@ def test_nextn_layer_matches_an_independent_composition(tmp_path, family: str, s
         want, _ = _nextn(kit)(z_ref, ids[1:])
     scale = want.abs().max().item()
     assert (z - z_ref).abs().max().item() < Tolerance().logits * scale
-    assert (logits - kit.lm_head(z_ref)).abs().max().item() < Tolerance().logits * scale
+    assert (logits - kit.lm_head(kit.final(z_ref))).abs().max().item() < Tolerance().logits * scale
     assert (got - want).abs().max().item() < Tolerance().logits * scale, (got - want).abs().max().item()
 
 
@@ -323,6 +404,61 @@ def test_mtp_drafts_are_the_nextn_layers_chain_and_lossless(tmp_path, family: st
             assert len(drafts) == k and drafts == want
 
 
+@pytest.mark.parametrize("family", sorted(KITS))
+def test_mtp_drafting_is_lossless_with_chunks_prefix_hits_and_retraction(tmp_path, family: str) -> None:
+    """Method mtp (2 drafts) under chunked prefill (chunks of 8 on blocks of 4; the head observes
+    each chunk), the prompts twice (prefix hits), then KV memory for the longest request alone
+    (retraction; parity's chunks and blocks): the greedy tokens of one roomy engine without drafts."""
+    k = 2
+    kit = KITS[family](tmp_path, 0)
+    model, cfg, ops, _ = _ours(family, kit.path)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, kit.vocab, (n,), generator=g).tolist() for n in (5, 19, 30)]
+    greedy = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    base = [
+        o.token_ids
+        for o in Engine(model, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, greedy)
+    ]
+    spec = SpeculativeConfig("mtp", k)
+    chunked = EngineConfig(
+        decode_graphs="off", speculative=spec, block_size=4, chunk_size=8, max_tokens_per_step=24
+    )
+    eng = Engine(model, cfg, ops, chunked)
+    assert [o.token_ids for o in eng.generate(prompts, greedy)] == base
+    hits = eng.scheduler.prefix_stats()["hit_tokens"]
+    assert [o.token_ids for o in eng.generate(prompts, greedy)] == base
+    assert eng.scheduler.prefix_stats()["hit_tokens"] > hits and eng.stats["verify_rows"] > 0
+    kv = retraction_budget(eng.groups, [len(p) + greedy.max_tokens + k for p in prompts], len(prompts))
+    fields = dict(RETRACTION, kv_cache_bytes=kv, max_batch_size=len(prompts))
+    small = Engine(model, cfg, ops, EngineConfig(decode_graphs="off", speculative=spec, **fields))
+    assert [o.token_ids for o in small.generate(prompts, greedy)] == base
+    assert small.stats["retracted"] > 0
+
+
+def test_mtp_drafting_over_streams_on_two_ranks_answers_as_one_rank(tmp_path) -> None:
+    """GLM-5.3-Flash's head over the hyper-connection streams on tensor-parallel ranks (gloo):
+    greedy and seeded answers, and the acceptance counts, equal one rank's."""
+    kit = _glm_flash(tmp_path, 1)
+    g = torch.Generator().manual_seed(9)
+    prompts = [{"prompt_token_ids": torch.randint(0, kit.vocab, (n,), generator=g).tolist()} for n in (6, 21)]
+    params = [
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+    ]
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    one = LLM(str(kit.path), device="cpu", dtype="float32", speculative_config=spec, progress=False)
+    want = [c.outputs[0].token_ids for p in params for c in one.generate(prompts, p)]
+    many = LLM(str(kit.path), device="cpu", dtype="float32", speculative_config=spec, progress=False,
+               tensor_parallel_size=2)  # fmt: skip
+    try:
+        got = [c.outputs[0].token_ids for p in params for c in many.generate(prompts, p)]
+        stats = dict(many.engine.stats)
+    finally:
+        many.close()
+    assert got == want
+    assert stats["verify_rows"] > 0 and stats["accepted_at"] == one.engine.stats["accepted_at"]
+
+
 def test_an_mtp_config_value_the_head_does_not_implement_is_refused_by_name(tmp_path) -> None:
     """Qwen3.8 with mtp_use_dedicated_embeddings (an MTP embedding of its own): served without
     the head (set aside), refused by name when the head is built."""
@@ -336,11 +472,14 @@ def test_an_mtp_config_value_the_head_does_not_implement_is_refused_by_name(tmp_
         fam.config(ckpt.hf, str(path), mtp=True)
 
 
-def test_the_mtp_head_with_hyper_connections_is_refused_by_name(tmp_path) -> None:
+def test_the_mtp_head_over_a_learned_stream_collapse_is_refused_by_name(tmp_path) -> None:
+    """Qwen3.8-Flash-Next: low-rank hyper-connections, whose collapse is learned; which one the
+    head's output takes has no reference, so the head is refused when built (served without)."""
     from dayzero.sdk.errors import SpecError
 
-    ckpt = open_checkpoint(write_tiny("glm53_flash", tmp_path, seed=0))
-    with pytest.raises(SpecError, match=r"mtp.*hyper-connections .* not implemented yet"):
+    ckpt = open_checkpoint(write_tiny("qwen38_flash_next", tmp_path, seed=0))
+    assert ckpt.family.config(ckpt.hf, str(ckpt.path)).mtp is None
+    with pytest.raises(SpecError, match=r"mtp.*learned low-rank mixer is not implemented"):
         ckpt.family.config(ckpt.hf, str(ckpt.path), mtp=True)
 
 

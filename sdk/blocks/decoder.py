@@ -88,7 +88,8 @@ class Decoder(nn.Module):
     def forward(self, ctx: StepContext, hidden: bool = False):
         """[S, V] fp32 logits of the sampling rows; with data-parallel attention (ctx.dp) those
         of every rank's sampling rows, rank by rank (the same on every rank). hidden: (logits,
-        the final normed hidden z of every token [T, Dm]), what the MTP head drafts from."""
+        what the MTP head drafts from: the final normed hidden z of every token [T, Dm], or with
+        hyper-connections the streams before their collapse [T, N, Dm])."""
         d = ctx.dp
         if d is None and self.attention_dp:
             raise RuntimeError("a data-parallel-attention model runs on steps split over its ranks (ctx.dp)")
@@ -104,6 +105,9 @@ class Decoder(nn.Module):
         if hidden:
             if d is not None:
                 raise RuntimeError("the hidden states of data-parallel attention's rows are not gathered")
+            if self.mtp is not None and self.mtp.streams.n > 1:  # the head reads the streams
+                z = self.norm(self.streams.close(x[ctx.sample_index]))  # [S, Dm]
+                return self.head(z), x
             z = self.norm(self.streams.close(x)) if self.collapse is None else self.collapse(x)  # [T, Dm]
             return self.head(z[ctx.sample_index]), z
         x = x[ctx.sample_index]  # [S, Dm] or [S, N, Dm]
@@ -120,7 +124,9 @@ class NextN(nn.Module):
         logits = head(rmsnorm_s(y))
     at the positions i of the hidden states z it is given; the embedding and the head are the
     main model's (passed in, not held: one copy of each). A chained draft's next z: y, or
-    rmsnorm_s(y) (feed_normed)."""
+    rmsnorm_s(y) (feed_normed). With N residual streams z and y are [T, N, Dm]: x_0 is formed
+    for each stream (the embedding's half shared), the layer runs its hyper-connections, and
+    the head reads rmsnorm_s of the streams' mean (the model's collapse)."""
 
     linear_weights = ("eh_proj",)  # read through ops.linear: a quantized checkpoint may pack it
 
@@ -134,20 +140,28 @@ class NextN(nn.Module):
         )
         self.eh_proj = nn.Parameter(torch.empty(d, 2 * d))
         self.layer = Layer(cfg.layer, ops, attention, mlp)
+        self.streams = Streams(cfg.streams)
         self.ops, self.feed_normed = ops, cfg.feed_normed
 
     def forward(
         self, ids: torch.Tensor, z: torch.Tensor, ctx: StepContext, embed: nn.Module, head: nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [T] (each position's next token), z [T, Dm] -> (logits [S, V] fp32 of the
-        sampling rows, what a chained draft feeds back as z [T, Dm])."""
-        x = self.ops.linear(torch.cat((self.enorm(embed(ids)), self.hnorm(z)), dim=-1), self.eh_proj)
+        """ids [T] (each position's next token), z [T, Dm] or [T, N, Dm] -> (logits [S, V] fp32
+        of the sampling rows, what a chained draft feeds back as z, z's shape)."""
+        e = self.enorm(embed(ids))  # [T, Dm]
+        if z.dim() == 3:  # each stream: [e ; rmsnorm_h(Z_n)]            [T * N, 2 Dm]
+            t, n, d = z.shape
+            e = e[:, None, :].expand(t, n, d).reshape(t * n, d)
+            x = self.ops.linear(torch.cat((e, self.hnorm(z.reshape(t * n, d))), dim=-1), self.eh_proj)
+            x = x.view(t, n, d)
+        else:
+            x = self.ops.linear(torch.cat((e, self.hnorm(z)), dim=-1), self.eh_proj)
         h, carry = self.layer.attn_res.pre(x, ctx)
         y, _, _ = self.layer(x, h, carry, ctx, None)
         if self.feed_normed:
             y = self.norm(y)
             return head(y[ctx.sample_index]), y
-        return head(self.norm(y[ctx.sample_index])), y
+        return head(self.norm(self.streams.close(y[ctx.sample_index]))), y
 
 
 def _collapse(cfg, ops: OpTable) -> nn.Module | None:

@@ -138,11 +138,18 @@ class MtpCfg:
         y = layer(x_0) at position i         (its own KV, in the main groups' rows)
         logits = head(rmsnorm_s(y))          (the main LM head and embedding, shared)
     A chained draft feeds y back as z (nextn), or rmsnorm_s(y) (qwen_mtp: Qwen3.5's mtp.*, whose
-    output is normed before the head and the next step)."""
+    output is normed before the head and the next step).
+    With N > 1 residual streams (Sinkhorn hyper-connections, DeepSeek-V4's MTP form) z is the
+    target's streams Z [T, N, Dm] before their collapse and the layer keeps the stack's residual:
+        X_0[:, n] = W_eh [rmsnorm_e(emb(t_{i+1})) ; rmsnorm_h(Z[:, n])]    each stream n
+        Y = layer(X_0)                       (its hyper-connections)         [T, N, Dm]
+        logits = head(rmsnorm_s(mean_n Y[:, n]))                            (the model's collapse)
+    and a chained draft feeds Y back."""
 
     layer: LayerCfg
     norm: NormCfg  # enorm, hnorm and the shared head's norm: the model's width and eps
     feed_normed: bool = False
+    streams: int = 1  # N: the residual streams the head reads and gives back
 
 
 @dataclass(frozen=True)

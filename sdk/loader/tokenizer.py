@@ -6,6 +6,13 @@ config and chat template) in a cache folder keyed by the file (path, size, modif
 inode) and transformers' version, and read from there (~0.4 s) while that key holds. Cache:
 $DAYZERO_CACHE_DIR, else $XDG_CACHE_HOME/dayzero, else ~/.cache/dayzero; a cache that cannot be
 written is skipped (logged), never an error.
+
+A BPE or Unigram model keeps a cache of the words it has split (HF tokenizers: 10,000 words, a
+few hundred bytes of C heap each), filled by the first distinct words it meets and never evicted.
+Filled by requests, it grows the server's heap for its first ~10,000 distinct words, and slower
+the busier the server is (an insert is skipped while another thread holds the cache's lock).
+`load_tokenizer` fills it at once with the vocabulary's first entries, most of the common words
+and word pieces, so that its memory is taken before the first request and stays flat after.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from tokenizers.models import BPE, Unigram
 
 from dayzero.sdk.errors import CheckpointError
 
@@ -63,6 +72,24 @@ def _from_gguf(path: Path):
     return tok
 
 
+# more than HF tokenizers' word cache holds (10,000), so that the fill leaves it full
+WORD_CACHE_FILL = 16_384
+
+
+def fill_word_cache(tok, words: int = WORD_CACHE_FILL) -> int:
+    """Split the vocabulary's first `words` entries (lowest ids: the earliest merges, the most
+    common pieces) through the tokenizer's model, which caches each; returns how many were
+    split (0 for a model without a word cache, or a tokenizer without a fast backend)."""
+    backend = getattr(tok, "backend_tokenizer", None)  # a transformers tokenizer at the boundary
+    if backend is None or not isinstance(backend.model, BPE | Unigram):
+        return 0
+    model = backend.model
+    vocab = sorted(backend.get_vocab(with_added_tokens=False).items(), key=lambda kv: kv[1])
+    for piece, _ in vocab[:words]:
+        model.tokenize(piece)
+    return min(words, len(vocab))
+
+
 def load_tokenizer(path: Path, fmt: str):
     from transformers.utils import logging as hf_logging
 
@@ -70,14 +97,17 @@ def load_tokenizer(path: Path, fmt: str):
     logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
         if fmt == "gguf":
-            return _from_gguf(path)
-        from transformers import AutoTokenizer
+            tok = _from_gguf(path)
+        else:
+            from transformers import AutoTokenizer
 
-        if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
-            raise CheckpointError(f"{path}: no tokenizer.json or tokenizer_config.json")
-        return AutoTokenizer.from_pretrained(str(path))
+            if not (path / "tokenizer.json").exists() and not (path / "tokenizer_config.json").exists():
+                raise CheckpointError(f"{path}: no tokenizer.json or tokenizer_config.json")
+            tok = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot load the tokenizer ({e})") from None
+    fill_word_cache(tok)
+    return tok
 
 
 def chat_ids(tok, text: str) -> list[int]:

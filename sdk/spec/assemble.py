@@ -434,11 +434,14 @@ def resolve(
         for layer in layers
     ]
     nextn = None
-    if mtp:  # the NextN layer: pre-norm whatever the stack's residual (MtpCfg)
-        prenorm = ResidualCfg("prenorm", norm)
+    if mtp:  # the NextN layer: pre-norm, or the stack's hyper-connections over its streams (MtpCfg)
         check_implemented(spec.mtp.implements, r, f"{loaded.path.name}'s mtp head")
-        last = dataclasses.replace(layers.pop(), attn_res=prenorm, mlp_res=prenorm, ngram=None)
-        nextn = MtpCfg(last, norm, feed_normed=spec.mtp.kind == "qwen_mtp")
+        last = dataclasses.replace(layers.pop(), ngram=None)
+        if spec.residual.kind != "hyper":
+            prenorm = ResidualCfg("prenorm", norm)
+            last = dataclasses.replace(last, attn_res=prenorm, mlp_res=prenorm)
+        streams = last.attn_res.hyper.streams if last.attn_res.hyper else 1
+        nextn = MtpCfg(last, norm, feed_normed=spec.mtp.kind == "qwen_mtp", streams=streams)
     if vocab % par.size:
         raise SpecError(
             spath, "embedding.vocab", f"{vocab} rows do not split over tensor-parallel size {par.size}"
@@ -483,8 +486,13 @@ def mtp_unbuildable(spec: Spec) -> str | None:
     the support matrix say the same."""
     if spec.mtp is None:
         return "drafting with the MTP head needs an mtp section; the spec has none"
-    if spec.residual.kind == "hyper":
-        return "the MTP head of a model with hyper-connections (fed by their collapse) is not implemented yet"
+    if spec.residual.kind == "hyper" and spec.residual.mixer == "lowrank":
+        return (
+            "the MTP head of a model whose streams collapse through a learned low-rank mixer is not "
+            "implemented (no reference says which collapse its output takes)"
+        )
+    if spec.residual.kind == "hyper" and spec.mtp.kind == "qwen_mtp":
+        return "a qwen_mtp head over hyper-connection streams is not implemented (no reference gives it)"
     return None
 
 

@@ -1,4 +1,4 @@
-# generated from spec.yaml@36953a73af4c, do not edit
+# generated from spec.yaml@78f1789229d9, do not edit
 """GLM-5.3-Flash: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

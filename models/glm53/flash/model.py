@@ -1,4 +1,4 @@
-# generated from spec.yaml@36953a73af4c, do not edit
+# generated from spec.yaml@78f1789229d9, do not edit
 """GLM-5.3-Flash: the execution-plane model, composed from the block library.
 
 Each layer: N residual streams mixed by hyper-connections around attn, then the MLP.

@@ -1,4 +1,4 @@
-# generated from spec.yaml@36953a73af4c, do not edit
+# generated from spec.yaml@78f1789229d9, do not edit
 """GLM-5.3-Flash: parity against transformers.Glm5NextForConditionalGeneration on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) writes a checkpoint
