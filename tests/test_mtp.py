@@ -27,9 +27,9 @@ import torch
 from kimi_k3_reference import KimiK3ForCausalLM, Layer, Norm
 from one_row import nextn_logits
 from safetensors.torch import load_file, save_file
+from two_ranks import assert_drafting_on_two_ranks_answers_as_one
 
 from dayzero.models.kimi_k3.config import KimiK3TextConfig
-from dayzero.sdk.api import LLM
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.engine.speculative import SpeculativeConfig
 from dayzero.sdk.errors import WeightError
@@ -446,17 +446,7 @@ def test_mtp_drafting_over_streams_on_two_ranks_answers_as_one_rank(tmp_path) ->
         SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
     ]
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    one = LLM(str(kit.path), device="cpu", dtype="float32", speculative_config=spec, progress=False)
-    want = [c.outputs[0].token_ids for p in params for c in one.generate(prompts, p)]
-    many = LLM(str(kit.path), device="cpu", dtype="float32", speculative_config=spec, progress=False,
-               tensor_parallel_size=2)  # fmt: skip
-    try:
-        got = [c.outputs[0].token_ids for p in params for c in many.generate(prompts, p)]
-        stats = dict(many.engine.stats)
-    finally:
-        many.close()
-    assert got == want
-    assert stats["verify_rows"] > 0 and stats["accepted_at"] == one.engine.stats["accepted_at"]
+    assert_drafting_on_two_ranks_answers_as_one(kit.path, spec, prompts, params)
 
 
 def test_an_mtp_config_value_the_head_does_not_implement_is_refused_by_name(tmp_path) -> None:

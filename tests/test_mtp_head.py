@@ -38,6 +38,7 @@ from dayzero.sdk.parity.runner import Tolerance
 from dayzero.sdk.parity.tiny import write_tiny
 
 from one_row import nextn_logits  # isort: skip
+from two_ranks import assert_drafting_on_two_ranks_answers_as_one  # isort: skip
 
 SHIPPED = Path(__file__).parent / "data" / "smollm2_nextn"
 # the gate: the acceptance length measured when the head was trained, less a margin for the
@@ -206,14 +207,4 @@ def test_drafting_with_the_head_on_two_ranks_answers_as_one_rank(tmp_path) -> No
         SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
     ]
     spec = {"method": "mtp", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
-    one = LLM(str(base), device="cpu", dtype="float32", speculative_config=spec, progress=False)
-    want = [c.outputs[0].token_ids for p in params for c in one.generate(prompts, p)]
-    many = LLM(str(base), device="cpu", dtype="float32", speculative_config=spec, progress=False,
-               tensor_parallel_size=2)  # fmt: skip
-    try:
-        got = [c.outputs[0].token_ids for p in params for c in many.generate(prompts, p)]
-        stats = dict(many.engine.stats)
-    finally:
-        many.close()
-    assert got == want
-    assert stats["verify_rows"] > 0 and stats["accepted_at"] == one.engine.stats["accepted_at"]
+    assert_drafting_on_two_ranks_answers_as_one(base, spec, prompts, params)
