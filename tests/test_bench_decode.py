@@ -123,3 +123,25 @@ def test_drafting_rows_count_kept_tokens_and_acceptance(tmp_path, capsys) -> Non
     print_drafting("llama", spec, [(2, tps / accept, ms / 2, tps, ms, accept)])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == f"speculative_llama b2={tps:.1f} accept_b2={accept:.2f} breakeven_b2=2.00"
+
+
+def test_a_drafting_profile_names_its_phases(tmp_path, capsys) -> None:
+    """`--profile` with `--speculative-config`: the drafting steps' phases (the engine's
+    record_function ranges) in a table of calls and host / device ms a step, on the CPU."""
+    from dayzero.sdk.bench.decode import profile_decode
+    from dayzero.sdk.engine.speculative import SpeculativeConfig
+    from dayzero.sdk.families import build
+    from dayzero.sdk.loader import fill_dummy
+
+    ckpt = open_checkpoint(write_tiny("llama", tmp_path / "ckpt", seed=1))
+    hf = ckpt.hf | {"num_nextn_predict_layers": 1}
+    cfg = ckpt.family.config(hf, str(ckpt.path), mtp=True)
+    model, ops = build(ckpt.family, cfg, hf, torch.device("cpu"), torch.float32)
+    fill_dummy(model, ckpt)
+    spec = SpeculativeConfig("mtp", 2)
+    profile_decode(model, cfg, ops, 12, cfg.embedding.vocab, 2, steps=4, speculative=spec, kv_bytes=16 << 20)
+    out = capsys.readouterr().out
+    assert "profile: 4 decode steps of batch 2, drafting 2 by mtp" in out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("dayzero.")}
+    assert {"dayzero.draft", "dayzero.verify", "dayzero.observe"} <= set(rows), out[:2000]
+    assert int(rows["dayzero.verify"][0]) == 4 and float(rows["dayzero.verify"][1]) > 0

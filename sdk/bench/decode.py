@@ -292,9 +292,13 @@ def profile_decode(
     prefill_len: int = 0,
     chunk: int = 8192,
     steps: int = 8,
+    speculative: SpeculativeConfig | None = None,
+    kv_bytes: int = KV_BYTES,
 ) -> None:
     """Decode steps of `batch` rows under torch.profiler: the ops that cost most host and device
-    time; then one prefill of prefill_len tokens (0: none): the kernels that cost most device time."""
+    time; then one prefill of prefill_len tokens (0: none): the kernels that cost most device time.
+    speculative: the steps draft so, and their phases (dayzero.draft, .verify, .rollback,
+    .observe: the engine's record_function ranges) are listed first."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = Engine(
@@ -302,12 +306,13 @@ def profile_decode(
         cfg,
         ops,
         EngineConfig(
-            kv_cache_bytes=KV_BYTES,  # room for a long --prompt-len (60k tokens of Beam: 1.9 GB)
+            kv_cache_bytes=kv_bytes,  # room for a long --prompt-len (60k tokens of Beam: 1.9 GB)
             host_cache_bytes=0,
             block_size=64,
             max_batch_size=batch,
             max_tokens_per_step=chunk,  # the prefill in chunks, as timed
             decode_graphs="off",  # the kernels one by one (a graph replays them as one launch)
+            speculative=speculative,
         ),
     )
     rng = np.random.default_rng(0)
@@ -321,12 +326,26 @@ def profile_decode(
     while min(len(eng.requests[r].token_ids) for r in rids) < 3:
         eng.step()
     _sync()
-    print(f"profile: {steps} decode steps of batch {batch}")
+    drafting = ""
+    if speculative is not None:
+        drafting = f", drafting {speculative.num_speculative_tokens} by {speculative.method}"
+    print(f"profile: {steps} decode steps of batch {batch}{drafting}")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             eng.step()
         _sync()
     avg = prof.key_averages()
+    if speculative is not None:  # a range is two events: its host span, and its span on the GPU
+        phases: dict[str, list[float]] = {}
+        for e in avg:
+            if e.key.startswith("dayzero."):
+                row = phases.setdefault(e.key, [0, 0.0, 0.0])
+                row[0] = max(row[0], e.count)
+                row[1] += e.cpu_time_total / 1e3 / steps
+                row[2] = max(row[2], e.device_time_total / 1e3 / steps)
+        print(f"{'phase':<18} {'calls':>6} {'host ms a step':>15} {'GPU span ms a step':>19}")
+        for key, (calls, host, span) in sorted(phases.items()):
+            print(f"{key:<18} {calls:>6} {host:>15.2f} {span:>19.2f}")
     print(avg.table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=40))
     print(avg.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
     print(f"the most frequent ops and kernels ({steps} steps):")
@@ -502,7 +521,10 @@ def main(args: argparse.Namespace) -> int:
         prefill = (n, ours_s, theirs_s)
     if args.profile:  # each batch of --batches; the prefill once, after the first
         for i, b in enumerate(int(x) for x in args.batches.split(",")):
-            profile_decode(model, cfg, ops, args.prompt_len, cfg.embedding.vocab, b, 0 if i else n, chunk)
+            vocab = cfg.embedding.vocab
+            profile_decode(model, cfg, ops, args.prompt_len, vocab, b, 0 if i else n, chunk)
+            if speculative is not None:
+                profile_decode(model, cfg, ops, args.prompt_len, vocab, b, speculative=speculative)
     print(
         f"{'batch':>5} {'dayzero tok/s':>14} {'transformers tok/s':>19} {'ratio':>6} "
         f"{'roofline tok/s':>15} {'dayzero/roofline':>17}"

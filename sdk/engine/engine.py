@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from dayzero.sdk.config.model import ModelConfig
 from dayzero.sdk.engine.context import StepContext, build_context, device_fill, fill_tokens
@@ -488,7 +489,8 @@ class Engine:
         n, prefill = np.asarray(plan.num_tokens), np.asarray(plan.is_prefill, dtype=bool)
         decode = np.flatnonzero((n == k + 1) & ~prefill)  # x_p and k draft slots (-1)
         drafted = [r for r in decode.tolist() if verify.count[r] > 1]
-        with self._lockstep():  # the MTP head's draft passes run on every rank
+        # (record_function: the phases a profile of drafting steps names, `bench decode --profile`)
+        with self._lockstep(), record_function("dayzero.draft"):  # the head's passes on every rank
             proposed = dict(
                 zip(drafted, self.drafter.draft(self, plan, drafted, k) if drafted else [], strict=True)
             )
@@ -502,7 +504,7 @@ class Engine:
         saved = save_states(self, plan, inputs, decode)  # the decode rows' states before the drafts
         if self.leader is not None:
             self.leader.pass_(VERIFY, inputs, index, decode, np.asarray([int(self.drafter.hidden)]))
-        with self._lockstep():
+        with self._lockstep(), record_function("dayzero.verify"):
             ctx = self.context(plan)
             if dst.size:
                 ctx.input_ids[torch.from_numpy(dst).to(self.device)] = torch.tensor(vals, device=self.device)
@@ -526,7 +528,7 @@ class Engine:
             keep[r] = len(rows[r][1]) if len(rows[r][1]) <= k else 0
         if self.leader is not None:
             self.leader.pass_(ROLLBACK, keep)
-        with self._lockstep():
+        with self._lockstep(), record_function("dayzero.rollback"):
             roll_back(self, done.plan, done.saved, keep)
 
     def _drafts(self, rid: int) -> bool:
@@ -577,7 +579,7 @@ class Engine:
         if rows is not None:
             if done.saved is not None:
                 self._roll_back_states(done, rows)
-            with self._lockstep():
+            with self._lockstep(), record_function("dayzero.observe"):
                 self.drafter.observe(self, done.plan, done.verify.z, [t for _, t in rows])
         if rows is None:
             self.scheduler.feed(done.req_ids, done.sample, tokens.astype(np.int32))
