@@ -433,6 +433,19 @@ def test_mtp_drafting_is_lossless_with_chunks_prefix_hits_and_retraction(tmp_pat
     small = Engine(model, cfg, ops, EngineConfig(decode_graphs="off", speculative=spec, **fields))
     assert [o.token_ids for o in small.generate(prompts, greedy)] == base
     assert small.stats["retracted"] > 0
+    # the decode graphs' buffers (run eagerly): verify steps as single-token rows, and the head's
+    # drafts from their z the same as from the varlen pass's
+    drafts = {}
+    for mode in ("off", "buffers"):
+        e = Engine(model, cfg, ops, EngineConfig(decode_graphs=mode, speculative=spec))
+        seen: list[list[list[int]]] = []
+        inner = e.drafter.draft
+        e.drafter.draft = lambda *a, inner=inner, seen=seen: seen.append(inner(*a)) or seen[-1]
+        assert [o.token_ids for o in e.generate(prompts, greedy)] == base
+        drafts[mode] = seen
+    stateless = not any(g.kind == "state" for g in cfg.cache_groups)
+    assert (e.stats["graph_steps"] > 0) == stateless
+    assert drafts["buffers"] == drafts["off"] and len(drafts["off"]) > 3
 
 
 def test_mtp_drafting_over_streams_on_two_ranks_answers_as_one_rank(tmp_path) -> None:

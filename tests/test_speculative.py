@@ -63,7 +63,7 @@ class Oracle:
 
 
 def _engine(ours: Ours, drafter=None, **kw):
-    eng = ours.engine(decode_graphs="off", speculative=SpeculativeConfig("ngram", K), **kw)
+    eng = ours.engine(**({"decode_graphs": "off"} | kw), speculative=SpeculativeConfig("ngram", K))
     if drafter is not None:
         eng.drafter = TokenDrafter(drafter)
     return eng
@@ -108,6 +108,21 @@ def test_chunks_prefix_hits_and_retraction_with_drafts(model: Ours) -> None:
     )
     _same(base, small.generate(prompts, GREEDY))
     assert small.stats["retracted"] > 0
+
+
+def test_verify_steps_run_in_the_decode_graph_buffers(model: Ours) -> None:
+    """decode_graphs "buffers" (the CUDA graphs' static buffers, run eagerly): a model without
+    recurrent state verifies a step with no prefill row as single-token rows (speculative.flat_plan),
+    with the tokens and logprobs of the varlen pass, through chunks and prefix hits; a model with
+    state verifies varlen (its tokens would share a state slot)."""
+    prompts = _prompts(model, 4)
+    base = model.engine(decode_graphs="off").generate(prompts, GREEDY)
+    eng = _engine(model, Oracle(prompts, base, 2), decode_graphs="buffers", block_size=4, chunk_size=8)
+    _same(base, eng.generate(prompts, GREEDY))
+    _same(base, eng.generate(prompts, GREEDY))  # prefix hits
+    stateless = not any(g.kind == "state" for g in model.cfg.cache_groups)
+    assert (eng.stats["graph_steps"] > 0) == stateless, eng.stats["graph_steps"]
+    assert eng.stats["accepted_at"][1] > 0
 
 
 def test_stops_and_max_tokens_inside_accepted_drafts(model: Ours) -> None:

@@ -230,3 +230,27 @@ def test_graph_decode_equals_the_eager_path(any_checkpoint) -> None:
     for a, b in zip(outs["off"], outs["auto"], strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "glm53"])
+def test_verify_graphs_answer_as_the_eager_verify(tmp_path, family: str) -> None:
+    """Speculative decoding (prompt-lookup drafts of 3) on CUDA: verify steps replayed from the
+    graphs (each token a row, speculative.flat_plan) give the tokens, logprobs and acceptance
+    counts of the eager varlen verify."""
+    path = write_tiny(family, tmp_path / "ckpt", seed=5)
+    base = [7, 8, 9, 10, 11, 12]
+    prompts = [base * 4 + [3], base * 6 + list(range(20, 27)) + base]  # repeats: drafts that hold
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    outs, stats = {}, {}
+    for mode in ("off", "auto"):
+        cfg = EngineConfig(block_size=16, kv_cache_bytes=256 << 20, max_batch_size=8, decode_graphs=mode)
+        llm = LLM(path, device="cuda", dtype="float32", progress=False, engine=cfg, speculative_config=spec)
+        outs[mode] = llm.engine.generate(prompts, [params] * len(prompts))
+        stats[mode] = dict(llm.engine.stats)
+    assert stats["auto"]["graph_steps"] > 0 and stats["off"]["graph_steps"] == 0
+    assert stats["auto"]["accepted_at"] == stats["off"]["accepted_at"]
+    assert sum(stats["off"]["accepted_at"]) > 0
+    for a, b in zip(outs["off"], outs["auto"], strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4

@@ -34,6 +34,7 @@ from dayzero.sdk.engine.speculative import (
     check_parallel,
     roll_back,
     save_states,
+    verify_forward,
     verify_rows,
 )
 from dayzero.sdk.scheduler import FinishReason, Scheduler, SchedulerError, make_config
@@ -298,10 +299,9 @@ class Engine:
         mode, cfg = self.config.decode_graphs, self.cfg
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
             return None
-        if self.spec is not None:
-            log.info("decode runs eagerly (no CUDA graphs): speculative steps verify k + 1 tokens a row")
-            return None
         why = []
+        if self.spec is not None and self.pool.state_bytes:
+            why.append("speculative steps of a model with recurrent state verify k + 1 tokens a row")
         if cfg.parallel.attention_dp and cfg.parallel.size > 1:
             why.append("data-parallel attention")
         if not self.max_model_len:
@@ -311,12 +311,14 @@ class Engine:
         if why:
             log.info("decode runs eagerly (no CUDA graphs): %s", "; ".join(why))
             return None
-        top = self.config.max_batch_size
+        # speculative: verify steps, each token a row (speculative.flat_plan): k + 1 rows a request
+        per = 1 if self.spec is None else self.spec.num_speculative_tokens + 1
+        top = self.config.max_batch_size * per
         sizes = (*(s for s in DEFAULT_SIZES if s < top), min(top, DEFAULT_SIZES[-1]))
         max_blocks = -(-self.max_model_len // self.config.block_size)
-        return DecodeGraphs(
-            self.model, self.pool, self.config.block_size, max_blocks, sizes, self.device, mode == "auto"
-        )
+        hidden = self.spec is not None and self.drafter.hidden
+        capture, block = mode == "auto", self.config.block_size
+        return DecodeGraphs(self.model, self.pool, block, max_blocks, sizes, self.device, capture, hidden)
 
     # ---- requests ------------------------------------------------------------------------
     def add(
@@ -403,7 +405,8 @@ class Engine:
         self.stats["steps"] += 1
         self.stats["retracted"] += len(plan.retracted_ids)
         touched |= self._finished(plan)
-        graph = self.graphs is not None and self.graphs.fits(plan)
+        # (a speculative engine's graphs run its verify steps: speculative.verify_forward)
+        graph = self.spec is None and self.graphs is not None and self.graphs.fits(plan)
         passes = self.leader is not None and self.spec is not None and plan.rows > 0
         if self.leader is not None:
             self.leader.send(plan, graph=graph, share=self.overlap, passes=passes)
@@ -504,15 +507,8 @@ class Engine:
         saved = save_states(self, plan, inputs, decode)  # the decode rows' states before the drafts
         if self.leader is not None:
             self.leader.pass_(VERIFY, inputs, index, decode, np.asarray([int(self.drafter.hidden)]))
-        with self._lockstep(), record_function("dayzero.verify"):
-            ctx = self.context(plan)
-            if dst.size:
-                ctx.input_ids[torch.from_numpy(dst).to(self.device)] = torch.tensor(vals, device=self.device)
-            ctx.sample_index = torch.from_numpy(index).to(self.device)
-            if self.drafter.hidden:  # the drafter reads the final hidden states of every token
-                logits, verify.z = self.model(ctx, hidden=True)  # [S, V] fp32, [T, Dm]
-            else:
-                logits = self.model(ctx)  # [S, V] fp32
+        with self._lockstep(), record_function("dayzero.verify"):  # the MTP head reads z of every token
+            logits, verify.z = verify_forward(self, plan, inputs, index, self.drafter.hidden)
         req_ids = np.asarray(plan.req_ids).copy()
         sample_ids = np.repeat(req_ids, verify.count).tolist()
         pending = self._sample(logits, sample_ids)

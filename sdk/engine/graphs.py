@@ -15,6 +15,11 @@ runs them around `run`, in stream order.
 Lengths are data, not shapes: the graph's kernels (Capabilities.graphs) size their grids from
 the row count alone, so one capture serves every context length. On the CPU (or with
 `capture=False`) the same buffers run the model eagerly: the path CI tests.
+
+A speculative verify step of a model without recurrent state runs here too, each of its tokens
+a row of its own (`speculative.flat_plan`: the token at position p attends to the row's first
+p + 1 keys, those of the drafts before it written in the same pass); `hidden` graphs also hand
+back the final hidden states the MTP head drafts from.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class _Bucket:
     ctx: StepContext
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # [B, V] fp32, the graph's output
+    z: torch.Tensor | None = None  # hidden graphs: [B, Dm] (or [B, N, Dm] streams)
 
 
 class DecodeGraphs:
@@ -61,9 +67,12 @@ class DecodeGraphs:
         sizes: tuple[int, ...],
         device: torch.device,
         capture: bool,
+        hidden: bool = False,
     ) -> None:
-        """max_blocks: the widest block table a request can have (max model length / block size)."""
+        """max_blocks: the widest block table a request can have (max model length / block size);
+        hidden: `run` gives (logits, the final hidden states) (the MTP head's verify steps)."""
         self.model, self.pool, self.block_size, self.device = model, pool, block_size, device
+        self.hidden = hidden
         self.sizes = tuple(sorted(set(sizes)))
         b, w = self.sizes[-1], max_blocks
         self.groups = [g for g, v in enumerate(pool.views) if v is not None]  # paged groups
@@ -172,19 +181,22 @@ class DecodeGraphs:
             self._copied.record()
 
     @torch.inference_mode()
-    def run(self, plan, fill=None) -> torch.Tensor:
-        """Logits [R, V] fp32 of a decode-only plan that `fits`; fill: the inputs the device
-        fills in (overlap; see `fill_tokens`)."""
+    def run(self, plan, fill=None):
+        """Logits [R, V] fp32 of a decode-only plan that `fits` (hidden graphs: and the final
+        hidden states of its rows); fill: the inputs the device fills in (overlap; see
+        `fill_tokens`)."""
         size = next(s for s in self.sizes if s >= plan.rows)
         bucket = self.buckets[size]
         self._fill(plan, size)
         if fill is not None:
             fill_tokens(self._field(0, size), *fill)
+        r = plan.rows
         if bucket.graph is None:  # eager over the same buffers (CPU, or capture off)
-            lens = tuple(int(x) for x in plan.kv_lens) + (0,) * (size - plan.rows)
-            return self.model(self._context(size, lens, plan))[: plan.rows]
+            lens = tuple(int(x) for x in plan.kv_lens) + (0,) * (size - r)
+            out = self.model(self._context(size, lens, plan), hidden=self.hidden)
+            return (out[0][:r], out[1][:r]) if self.hidden else out[:r]
         bucket.graph.replay()
-        return bucket.logits[: plan.rows]
+        return (bucket.logits[:r], bucket.z[:r]) if self.hidden else bucket.logits[:r]
 
     def replay_ms(self, size: int, n: int) -> list[float]:
         """Device milliseconds of n replays of bucket `size` on the buffers as they are (benchmarks)."""
@@ -212,7 +224,7 @@ class DecodeGraphs:
         except RuntimeError as e:
             torch.cuda.synchronize(self.device)
             for bucket in self.buckets.values():
-                bucket.graph, bucket.logits = None, None
+                bucket.graph, bucket.logits, bucket.z = None, None, None
             self.report = (
                 f"CUDA graph capture failed, decode runs eagerly: {str(e).splitlines()[0]} ({_where(e)})"
             )
@@ -231,11 +243,12 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the Triton kernels, settle the allocator
-                self.model(bucket.ctx)
+                self.model(bucket.ctx, hidden=self.hidden)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
-            bucket.logits = self.model(bucket.ctx)
+            out = self.model(bucket.ctx, hidden=self.hidden)
+        bucket.logits, bucket.z = out if self.hidden else (out, None)
         bucket.graph = graph
 
     def _pad_all(self, size: int) -> None:

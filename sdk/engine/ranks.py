@@ -48,6 +48,7 @@ from dayzero.sdk.engine.speculative import (
     observe_pass,
     roll_back,
     save_states,
+    verify_forward,
 )
 
 STEP, STOP, PARTS, PASS = 1, 2, 3, 4
@@ -289,13 +290,7 @@ def _passes(engine, plan, group, heads: dict[int, torch.Tensor]) -> None:
         elif mode == VERIFY:
             inputs, index, decode_rows, reads_hidden = arrays
             saved = save_states(engine, plan, inputs, decode_rows)
-            ctx = engine.context(plan)
-            ctx.input_ids.copy_(torch.from_numpy(inputs))
-            ctx.sample_index = torch.from_numpy(index).to(engine.device)
-            if int(reads_hidden[0]):
-                _, z = engine.model(ctx, hidden=True)
-            else:
-                engine.model(ctx)
+            _, z = verify_forward(engine, plan, inputs, index, bool(reads_hidden[0]))
             engine.pool.apply_after(plan.copies)
         elif mode == ROLLBACK:
             if saved is None:

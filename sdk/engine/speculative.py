@@ -239,6 +239,48 @@ def kept_rows(plan, inputs: np.ndarray, keep: np.ndarray, start: np.ndarray | No
     )
 
 
+def flat_plan(plan, inputs: np.ndarray) -> SimpleNamespace:
+    """A verify step with no prefill row as single-token decode rows (`DecodeGraphs`): token t of
+    row r at position p_t reads r's block table, attends to its first p_t + 1 keys and is
+    sampled. Its attention equals the row's causal attention over the pass (every key of the
+    pass is written before any is read); only for models without recurrent state, whose tokens
+    of one row would share a state slot."""
+    n = np.asarray(plan.num_tokens)
+    row_of = np.repeat(np.arange(len(n)), n)
+    positions = np.asarray(plan.positions, dtype=np.int64)
+    t = len(positions)
+    return SimpleNamespace(
+        rows=t,
+        num_tokens=np.ones(t, dtype=np.int32),
+        input_ids=inputs,
+        positions=positions,
+        kv_lens=positions + 1,
+        sample=np.ones(t, dtype=np.int32),
+        block_tables=[np.asarray(tb)[row_of] if np.asarray(tb).size else tb for tb in plan.block_tables],
+    )
+
+
+def verify_forward(engine, plan, inputs: np.ndarray, index: np.ndarray, hidden: bool):
+    """The verify pass over `inputs` [T] (the plan's inputs with the drafts): (logits [S, V] fp32
+    at the tokens `index`, the final hidden states of every token or None). In the engine's
+    verify graphs (`DecodeGraphs` over `flat_plan`) when the step has no prefill row and fits,
+    else as a varlen step; every rank takes the same branch (the same plan, the same graphs)."""
+    graphs = engine.graphs
+    if graphs is not None and not np.asarray(plan.is_prefill, dtype=bool).any():
+        flat = flat_plan(plan, inputs)
+        if graphs.fits(flat):
+            engine.stats["graph_steps"] += 1
+            out = graphs.run(flat)
+            sel = torch.from_numpy(index).to(engine.device)
+            return (out[0][sel], out[1]) if hidden else (out[sel], None)
+    ctx = engine.context(plan)
+    ctx.input_ids.copy_(torch.from_numpy(inputs))
+    ctx.sample_index = torch.from_numpy(index).to(engine.device)
+    if hidden:
+        return engine.model(ctx, hidden=True)  # [S, V] fp32, [T, Dm]
+    return engine.model(ctx), None
+
+
 def save_states(engine, plan, inputs: np.ndarray, decode: np.ndarray) -> tuple | None:
     """The decode rows' recurrent states before the verify pass, with the pass's inputs [T]
     (None: the model keeps no state)."""
