@@ -8,11 +8,13 @@ $DAYZERO_CACHE_DIR, else $XDG_CACHE_HOME/dayzero, else ~/.cache/dayzero; a cache
 written is skipped (logged), never an error.
 
 A BPE or Unigram model keeps a cache of the words it has split (HF tokenizers: 10,000 words, a
-few hundred bytes of C heap each), filled by the first distinct words it meets and never evicted.
-Filled by requests, it grows the server's heap for its first ~10,000 distinct words, and slower
-the busier the server is (an insert is skipped while another thread holds the cache's lock).
-`load_tokenizer` fills it at once with the vocabulary's first entries, most of the common words
-and word pieces, so that its memory is taken before the first request and stays flat after.
+few hundred bytes of C heap each), filled by the first distinct words it meets and never evicted,
+one cache a thread (measured: words new to a worker thread grow the heap after the loading
+thread's cache is full). Filled by requests, it grows the server's heap for each tokenizer
+thread's first ~10,000 distinct words. `fill_word_cache` fills the calling thread's at once with
+the vocabulary's first entries (most of the common words and word pieces): `load_tokenizer` on
+the loading thread, the server's work pool on each of its threads at start-up, so that the
+memory is taken before the first request and stays flat after.
 """
 
 from __future__ import annotations

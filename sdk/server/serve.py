@@ -93,6 +93,7 @@ def load(args: argparse.Namespace, template: str | None = None, launch=None):
     (a rank other than 0 gets no server state)."""
     refuse_unsupported_flags(args)
     from dayzero.sdk.api import LLM, default_device
+    from dayzero.sdk.loader.tokenizer import fill_word_cache
     from dayzero.sdk.server.app import ServerState
     from dayzero.sdk.server.async_engine import AsyncEngine
     from dayzero.sdk.server.metrics import Metrics
@@ -139,7 +140,10 @@ def load(args: argparse.Namespace, template: str | None = None, launch=None):
         tool_parser=tool_parser(args, llm),
         grammars=lambda: llm.grammars,
         max_request_bytes=parse_size(args.max_request_bytes),
-        pool=WorkPool(args.tokenizer_workers, args.tokenizer_queue),
+        # each tokenizer thread fills its own word cache (HF tokenizers keep one a thread)
+        pool=WorkPool(
+            args.tokenizer_workers, args.tokenizer_queue, functools.partial(fill_word_cache, llm.tokenizer)
+        ),
     )
     return llm, state
 

@@ -6,6 +6,9 @@ The pool has `workers` threads and holds at most `workers + queue` jobs (running
 one more is refused at once with `Busy` (the app answers 503 with Retry-After, in OpenAI's error
 shape), so a burst of large prompts cannot queue without bound behind the tokenizer. A job
 counts until its thread is done with it, even when the client that asked has gone away.
+`start` (e.g. the tokenizer's `fill_word_cache`) runs once on every worker thread before the
+pool takes jobs: HF tokenizers keep their word cache per thread (filled by a thread's first
+~10,000 distinct words, ~460 bytes of C heap each, then fixed), so each worker fills its own.
 """
 
 from __future__ import annotations
@@ -40,13 +43,22 @@ class Busy(RuntimeError):
 
 
 class WorkPool:
-    def __init__(self, workers: int = DEFAULT_WORKERS, queue: int = DEFAULT_QUEUE) -> None:
+    def __init__(
+        self,
+        workers: int = DEFAULT_WORKERS,
+        queue: int = DEFAULT_QUEUE,
+        start: Callable[[], object] | None = None,
+    ) -> None:
         if workers < 1 or queue < 0:
             raise ValueError(f"a work pool needs a worker and a queue >= 0, got {workers}, {queue}")
         self.workers, self.limit = workers, workers + queue
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="dayzero-tokenize")
         self._held = 0
         self._lock = threading.Lock()
+        if start is not None:  # one job a thread: each waits for the others, so none takes two
+            met = threading.Barrier(workers)
+            for f in [self._executor.submit(_started, start, met) for _ in range(workers)]:
+                f.result()
 
     @property
     def held(self) -> int:
@@ -76,6 +88,11 @@ class WorkPool:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _started(start: Callable[[], object], met: threading.Barrier) -> None:
+    start()
+    met.wait()
 
 
 @functools.cache
