@@ -23,11 +23,11 @@ The leak itself is read from the server's /metrics at each sample: the C heap in
 mallinfo2: what malloc handed out and never got back) and Python's allocated blocks. The bound
 --max-heap-growth holds against the least-squares slope of the heap in use from the warm-up on.
 Every prompt new (the default), each request brings one word the tokenizer has not seen (its
-number, " 12345", one pre-tokenized word). HF tokenizers keep a cache of 10,000 words (about 460
-bytes of C heap each) that requests used to fill, later the busier the server (an insert is
-skipped while another thread holds the cache's lock): up to request 21,000 in one run. The
-tokenizer's loader now fills it at start-up (sdk/loader/tokenizer.py), so the warm-up (default
-3,000 requests) only settles the prefix cache and malloc's arenas.
+number, " 12345", one pre-tokenized word). HF tokenizers keep a cache of 10,000 words a thread
+(about 460 bytes of C heap each) that requests used to fill on each tokenizer worker: up to
+request 21,000 in one run. Each worker now fills its own at start-up (sdk/server/workers.py,
+sdk/loader/tokenizer.py), so the warm-up (default 3,000 requests) only settles the prefix cache
+and malloc's arenas.
 
 --big MB first sends one completion whose prompt is MB megabytes of text and prints its status,
 the time to the answer and the server's peak RSS while it ran (sampled every 5 ms), e.g.
