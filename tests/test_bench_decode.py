@@ -3,12 +3,23 @@ names, and the bytes a decode step reads (the roofline's numerator)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from safetensors import safe_open
 
-from dayzero.sdk.bench.decode import bytes_per_step, checkpoint_tensors
-from dayzero.sdk.loader import open_checkpoint
+from dayzero.sdk.bench.decode import (
+    bytes_per_step,
+    checkpoint_tensors,
+    print_drafting,
+    profile_decode,
+    time_drafting,
+)
+from dayzero.sdk.engine.engine import EngineConfig
+from dayzero.sdk.engine.speculative import SpeculativeConfig
+from dayzero.sdk.families import build
+from dayzero.sdk.loader import fill_dummy, open_checkpoint
 from dayzero.sdk.parity.runner import Ours
 from dayzero.sdk.parity.tiny import write_tiny
 from dayzero.sdk.spec.reference import reference_class
@@ -98,23 +109,21 @@ def test_kimi_k3_bench_config_keeps_the_release_layer_rule() -> None:
     assert cfg.layers[3].attn == release.layers[3].attn and cfg.layers[1].mlp.top_k == 16
 
 
-def test_drafting_rows_count_kept_tokens_and_acceptance(tmp_path, capsys) -> None:
-    """`--speculative-config` rows on the CPU: a tiny Llama with a random NextN head drafts 2
-    tokens a step at batch 2: a rate, a step time and an acceptance length in [1, k + 1], and the
-    table's last line gives the break-even (drafting's step time over a plain step's)."""
-    from types import SimpleNamespace
-
-    from dayzero.sdk.bench.decode import print_drafting, time_drafting
-    from dayzero.sdk.engine.engine import EngineConfig
-    from dayzero.sdk.engine.speculative import SpeculativeConfig
-    from dayzero.sdk.families import build
-    from dayzero.sdk.loader import fill_dummy
-
-    ckpt = open_checkpoint(write_tiny("llama", tmp_path / "ckpt", seed=0))
+def _drafting_llama(folder, seed: int):
+    """(model, config, ops) of a tiny Llama built with a random NextN head, dummy weights."""
+    ckpt = open_checkpoint(write_tiny("llama", folder, seed=seed))
     hf = ckpt.hf | {"num_nextn_predict_layers": 1}
     cfg = ckpt.family.config(hf, str(ckpt.path), mtp=True)
     model, ops = build(ckpt.family, cfg, hf, torch.device("cpu"), torch.float32)
     fill_dummy(model, ckpt)
+    return model, cfg, ops
+
+
+def test_drafting_rows_count_kept_tokens_and_acceptance(tmp_path, capsys) -> None:
+    """`--speculative-config` rows on the CPU: a tiny Llama with a random NextN head drafts 2
+    tokens a step at batch 2: a rate, a step time and an acceptance length in [1, k + 1], and the
+    table's last line gives the break-even (drafting's step time over a plain step's)."""
+    model, cfg, ops = _drafting_llama(tmp_path / "ckpt", 0)
     spec = SpeculativeConfig("mtp", 2)
     engine_cfg = EngineConfig(max_batch_size=2, decode_graphs="off")
     args = SimpleNamespace(prompt_len=8, new_tokens=6)
@@ -128,16 +137,7 @@ def test_drafting_rows_count_kept_tokens_and_acceptance(tmp_path, capsys) -> Non
 def test_a_drafting_profile_names_its_phases(tmp_path, capsys) -> None:
     """`--profile` with `--speculative-config`: the drafting steps' phases (the engine's
     record_function ranges) in a table of calls and host / device ms a step, on the CPU."""
-    from dayzero.sdk.bench.decode import profile_decode
-    from dayzero.sdk.engine.speculative import SpeculativeConfig
-    from dayzero.sdk.families import build
-    from dayzero.sdk.loader import fill_dummy
-
-    ckpt = open_checkpoint(write_tiny("llama", tmp_path / "ckpt", seed=1))
-    hf = ckpt.hf | {"num_nextn_predict_layers": 1}
-    cfg = ckpt.family.config(hf, str(ckpt.path), mtp=True)
-    model, ops = build(ckpt.family, cfg, hf, torch.device("cpu"), torch.float32)
-    fill_dummy(model, ckpt)
+    model, cfg, ops = _drafting_llama(tmp_path / "ckpt", 1)
     spec = SpeculativeConfig("mtp", 2)
     profile_decode(model, cfg, ops, 12, cfg.embedding.vocab, 2, steps=4, speculative=spec, kv_bytes=16 << 20)
     out = capsys.readouterr().out

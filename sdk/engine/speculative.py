@@ -256,7 +256,7 @@ def flat_plan(plan, inputs: np.ndarray) -> SimpleNamespace:
         positions=positions,
         kv_lens=positions + 1,
         sample=np.ones(t, dtype=np.int32),
-        block_tables=[np.asarray(tb)[row_of] if np.asarray(tb).size else tb for tb in plan.block_tables],
+        block_tables=[tb[row_of] if tb.size else tb for tb in map(np.asarray, plan.block_tables)],
     )
 
 
