@@ -19,8 +19,9 @@ equal a run without drafts, and the first verify step's drafts are the NextN cha
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -445,12 +446,32 @@ def test_mtp_drafting_is_lossless_with_chunks_prefix_hits_and_retraction(tmp_pat
         drafts[mode] = seen
     stateless = not any(g.kind == "state" for g in cfg.cache_groups)
     assert (e.stats["graph_steps"] > 0) == stateless
+    head = [g for g, _ in (*cfg.mtp.layer.caches, *cfg.mtp.layer.ngram_caches)]
+    head_stateless = not any(cfg.cache_groups[g].kind == "state" for g in head)
+    assert (e.stats["head_graph_passes"] > 0) == head_stateless, (family, e.stats["head_graph_passes"])
     assert drafts["buffers"] == drafts["off"] and len(drafts["off"]) > 3
 
 
+def test_an_mtp_layer_with_recurrent_state_keeps_its_passes_out_of_graphs(tmp_path, caplog) -> None:
+    """The head's graphs run its kept tokens as rows of their own; a head layer that keeps
+    recurrent state (here Qwen3.8's layer rules pointed at its state group) would have them share
+    a slot, so its passes stay eager, said so; with a paged layer they run in the graphs."""
+    kit = KITS["qwen38"](tmp_path, 0)
+    model, cfg, ops, _ = _ours("qwen38", kit.path)
+    config = EngineConfig(decode_graphs="buffers", speculative=SpeculativeConfig("mtp", 2))
+    assert Engine(model, cfg, ops, config).head_graphs is not None
+    state = next(g for g, c in enumerate(cfg.cache_groups) if c.kind == "state")
+    stateful = replace(cfg, mtp=replace(cfg.mtp, layer=replace(cfg.mtp.layer, caches=((state, 0),))))
+    with caplog.at_level(logging.INFO, logger="dayzero.sdk.engine.engine"):
+        eng = Engine(model, stateful, ops, config)
+    assert eng.head_graphs is None and eng.graphs is None
+    assert "MTP head runs eagerly (no CUDA graphs): the MTP layer keeps recurrent state" in caplog.text
+
+
 def test_mtp_drafting_over_streams_on_two_ranks_answers_as_one_rank(tmp_path) -> None:
-    """GLM-5.3-Flash's head over the hyper-connection streams on tensor-parallel ranks (gloo):
-    greedy and seeded answers, and the acceptance counts, equal one rank's."""
+    """GLM-5.3-Flash's head over the hyper-connection streams on tensor-parallel ranks (gloo),
+    its passes in the head graphs' buffers on every rank: greedy and seeded answers, and the
+    acceptance counts, equal one rank's."""
     kit = _glm_flash(tmp_path, 1)
     g = torch.Generator().manual_seed(9)
     prompts = [{"prompt_token_ids": torch.randint(0, kit.vocab, (n,), generator=g).tolist()} for n in (6, 21)]
@@ -459,7 +480,7 @@ def test_mtp_drafting_over_streams_on_two_ranks_answers_as_one_rank(tmp_path) ->
         SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
     ]
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    assert_drafting_on_two_ranks_answers_as_one(kit.path, spec, prompts, params)
+    assert_drafting_on_two_ranks_answers_as_one(kit.path, spec, prompts, params, graphs="buffers")
 
 
 def test_an_mtp_config_value_the_head_does_not_implement_is_refused_by_name(tmp_path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_meta import paged_meta
+from test_mtp import KITS  # the tiny checkpoints with a NextN layer
 
 from dayzero.kernels.reference.attention import gqa_attention as reference_attention
 from dayzero.kernels.reference.moe import moe_experts as reference_moe
@@ -251,6 +252,37 @@ def test_verify_graphs_answer_as_the_eager_verify(tmp_path, family: str) -> None
     assert stats["auto"]["graph_steps"] > 0 and stats["off"]["graph_steps"] == 0
     assert stats["auto"]["accepted_at"] == stats["off"]["accepted_at"]
     assert sum(stats["off"]["accepted_at"]) > 0
+    for a, b in zip(outs["off"], outs["auto"], strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["glm53", "qwen38", "glm53_flash"])
+def test_mtp_head_graphs_draft_as_the_eager_head(tmp_path, family: str) -> None:
+    """MTP drafting (k = 2, fp32) on CUDA: the head's observe and draft passes replayed from its
+    graphs (GLM-5.3: the verify steps too; Qwen3.8 and GLM-5.3-Flash keep recurrent state, so
+    their verify runs eagerly) give the drafts, tokens and logprobs of the eager head."""
+    kit = KITS[family](tmp_path, 0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, kit.vocab, (n,), generator=g).tolist() for n in (7, 40, 23)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    outs, stats, drafts = {}, {}, {}
+    for mode in ("off", "auto"):
+        cfg = EngineConfig(block_size=16, kv_cache_bytes=256 << 20, max_batch_size=8, decode_graphs=mode)
+        llm = LLM(
+            kit.path, device="cuda", dtype="float32", progress=False, engine=cfg, speculative_config=spec
+        )
+        if mode == "auto":
+            heads = llm.engine.head_graphs
+            assert heads is not None and heads.buckets[1].graph is not None, heads and heads.report
+        seen: list[list[list[int]]] = []
+        inner = llm.engine.drafter.draft
+        llm.engine.drafter.draft = lambda *a, inner=inner, seen=seen: seen.append(inner(*a)) or seen[-1]
+        outs[mode], drafts[mode] = llm.engine.generate(prompts, [params] * len(prompts)), seen
+        stats[mode] = dict(llm.engine.stats)
+    assert stats["auto"]["head_graph_passes"] > 0 and stats["off"]["head_graph_passes"] == 0
+    assert drafts["auto"] == drafts["off"] and len(drafts["off"]) > 3  # random heads: few accepted
     for a, b in zip(outs["off"], outs["auto"], strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4

@@ -159,6 +159,9 @@ def time_drafting(
 ):
     """(tok/s, ms a step, mean acceptance length) of `batch` rows drafting by `spec`."""
     eng = Engine(model, cfg, ops, replace(engine_cfg, speculative=spec))
+    for what, g in (("verify", eng.graphs), ("MTP head", eng.head_graphs)):
+        if spec.method == "mtp" or what == "verify":
+            print(f"batch {batch} drafting, {what}: {g.report if g else 'eager (no CUDA graphs)'}")
     tps, step_ms = time_ours(eng, batch, args.prompt_len, args.new_tokens, cfg.embedding.vocab, prompts)
     st = eng.stats
     accept = 1 + sum(st["accepted_at"]) / max(1, st["verify_rows"])

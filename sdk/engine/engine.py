@@ -262,8 +262,10 @@ class Engine:
         self.stats["drafted"] = 0  # draft tokens verified (speculative decoding)
         self.stats["accepted_at"] = [0] * k  # drafts accepted at each draft position
         self.stats["verify_rows"] = 0  # decode rows that verified drafts
+        self.stats["head_graph_passes"] = 0  # the MTP head's passes run in its graphs (or their buffers)
         self.failures = 0  # failed steps in a row (the server's health turns 503 at a few)
         self.graphs = self._decode_graphs()
+        self.head_graphs = self._head_graphs()  # the MTP head's observe and draft passes
         # tensor parallel: rank 0 sends each plan to the other ranks before running it (ranks.py)
         self.leader: Leader | None = None
 
@@ -295,30 +297,65 @@ class Engine:
             ctx.sample_index = torch.arange(plan.num_input_tokens, device=self.device)
         return ctx
 
-    def _decode_graphs(self) -> DecodeGraphs | None:
+    def _graph_blockers(self) -> list[str] | None:
+        """Why decode steps (and the MTP head's passes) cannot run in graphs; None: graphs are
+        off (or auto off CUDA)."""
         mode, cfg = self.config.decode_graphs, self.cfg
         if mode == "off" or (mode == "auto" and self.device.type != "cuda"):
             return None
         why = []
-        if self.spec is not None and self.pool.state_bytes:
-            why.append("speculative steps of a model with recurrent state verify k + 1 tokens a row")
         if cfg.parallel.attention_dp and cfg.parallel.size > 1:
             why.append("data-parallel attention")
         if not self.max_model_len:
             why.append("no maximum model length")
         if mode == "auto" and (unsafe := self.ops.not_graph_safe()):
             why.append(f"kernels not graph-safe: {', '.join(unsafe)}")
-        if why:
-            log.info("decode runs eagerly (no CUDA graphs): %s", "; ".join(why))
+        return why
+
+    def _graphs(
+        self, what: str, forward, why: list[str] | None, feed=None, state: bool = True
+    ) -> DecodeGraphs | None:
+        if why is None:
             return None
-        # speculative: verify steps, each token a row (speculative.flat_plan): k + 1 rows a request
+        if why:
+            log.info("%s runs eagerly (no CUDA graphs): %s", what, "; ".join(why))
+            return None
+        # speculative: verify steps and the head's observe passes, each token a row
+        # (speculative.flat_plan): up to k + 1 rows a request
         per = 1 if self.spec is None else self.spec.num_speculative_tokens + 1
         top = self.config.max_batch_size * per
         sizes = (*(s for s in DEFAULT_SIZES if s < top), min(top, DEFAULT_SIZES[-1]))
         max_blocks = -(-self.max_model_len // self.config.block_size)
+        capture, block = self.config.decode_graphs == "auto", self.config.block_size
+        return DecodeGraphs(
+            forward, self.pool, block, max_blocks, sizes, self.device, capture, feed, what, state
+        )
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        why = self._graph_blockers()
+        if why is not None and self.spec is not None and self.pool.state_bytes:
+            why.append("speculative steps of a model with recurrent state verify k + 1 tokens a row")
         hidden = self.spec is not None and self.drafter.hidden
-        capture, block = mode == "auto", self.config.block_size
-        return DecodeGraphs(self.model, self.pool, block, max_blocks, sizes, self.device, capture, hidden)
+        model = self.model
+        return self._graphs("decode", lambda ctx, _: model(ctx, hidden=hidden), why)
+
+    def _head_graphs(self) -> DecodeGraphs | None:
+        """The MTP head's passes in graphs (speculative.observe_pass, draft_pass), unless its
+        layer keeps recurrent state (its kept tokens would share a state slot as flat rows)."""
+        if self.spec is None or not self.drafter.hidden:
+            return None
+        why, m, mtp = self._graph_blockers(), self.model, self.cfg.mtp
+        groups = [g for g, _ in (*mtp.layer.caches, *mtp.layer.ngram_caches)]
+        if why is not None and any(self.cfg.cache_groups[g].kind == "state" for g in groups):
+            why.append("the MTP layer keeps recurrent state")
+        row = (
+            (mtp.streams, mtp.norm.dim) if mtp.streams > 1 else (mtp.norm.dim,)
+        )  # z: a row's [N, Dm] or [Dm]
+
+        def head(ctx: StepContext, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return m.mtp(ctx.input_ids, z, ctx, m.embed, m.head)  # (logits [B, V], y)
+
+        return self._graphs("MTP head", head, why, (row, self.dtype), state=False)
 
     # ---- requests ------------------------------------------------------------------------
     def add(

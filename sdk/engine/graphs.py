@@ -18,8 +18,11 @@ the row count alone, so one capture serves every context length. On the CPU (or 
 
 A speculative verify step of a model without recurrent state runs here too, each of its tokens
 a row of its own (`speculative.flat_plan`: the token at position p attends to the row's first
-p + 1 keys, those of the drafts before it written in the same pass); `hidden` graphs also hand
-back the final hidden states the MTP head drafts from.
+p + 1 keys, those of the drafts before it written in the same pass); its forward also hands back
+the final hidden states the MTP head drafts from. The MTP head's passes run in graphs of their
+own (the same buffers, the head as the forward, the hidden states it reads fed in a static
+buffer `feed` [B, ...]): its observe pass over a step's kept tokens (flat rows again) and each
+chained draft.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +45,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
+# forward(ctx, feed rows or None) -> logits [B, V] fp32, or a tuple led by them (+ hidden states)
+Forward = Callable[[StepContext, torch.Tensor | None], torch.Tensor | tuple[torch.Tensor, ...]]
+
 
 def decode_only(plan) -> bool:
     """Every row of the plan computes one new token and samples it."""
@@ -53,31 +60,36 @@ class _Bucket:
     size: int
     ctx: StepContext
     graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None  # [B, V] fp32, the graph's output
-    z: torch.Tensor | None = None  # hidden graphs: [B, Dm] (or [B, N, Dm] streams)
+    # the graph's outputs: logits [B, V] fp32 (and hidden states [B, Dm] or streams [B, N, Dm])
+    out: torch.Tensor | tuple[torch.Tensor, ...] | None = None
 
 
 class DecodeGraphs:
     def __init__(
         self,
-        model: torch.nn.Module,
+        forward: Forward,
         pool: KvPool,
         block_size: int,
         max_blocks: int,
         sizes: tuple[int, ...],
         device: torch.device,
         capture: bool,
-        hidden: bool = False,
+        feed: tuple[tuple[int, ...], torch.dtype] | None = None,
+        name: str = "decode",
+        state: bool = True,
     ) -> None:
         """max_blocks: the widest block table a request can have (max model length / block size);
-        hidden: `run` gives (logits, the final hidden states) (the MTP head's verify steps)."""
-        self.model, self.pool, self.block_size, self.device = model, pool, block_size, device
-        self.hidden = hidden
+        feed: (the shape of a row, dtype) of the input `forward` reads beside the tokens (the MTP
+        head's hidden states), None: it reads none; name: what runs in them (the report's); state:
+        whether the forward reads the pool's recurrent states (the MTP head's layer does not)."""
+        self.forward, self.pool, self.block_size, self.device = forward, pool, block_size, device
+        self.name = name
         self.sizes = tuple(sorted(set(sizes)))
         b, w = self.sizes[-1], max_blocks
+        self.feed = None if feed is None else torch.zeros((b, *feed[0]), dtype=feed[1], device=device)
         self.groups = [g for g, v in enumerate(pool.views) if v is not None]  # paged groups
         n = len(self.groups)
-        self.state = pool.state_bytes > 0  # a State group: the rows' state slots and fresh flags
+        self.state = state and pool.state_bytes > 0  # a State group: the rows' state slots and fresh flags
         self.state_field = 3 + n  # its fields' index: [slots | fresh]
         pin = device.type == "cuda"
         # [ids | positions | kv_lens | slots of each paged group (| state slots | fresh)], B each;
@@ -92,7 +104,7 @@ class DecodeGraphs:
         self.scratch = [pool.scratch_slot(g) for g in self.groups]
         self.buckets = {s: _Bucket(s, self._context(s)) for s in self.sizes}
         self._copied = torch.cuda.Event() if pin else None  # the last staging copy is done
-        self.report = f"decode buffers for batch sizes {', '.join(map(str, self.sizes))} (not captured)"
+        self.report = f"{name} buffers for batch sizes {', '.join(map(str, self.sizes))} (not captured)"
         if capture:
             self._capture()
 
@@ -180,23 +192,29 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.record()
 
+    def _feed(self, size: int) -> torch.Tensor | None:
+        return None if self.feed is None else self.feed[:size]
+
     @torch.inference_mode()
-    def run(self, plan, fill=None):
-        """Logits [R, V] fp32 of a decode-only plan that `fits` (hidden graphs: and the final
-        hidden states of its rows); fill: the inputs the device fills in (overlap; see
-        `fill_tokens`)."""
+    def run(self, plan, fill=None, feed: torch.Tensor | None = None):
+        """The forward's outputs for the R rows of a decode-only plan that `fits`: logits [R, V]
+        fp32 (and hidden states); fill: the inputs the device fills in (overlap; see
+        `fill_tokens`); feed: the rows of the fed input [R, ...] (graphs built with `feed`)."""
         size = next(s for s in self.sizes if s >= plan.rows)
         bucket = self.buckets[size]
         self._fill(plan, size)
         if fill is not None:
             fill_tokens(self._field(0, size), *fill)
         r = plan.rows
+        if self.feed is not None:
+            self.feed[:r].copy_(feed)  # padding rows keep what they held: their outputs are not read
+        out = bucket.out
         if bucket.graph is None:  # eager over the same buffers (CPU, or capture off)
             lens = tuple(int(x) for x in plan.kv_lens) + (0,) * (size - r)
-            out = self.model(self._context(size, lens, plan), hidden=self.hidden)
-            return (out[0][:r], out[1][:r]) if self.hidden else out[:r]
-        bucket.graph.replay()
-        return (bucket.logits[:r], bucket.z[:r]) if self.hidden else bucket.logits[:r]
+            out = self.forward(self._context(size, lens, plan), self._feed(size))
+        else:
+            bucket.graph.replay()
+        return tuple(o[:r] for o in out) if isinstance(out, tuple) else out[:r]
 
     def replay_ms(self, size: int, n: int) -> list[float]:
         """Device milliseconds of n replays of bucket `size` on the buffers as they are (benchmarks)."""
@@ -224,16 +242,16 @@ class DecodeGraphs:
         except RuntimeError as e:
             torch.cuda.synchronize(self.device)
             for bucket in self.buckets.values():
-                bucket.graph, bucket.logits, bucket.z = None, None, None
+                bucket.graph, bucket.out = None, None
             self.report = (
-                f"CUDA graph capture failed, decode runs eagerly: {str(e).splitlines()[0]} ({_where(e)})"
+                f"CUDA graph capture failed, {self.name} runs eagerly: {str(e).splitlines()[0]} ({_where(e)})"
             )
             log.warning(self.report)
             return
         torch.cuda.synchronize(self.device)
         used = _pool_bytes(self.device, pool)
         self.report = (
-            f"CUDA graphs: batch sizes {', '.join(map(str, self.sizes))} captured in "
+            f"CUDA graphs ({self.name}): batch sizes {', '.join(map(str, self.sizes))} captured in "
             f"{time.perf_counter() - t0:.1f} s, {used / 2**20:.0f} MiB"
         )
         log.info(self.report)
@@ -243,12 +261,11 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the Triton kernels, settle the allocator
-                self.model(bucket.ctx, hidden=self.hidden)
+                self.forward(bucket.ctx, self._feed(bucket.size))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
-            out = self.model(bucket.ctx, hidden=self.hidden)
-        bucket.logits, bucket.z = out if self.hidden else (out, None)
+            bucket.out = self.forward(bucket.ctx, self._feed(bucket.size))
         bucket.graph = graph
 
     def _pad_all(self, size: int) -> None:

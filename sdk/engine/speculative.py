@@ -240,11 +240,11 @@ def kept_rows(plan, inputs: np.ndarray, keep: np.ndarray, start: np.ndarray | No
 
 
 def flat_plan(plan, inputs: np.ndarray) -> SimpleNamespace:
-    """A verify step with no prefill row as single-token decode rows (`DecodeGraphs`): token t of
-    row r at position p_t reads r's block table, attends to its first p_t + 1 keys and is
-    sampled. Its attention equals the row's causal attention over the pass (every key of the
-    pass is written before any is read); only for models without recurrent state, whose tokens
-    of one row would share a state slot."""
+    """A pass's rows as single-token decode rows (`DecodeGraphs`): token t of row r at position
+    p_t reads r's block table, attends to its first p_t + 1 keys and is sampled. Its attention
+    equals the row's causal attention over the pass (every key of the pass is written before
+    any is read); only for layers without recurrent state, whose tokens of one row would share
+    a state slot. (A verify step with no prefill row; the MTP head's observe and draft passes.)"""
     n = np.asarray(plan.num_tokens)
     row_of = np.repeat(np.arange(len(n)), n)
     positions = np.asarray(plan.positions, dtype=np.int64)
@@ -378,23 +378,33 @@ class MtpDrafter:
 def observe_pass(engine, plan, z: torch.Tensor, ids: np.ndarray, keep: np.ndarray):
     """The NextN layer over the plan's rows with keep[r] > 0, their first keep[r] tokens with
     next tokens ids [T] and the target's z [T, Dm]: (logits [R', V] at each row's last kept
-    token, y [T', Dm], the rows' request ids, each row's last index in y); None: no row."""
+    token, y [T', Dm], the rows' request ids, each row's last index in y); None: no row. In the
+    engine's head graphs, each kept token a row (`flat_plan`), when they fit."""
     if not keep.any():
         return None
     sub = kept_rows(plan, ids, keep)
-    ctx = engine.context(sub)
     last = np.cumsum(sub.num_tokens) - 1
+    zs = z[torch.from_numpy(sub.token).to(z.device)]  # [T', Dm]
+    m, graphs = engine.model, engine.head_graphs
+    if graphs is not None and graphs.fits(flat := flat_plan(sub, sub.input_ids)):
+        engine.stats["head_graph_passes"] += 1
+        logits, y = graphs.run(flat, feed=zs)  # [T', V], [T', Dm]
+        return logits[torch.from_numpy(last).to(logits.device)], y, sub.req_ids.tolist(), last
+    ctx = engine.context(sub)
     ctx.sample_index = torch.from_numpy(last).to(ctx.input_ids.device)
-    m = engine.model
-    logits, y = m.mtp(ctx.input_ids, z[torch.from_numpy(sub.token).to(z.device)], ctx, m.embed, m.head)
+    logits, y = m.mtp(ctx.input_ids, zs, ctx, m.embed, m.head)
     return logits, y, sub.req_ids.tolist(), last
 
 
 def draft_pass(engine, plan, ids: np.ndarray, keep: np.ndarray, start: int, hidden: torch.Tensor):
     """A chained draft: the NextN layer at token `start` of each row with keep[r] > 0, fed the
-    previous output `hidden` [R', Dm] -> (logits [R', V], its output [R', Dm])."""
+    previous output `hidden` [R', Dm] -> (logits [R', V], its output [R', Dm]); in the engine's
+    head graphs when they fit."""
     sub = kept_rows(plan, ids, keep, np.full(len(keep), start, dtype=np.int64))
+    m, graphs = engine.model, engine.head_graphs
+    if graphs is not None and graphs.fits(flat := flat_plan(sub, sub.input_ids)):
+        engine.stats["head_graph_passes"] += 1
+        return graphs.run(flat, feed=hidden)
     ctx = engine.context(sub)
     ctx.sample_index = torch.arange(len(sub.num_tokens), device=hidden.device)
-    m = engine.model
     return m.mtp(ctx.input_ids, hidden, ctx, m.embed, m.head)
