@@ -32,7 +32,7 @@ from two_ranks import assert_drafting_on_two_ranks_answers_as_one
 
 from dayzero.models.kimi_k3.config import KimiK3TextConfig
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
-from dayzero.sdk.engine.speculative import SpeculativeConfig
+from dayzero.sdk.engine.speculative import DeviceDrafts, SpeculativeConfig
 from dayzero.sdk.errors import WeightError
 from dayzero.sdk.families import FAMILIES, build
 from dayzero.sdk.loader import load_weights, open_checkpoint
@@ -322,6 +322,20 @@ def _nextn(kit: Kit) -> Callable:
     return f
 
 
+def record_drafts(engine: Engine) -> list[list[list[int]]]:
+    """Each verify step's drafts, as the engine's drafter proposes them (read from the device)."""
+    seen: list[list[list[int]]] = []
+    inner = engine.drafter.draft
+
+    def draft(*a):
+        out = inner(*a)
+        seen.append(out.tokens.tolist() if isinstance(out, DeviceDrafts) else out)
+        return out
+
+    engine.drafter.draft = draft
+    return seen
+
+
 def _ours(family: str, path):
     ckpt = open_checkpoint(path)
     fam = FAMILIES.get(family)
@@ -386,9 +400,7 @@ def test_mtp_drafts_are_the_nextn_layers_chain_and_lossless(tmp_path, family: st
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     base = Engine(model, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, greedy)
     eng = Engine(model, cfg, ops, EngineConfig(decode_graphs="off", speculative=SpeculativeConfig("mtp", k)))
-    seen: list[list[list[int]]] = []
-    inner = eng.drafter.draft
-    eng.drafter.draft = lambda *a: seen.append(inner(*a)) or seen[-1]
+    seen = record_drafts(eng)
     outs = eng.generate(prompts, greedy)
     assert [o.token_ids for o in outs] == [o.token_ids for o in base]
     assert eng.stats["verify_rows"] > 0
@@ -439,9 +451,7 @@ def test_mtp_drafting_is_lossless_with_chunks_prefix_hits_and_retraction(tmp_pat
     drafts = {}
     for mode in ("off", "buffers"):
         e = Engine(model, cfg, ops, EngineConfig(decode_graphs=mode, speculative=spec))
-        seen: list[list[list[int]]] = []
-        inner = e.drafter.draft
-        e.drafter.draft = lambda *a, inner=inner, seen=seen: seen.append(inner(*a)) or seen[-1]
+        seen = record_drafts(e)
         assert [o.token_ids for o in e.generate(prompts, greedy)] == base
         drafts[mode] = seen
     stateless = not any(g.kind == "state" for g in cfg.cache_groups)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_meta import paged_meta
-from test_mtp import KITS  # the tiny checkpoints with a NextN layer
+from test_mtp import KITS, record_drafts  # the tiny checkpoints with a NextN layer
 
 from dayzero.kernels.reference.attention import gqa_attention as reference_attention
 from dayzero.kernels.reference.moe import moe_experts as reference_moe
@@ -276,9 +276,7 @@ def test_mtp_head_graphs_draft_as_the_eager_head(tmp_path, family: str) -> None:
         if mode == "auto":
             heads = llm.engine.head_graphs
             assert heads is not None and heads.buckets[1].graph is not None, heads and heads.report
-        seen: list[list[list[int]]] = []
-        inner = llm.engine.drafter.draft
-        llm.engine.drafter.draft = lambda *a, inner=inner, seen=seen: seen.append(inner(*a)) or seen[-1]
+        seen = record_drafts(llm.engine)
         outs[mode], drafts[mode] = llm.engine.generate(prompts, [params] * len(prompts)), seen
         stats[mode] = dict(llm.engine.stats)
     assert stats["auto"]["head_graph_passes"] > 0 and stats["off"]["head_graph_passes"] == 0

@@ -297,11 +297,13 @@ def profile_decode(
     steps: int = 8,
     speculative: SpeculativeConfig | None = None,
     kv_bytes: int = KV_BYTES,
+    graphs: bool = True,
 ) -> None:
     """Decode steps of `batch` rows under torch.profiler: the ops that cost most host and device
     time; then one prefill of prefill_len tokens (0: none): the kernels that cost most device time.
-    speculative: the steps draft so, and their phases (dayzero.draft, .verify, .rollback,
-    .observe: the engine's record_function ranges) are listed first."""
+    speculative: the steps draft so, in CUDA graphs as served (graphs: False for eager steps),
+    and their phases (dayzero.schedule, .draft, .verify, .sample, .readback, .rollback, .observe:
+    the engine's record_function ranges) are listed first."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = Engine(
@@ -314,7 +316,8 @@ def profile_decode(
             block_size=64,
             max_batch_size=batch,
             max_tokens_per_step=chunk,  # the prefill in chunks, as timed
-            decode_graphs="off",  # the kernels one by one (a graph replays them as one launch)
+            # plain steps: the kernels one by one (a graph replays them as one launch)
+            decode_graphs="auto" if speculative is not None and graphs else "off",
             speculative=speculative,
         ),
     )
@@ -333,10 +336,12 @@ def profile_decode(
     if speculative is not None:
         drafting = f", drafting {speculative.num_speculative_tokens} by {speculative.method}"
     print(f"profile: {steps} decode steps of batch {batch}{drafting}")
+    t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             eng.step()
         _sync()
+    print(f"{1e3 * (time.perf_counter() - t0) / steps:.2f} ms a step under the profiler")
     avg = prof.key_averages()
     if speculative is not None:  # a range is two events: its host span, and its span on the GPU
         phases: dict[str, list[float]] = {}
@@ -527,7 +532,10 @@ def main(args: argparse.Namespace) -> int:
             vocab = cfg.embedding.vocab
             profile_decode(model, cfg, ops, args.prompt_len, vocab, b, 0 if i else n, chunk)
             if speculative is not None:
-                profile_decode(model, cfg, ops, args.prompt_len, vocab, b, speculative=speculative)
+                graphs = not args.enforce_eager
+                profile_decode(
+                    model, cfg, ops, args.prompt_len, vocab, b, speculative=speculative, graphs=graphs
+                )
     print(
         f"{'batch':>5} {'dayzero tok/s':>14} {'transformers tok/s':>19} {'ratio':>6} "
         f"{'roofline tok/s':>15} {'dayzero/roofline':>17}"

@@ -121,12 +121,16 @@ def build_context(
     )
 
 
+def upload(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` without waiting for the work queued there (on CUDA through a
+    pinned copy, non-blocking: a pageable one would wait for the stream, e.g. a graph's replay)."""
+    t = torch.from_numpy(np.ascontiguousarray(arr))
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def fill_tokens(ids: torch.Tensor, dst: np.ndarray, src: np.ndarray, tokens: torch.Tensor) -> None:
-    """ids[dst] = tokens[src] on the device (the indices travel in one copy, pinned on CUDA)."""
-    idx = torch.from_numpy(np.stack((dst, src)))
-    if ids.device.type == "cuda":
-        idx = idx.pin_memory()
-    idx = idx.to(ids.device, non_blocking=True)
+    """ids[dst] = tokens[src] on the device (the indices travel in one copy)."""
+    idx = upload(np.stack((dst, src)), ids.device)
     ids[idx[0]] = tokens[idx[1]].to(ids.dtype)
 
 

@@ -35,6 +35,7 @@ from dayzero.sdk.engine.speculative import (
     roll_back,
     save_states,
     verify_forward,
+    verify_inputs,
     verify_rows,
 )
 from dayzero.sdk.scheduler import FinishReason, Scheduler, SchedulerError, make_config
@@ -438,7 +439,8 @@ class Engine:
         return list(touched.values())
 
     def _step(self, touched: dict[int, RequestOutput]) -> None:
-        plan = self.scheduler.step()
+        with record_function("dayzero.schedule"):
+            plan = self.scheduler.step()
         self.stats["steps"] += 1
         self.stats["retracted"] += len(plan.retracted_ids)
         touched |= self._finished(plan)
@@ -524,43 +526,43 @@ class Engine:
         other sampling row, and each is sampled under its request's parameters."""
         k = self.spec.num_speculative_tokens
         verify, index = verify_rows(plan, k, self._drafts)
-        ids, qs = np.asarray(plan.input_ids), np.asarray(plan.query_start)
-        dst = np.flatnonzero(ids < 0)
         n, prefill = np.asarray(plan.num_tokens), np.asarray(plan.is_prefill, dtype=bool)
         decode = np.flatnonzero((n == k + 1) & ~prefill)  # x_p and k draft slots (-1)
         drafted = [r for r in decode.tolist() if verify.count[r] > 1]
         # (record_function: the phases a profile of drafting steps names, `bench decode --profile`)
         with self._lockstep(), record_function("dayzero.draft"):  # the head's passes on every rank
-            proposed = dict(
-                zip(drafted, self.drafter.draft(self, plan, drafted, k) if drafted else [], strict=True)
-            )
-        vals = []
-        for r in decode.tolist():  # a row not drafted: its last token again in the slots (rolled back)
-            drafts = proposed.get(r, [])[:k]
-            vals += (drafts + [int(ids[qs[r]])] * k)[:k]
-            verify.drafts[r] = drafts + [-1] * (k - len(drafts)) if r in proposed else []
-        inputs = ids.copy()
-        inputs[dst] = vals
+            proposed = self.drafter.draft(self, plan, drafted, k) if drafted else []
+        if isinstance(proposed, list):
+            proposed = dict(zip(drafted, proposed, strict=True))
+        inputs, fill = verify_inputs(plan, k, decode, proposed, verify)
         saved = save_states(self, plan, inputs, decode)  # the decode rows' states before the drafts
-        if self.leader is not None:
-            self.leader.pass_(VERIFY, inputs, index, decode, np.asarray([int(self.drafter.hidden)]))
+        if self.leader is not None:  # (the other ranks fill in the device drafts of their own chain)
+            none = np.zeros(0, dtype=np.int64)
+            on_device = (fill[0], np.asarray(verify.device.rows, dtype=np.int64)) if fill else (none, none)
+            self.leader.pass_(
+                VERIFY, inputs, index, decode, np.asarray([int(self.drafter.hidden)]), *on_device
+            )
         with self._lockstep(), record_function("dayzero.verify"):  # the MTP head reads z of every token
-            logits, verify.z = verify_forward(self, plan, inputs, index, self.drafter.hidden)
+            logits, verify.z = verify_forward(self, plan, inputs, index, self.drafter.hidden, fill)
         req_ids = np.asarray(plan.req_ids).copy()
         sample_ids = np.repeat(req_ids, verify.count).tolist()
-        pending = self._sample(logits, sample_ids)
+        with record_function("dayzero.sample"):
+            pending = self._sample(logits, sample_ids)
         sample = np.asarray(plan.sample, dtype=np.int32).copy()
         return _Launched(plan, req_ids, sample, sample_ids, int(n[prefill].sum()), pending, verify, saved)
 
     def _roll_back_states(self, done: _Launched, rows: list[tuple[int, list[int]]]) -> None:
         """The decode rows that keep fewer than k + 1 tokens: their states from before the
         verify pass, then their kept inputs once more (speculative.py)."""
-        decode, k = done.saved[3], self.spec.num_speculative_tokens
+        inputs, decode, k = done.saved[0], done.saved[3], self.spec.num_speculative_tokens
         keep = np.zeros(len(rows), dtype=np.int64)
+        qs = np.asarray(done.plan.query_start)
         for r in decode.tolist():
             keep[r] = len(rows[r][1]) if len(rows[r][1]) <= k else 0
+            if done.verify.device is not None and r in done.verify.device.rows:  # the drafts, now known
+                inputs[qs[r] + 1 : qs[r] + 1 + k] = done.verify.drafts[r]
         if self.leader is not None:
-            self.leader.pass_(ROLLBACK, keep)
+            self.leader.pass_(ROLLBACK, keep, inputs)
         with self._lockstep(), record_function("dayzero.rollback"):
             roll_back(self, done.plan, done.saved, keep)
 
@@ -604,10 +606,13 @@ class Engine:
 
     def _collect(self, done: _Launched) -> dict[int, RequestOutput]:
         """Read a launched step's tokens back, feed them to the scheduler, record them."""
-        tokens, logprobs, tops = done.pending.result()
+        with record_function("dayzero.readback"):
+            tokens, logprobs, tops = done.pending.result()
         for rid in done.sample_ids:  # a request's first token: admitted, so its prefix hit is known
             if rid in self.params and not self.requests[rid].token_ids:
                 self.requests[rid].cached_tokens = self.scheduler.cached_tokens_of(rid)
+        if done.verify is not None:
+            done.verify.read_drafts()  # copied before the sampling the readback waited for
         rows = self._new_tokens(done, tokens) if done.verify is not None else None
         if rows is not None:
             if done.saved is not None:

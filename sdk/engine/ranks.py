@@ -16,12 +16,14 @@ and each rank runs its own part, knowing the others' sizes.
 Speculative decoding (`PASSES`): a step's forward passes wait for what only rank 0 knows (the
 drafts, then which of them were kept), so the plan is followed by messages
   [PASS, mode, number of arrays, (ndim, dims...) per array, the arrays' values...]
-in rank 0's order: DRAFT (the MTP head's chained drafts: the inputs, the rows, the token), VERIFY
-(the inputs with the drafts, the sampled token index, the decode rows, whether the drafter reads
-the hidden states), ROLLBACK (the tokens each row keeps), OBSERVE (the MTP head over the tokens
-whose next token became known: their next tokens, the rows, the requests finished since), then
-END; each rank runs rank 0's pass (speculative.py) on its shard, and keeps its own copy of the
-MTP head's last outputs by request (rank 0's drafter keeps the drafts too).
+in rank 0's order: DRAFT (a chained pass of the MTP head: the inputs, the rows, the token), VERIFY
+(the inputs with the host's drafts, the sampled token index, the decode rows, whether the
+drafter reads the hidden states, the input slots of the device drafts and their rows), ROLLBACK
+(the tokens each row keeps, the inputs with the drafts read back), OBSERVE (the MTP head over
+the tokens whose next token became known: their next tokens, the rows, the requests finished
+since), then END; each rank runs rank 0's pass (speculative.py) on its shard and keeps its own
+copy of the MTP head's last outputs and first drafts by request: the head's logits are whole on
+every rank, so each chains the drafts rank 0 does, on its device.
 """
 
 from __future__ import annotations
@@ -243,7 +245,8 @@ def follow(engine, group, tp: TpGroup | None = None) -> int:
     (which ends rank 0's wait at once on gloo) rather than go on."""
     tp = tp or TpGroup()
     steps, sampled, tokens = 0, [], None  # the last step's sampled requests and their device tokens
-    heads: dict[int, torch.Tensor] = {}  # speculative, MTP: each request's last head output [Dm]
+    # speculative, MTP: each request's last head output [Dm] and its first draft [1]
+    heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     while True:
         kind, plan = receive(group)
         if kind == STOP:
@@ -271,12 +274,14 @@ def follow(engine, group, tp: TpGroup | None = None) -> int:
         steps += 1
 
 
-def _passes(engine, plan, group, heads: dict[int, torch.Tensor]) -> None:
+def _passes(engine, plan, group, heads: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
     """A speculative step's passes as rank 0 runs them (sdk/engine/speculative.py): the MTP
     head's chained drafts, the verify pass on the inputs with the drafts (the decode rows' states
     saved first; the step's end copies after it, as on rank 0), a rollback of the rows that keep
-    fewer tokens, the MTP head over the step's known tokens (`heads`: its outputs by request)."""
-    saved, z, hidden = None, None, None
+    fewer tokens, the MTP head over the step's known tokens (`heads`: its output and d_1 by
+    request). The head's drafts never leave the device: each rank chains its own (the head's
+    logits are every rank's, whole), as rank 0 does."""
+    saved, z, hidden, drafts = None, None, None, []
     while True:
         mode, arrays = decode_pass(_words(group))
         if mode == END:
@@ -284,27 +289,44 @@ def _passes(engine, plan, group, heads: dict[int, torch.Tensor]) -> None:
         if mode == DRAFT:
             ids, keep, start = arrays
             if int(start[0]) == 0:  # the chain starts from each row's last observed output
-                rids = np.asarray(plan.req_ids)[keep > 0].tolist()
-                hidden = torch.stack([heads[r] for r in rids])
-            _, hidden = draft_pass(engine, plan, ids, keep, int(start[0]), hidden)
+                hidden, drafts = _chain_start(heads, plan, keep)
+            logits, hidden = draft_pass(engine, plan, ids, keep, int(start[0]), hidden, drafts[-1])
+            drafts.append(logits.argmax(-1))
         elif mode == VERIFY:
-            inputs, index, decode_rows, reads_hidden = arrays
+            inputs, index, decode_rows, reads_hidden, on_device, drafted = arrays
+            fill = None
+            if on_device.size:  # rank 0's drafts from the device: this rank's chain (k = 1: d_1 alone)
+                if not drafts:
+                    keep = np.zeros(len(plan.num_tokens), dtype=np.int64)
+                    keep[drafted] = 1
+                    drafts = _chain_start(heads, plan, keep)[1]
+                tokens = torch.stack(drafts, dim=1).reshape(-1)
+                fill = (on_device, np.arange(len(on_device), dtype=np.int64), tokens)
             saved = save_states(engine, plan, inputs, decode_rows)
-            _, z = verify_forward(engine, plan, inputs, index, bool(reads_hidden[0]))
+            _, z = verify_forward(engine, plan, inputs, index, bool(reads_hidden[0]), fill)
             engine.pool.apply_after(plan.copies)
         elif mode == ROLLBACK:
             if saved is None:
                 raise RuntimeError("a rollback pass of a step whose states were not saved")
-            roll_back(engine, plan, saved, arrays[0])
+            keep, inputs = arrays  # the inputs with the drafts rank 0 read back
+            roll_back(engine, plan, (inputs, *saved[1:]), keep)
         elif mode == OBSERVE:
             ids, keep, dropped = arrays
             for rid in dropped.tolist():
                 heads.pop(rid, None)
             if (out := observe_pass(engine, plan, z, ids, keep)) is not None:
-                _, y, rids, last = out
-                heads.update((rid, y[int(last[j])].clone()) for j, rid in enumerate(rids))
+                _, y, rids, last, d1 = out
+                heads.update(
+                    (rid, (y[int(last[j])].clone(), d1[j : j + 1].clone())) for j, rid in enumerate(rids)
+                )
         else:
             raise RuntimeError(f"unknown speculative pass mode {mode}")
+
+
+def _chain_start(heads, plan, keep: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(the last observed outputs [R', Dm], [d_1 [R']]) of the plan rows with keep[r] > 0."""
+    got = [heads[r] for r in np.asarray(plan.req_ids)[keep > 0].tolist()]
+    return torch.stack([y for y, _ in got]), [torch.cat([d for _, d in got])]
 
 
 def _forward(engine, plan, mine, rank: int, fill) -> None:

@@ -36,16 +36,35 @@ import numpy as np
 import torch
 
 from dayzero.kernels.registry import Registry, UnknownKeyError
+from dayzero.sdk.engine.context import fill_tokens, upload
+
+
+@dataclass
+class DeviceDrafts:
+    """Drafts that stay on the device until the step's one readback: tokens [R', k] int64 of the
+    plan rows `rows` (the MTP head's chain: no host sync between its passes and the verify pass,
+    which takes them in on the device); `host` their pinned copy, queued behind the passes and
+    read once the step's sampled tokens are."""
+
+    rows: list[int]
+    tokens: torch.Tensor
+    host: torch.Tensor | None = None
+
+    def copy_to_host(self) -> None:
+        t = self.tokens
+        self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        self.host.copy_(t, non_blocking=t.is_cuda)
 
 
 class Drafter(Protocol):
     """What proposes drafts: for the plan's rows `rows` (decode rows of drafting requests) up to
-    k tokens each; `observe` sees each step's new tokens (and the target's final hidden states
-    when `hidden` asks for them) before the scheduler does; `drop` forgets a finished request."""
+    k tokens each, as host lists or `DeviceDrafts`; `observe` sees each step's new tokens (and
+    the target's final hidden states when `hidden` asks for them) before the scheduler does;
+    `drop` forgets a finished request."""
 
     hidden: bool
 
-    def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]]: ...
+    def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]] | DeviceDrafts: ...
 
     def observe(self, engine, plan, z, news: list[list[int]]) -> None: ...
 
@@ -179,6 +198,13 @@ class VerifyRows:
     count: np.ndarray  # [R]
     drafts: list[list[int]]
     z: object = None  # the target's final hidden states [T, Dm], for a drafter that reads them
+    device: DeviceDrafts | None = None  # drafts still on the device (their rows' `drafts`: -1s)
+
+    def read_drafts(self) -> None:
+        """The device drafts' values into `drafts` (after the step's readback: their copy is done)."""
+        if self.device is not None:
+            for r, d in zip(self.device.rows, self.device.host.tolist(), strict=True):
+                self.drafts[r] = d
 
     def tokens(self, r: int, sampled: np.ndarray) -> list[int]:
         """Plan row r's new tokens from the step's sampled tokens [S]: y_0..y_a."""
@@ -210,6 +236,27 @@ def verify_rows(plan, k: int, drafted: Callable[[int], bool]) -> tuple[VerifyRow
     first = np.concatenate(([0], np.cumsum(count)[:-1]))
     drafts = [[] for _ in range(len(n))]
     return VerifyRows(first, count, drafts), (np.concatenate(index) if index else np.zeros(0, np.int64))
+
+
+def verify_inputs(plan, k: int, decode: np.ndarray, proposed, verify: VerifyRows):
+    """The verify pass's inputs [T] (each decode row's k slots: its drafts; a row not drafted, or
+    drafted short: its last token again, rolled back) and the fill of device drafts (`fill_tokens`
+    arguments, or None); sets verify.drafts (and .device)."""
+    ids, qs = np.asarray(plan.input_ids), np.asarray(plan.query_start)
+    inputs = ids.copy()
+    dev = proposed if isinstance(proposed, DeviceDrafts) else None
+    on_device = set(dev.rows) if dev is not None else set()
+    host = {} if dev is not None else proposed
+    for r in decode.tolist():
+        drafts = host.get(r, [])[:k]
+        inputs[qs[r] + 1 : qs[r] + 1 + k] = (drafts + [int(ids[qs[r]])] * k)[:k]
+        if r in on_device or r in host:  # on the device: -1s until the step's readback
+            verify.drafts[r] = drafts + [-1] * (k - len(drafts))
+    if dev is None:
+        return inputs, None
+    verify.device = dev
+    dst = np.concatenate([np.arange(qs[r] + 1, qs[r] + 1 + k) for r in dev.rows]).astype(np.int64)
+    return inputs, (dst, np.arange(len(dst), dtype=np.int64), dev.tokens.reshape(-1))
 
 
 def kept_rows(plan, inputs: np.ndarray, keep: np.ndarray, start: np.ndarray | None = None) -> SimpleNamespace:
@@ -260,22 +307,25 @@ def flat_plan(plan, inputs: np.ndarray) -> SimpleNamespace:
     )
 
 
-def verify_forward(engine, plan, inputs: np.ndarray, index: np.ndarray, hidden: bool):
-    """The verify pass over `inputs` [T] (the plan's inputs with the drafts): (logits [S, V] fp32
-    at the tokens `index`, the final hidden states of every token or None). In the engine's
-    verify graphs (`DecodeGraphs` over `flat_plan`) when the step has no prefill row and fits,
-    else as a varlen step; every rank takes the same branch (the same plan, the same graphs)."""
+def verify_forward(engine, plan, inputs: np.ndarray, index: np.ndarray, hidden: bool, fill=None):
+    """The verify pass over `inputs` [T] (the plan's inputs with the drafts; fill: the device
+    drafts, `verify_inputs`): (logits [S, V] fp32 at the tokens `index`, the final hidden states
+    of every token or None). In the engine's verify graphs (`DecodeGraphs` over `flat_plan`)
+    when the step has no prefill row and fits, else as a varlen step; every rank takes the same
+    branch (the same plan, the same graphs)."""
     graphs = engine.graphs
+    sel = upload(index, engine.device)
     if graphs is not None and not np.asarray(plan.is_prefill, dtype=bool).any():
         flat = flat_plan(plan, inputs)
         if graphs.fits(flat):
             engine.stats["graph_steps"] += 1
-            out = graphs.run(flat)
-            sel = torch.from_numpy(index).to(engine.device)
+            out = graphs.run(flat, fill)  # flat rows keep the plan's token order
             return (out[0][sel], out[1]) if hidden else (out[sel], None)
     ctx = engine.context(plan)
     ctx.input_ids.copy_(torch.from_numpy(inputs))
-    ctx.sample_index = torch.from_numpy(index).to(engine.device)
+    if fill is not None:
+        fill_tokens(ctx.input_ids, *fill)
+    ctx.sample_index = sel
     if hidden:
         return engine.model(ctx, hidden=True)  # [S, V] fp32, [T, Dm]
     return engine.model(ctx), None
@@ -286,7 +336,7 @@ def save_states(engine, plan, inputs: np.ndarray, decode: np.ndarray) -> tuple |
     (None: the model keeps no state)."""
     if not engine.pool.state_bytes:
         return None
-    slots = torch.from_numpy(np.asarray(plan.state_slots, dtype=np.int64)[decode]).to(engine.device)
+    slots = upload(np.asarray(plan.state_slots, dtype=np.int64)[decode], engine.device)
     return inputs, slots, engine.pool.slots[slots], decode  # index_select: a copy
 
 
@@ -294,10 +344,11 @@ def roll_back(engine, plan, saved: tuple, keep: np.ndarray) -> None:
     """The decode rows with keep[r] > 0 (they keep fewer than k + 1 tokens): their states from
     before the verify pass, then their kept inputs once more (the module docstring)."""
     inputs, slots, before, decode = saved
-    back = torch.from_numpy(keep[decode] > 0).to(engine.device)
-    if not bool(back.any()):
+    back = keep[decode] > 0
+    if not back.any():
         return
-    engine.pool.slots[slots[back]] = before[back]
+    rows = upload(np.flatnonzero(back), engine.device)
+    engine.pool.slots[slots[rows]] = before[rows]
     engine.model(engine.context(kept_rows(plan, inputs, keep)))
 
 
@@ -314,12 +365,14 @@ class MtpDrafter:
     verify row's positions p' = q + 1, .., p' + k - 2:
         d_{j+1} = argmax head(rmsnorm_s(y_{p'+j-1})),  y_{p'+j-1} = layer(W_eh [e(d_j) ; h(y_{p'+j-2})])
     (the previous output fed back as the hidden, as DeepSeek's and TokenSpeed's NextN chain).
-    The chain's KV at p'.. is rewritten by the next observe from the target's z."""
+    The chain's KV at p'.. is rewritten by the next observe from the target's z. The drafts stay
+    on the device (`DeviceDrafts`): the only host sync of a drafting step is its readback."""
 
     hidden = True
 
     def __init__(self, cfg: SpeculativeConfig) -> None:
-        self.next: dict[int, tuple[object, int]] = {}  # rid -> (y at its last known position [Dm], d_1)
+        # rid -> (y at its last known position [Dm], d_1 [1] on the device)
+        self.next: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.dropped: list[int] = []  # finished since the last observe (the other ranks' copies go)
 
     def observe(self, engine, plan, z, news: list[list[int]]) -> None:
@@ -344,30 +397,27 @@ class MtpDrafter:
         out = observe_pass(engine, plan, z, ids, keep)
         if out is None:
             return
-        logits, y, rids, last = out
-        for j, (rid, d1) in enumerate(zip(rids, logits.argmax(-1).tolist(), strict=True)):
-            self.next[rid] = (y[int(last[j])].clone(), d1)  # a view would pin the pass's [T', Dm]
+        _, y, rids, last, d1 = out
+        for j, rid in enumerate(rids):  # views would pin the pass's [T', Dm]
+            self.next[rid] = (y[int(last[j])].clone(), d1[j : j + 1].clone())
 
-    def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]]:
-        rids = [int(plan.req_ids[r]) for r in rows]
-        have = [i for i, rid in enumerate(rids) if rid in self.next]
-        out: list[list[int]] = [[] for _ in rows]
+    def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]] | DeviceDrafts:
+        have = [r for r in rows if int(plan.req_ids[r]) in self.next]
         if not have:
-            return out
-        hidden = torch.stack([self.next[rids[i]][0] for i in have])  # [R', Dm]
-        for i in have:
-            out[i].append(self.next[rids[i]][1])
+            return [[] for _ in rows]
+        heads = [self.next[int(plan.req_ids[r])] for r in have]
+        hidden = torch.stack([y for y, _ in heads])  # [R', Dm]
+        drafts = [torch.cat([d for _, d in heads])]  # d_1 of each row [R']
         keep = np.zeros(len(plan.kv_lens), dtype=np.int64)
-        keep[[rows[i] for i in have]] = 1
-        ids, qs = np.asarray(plan.input_ids).copy(), np.asarray(plan.query_start)
+        keep[have] = 1
+        ids = np.asarray(plan.input_ids)
         for j in range(1, k):  # d_{j+1} from position p' + j - 1
-            for i in have:
-                ids[qs[rows[i]] + j - 1] = out[i][-1]
             if engine.leader is not None:
                 engine.leader.pass_(DRAFT, ids, keep, np.asarray([j - 1], dtype=np.int64))
-            logits, hidden = draft_pass(engine, plan, ids, keep, j - 1, hidden)
-            for i, d in zip(have, logits.argmax(-1).tolist(), strict=True):
-                out[i].append(d)
+            logits, hidden = draft_pass(engine, plan, ids, keep, j - 1, hidden, drafts[-1])
+            drafts.append(logits.argmax(-1))
+        out = DeviceDrafts(have, torch.stack(drafts, dim=1))  # [R', k]
+        out.copy_to_host()
         return out
 
     def drop(self, rid: int) -> None:
@@ -378,33 +428,39 @@ class MtpDrafter:
 def observe_pass(engine, plan, z: torch.Tensor, ids: np.ndarray, keep: np.ndarray):
     """The NextN layer over the plan's rows with keep[r] > 0, their first keep[r] tokens with
     next tokens ids [T] and the target's z [T, Dm]: (logits [R', V] at each row's last kept
-    token, y [T', Dm], the rows' request ids, each row's last index in y); None: no row. In the
-    engine's head graphs, each kept token a row (`flat_plan`), when they fit."""
+    token, y [T', Dm], the rows' request ids, each row's last index in y, d_1 [R'] = the argmax
+    of the logits, on the device); None: no row. In the engine's head graphs, each kept token a
+    row (`flat_plan`), when they fit."""
     if not keep.any():
         return None
     sub = kept_rows(plan, ids, keep)
     last = np.cumsum(sub.num_tokens) - 1
-    zs = z[torch.from_numpy(sub.token).to(z.device)]  # [T', Dm]
+    index = upload(np.stack((sub.token, np.pad(last, (0, len(sub.token) - len(last))))), z.device)
+    zs = z[index[0]]  # [T', Dm]
     m, graphs = engine.model, engine.head_graphs
     if graphs is not None and graphs.fits(flat := flat_plan(sub, sub.input_ids)):
         engine.stats["head_graph_passes"] += 1
         logits, y = graphs.run(flat, feed=zs)  # [T', V], [T', Dm]
-        return logits[torch.from_numpy(last).to(logits.device)], y, sub.req_ids.tolist(), last
-    ctx = engine.context(sub)
-    ctx.sample_index = torch.from_numpy(last).to(ctx.input_ids.device)
-    logits, y = m.mtp(ctx.input_ids, zs, ctx, m.embed, m.head)
-    return logits, y, sub.req_ids.tolist(), last
+        logits = logits[index[1, : len(last)]]
+    else:
+        ctx = engine.context(sub)
+        ctx.sample_index = index[1, : len(last)]
+        logits, y = m.mtp(ctx.input_ids, zs, ctx, m.embed, m.head)
+    return logits, y, sub.req_ids.tolist(), last, logits.argmax(-1)
 
 
-def draft_pass(engine, plan, ids: np.ndarray, keep: np.ndarray, start: int, hidden: torch.Tensor):
-    """A chained draft: the NextN layer at token `start` of each row with keep[r] > 0, fed the
-    previous output `hidden` [R', Dm] -> (logits [R', V], its output [R', Dm]); in the engine's
-    head graphs when they fit."""
+def draft_pass(
+    engine, plan, ids: np.ndarray, keep: np.ndarray, start: int, hidden: torch.Tensor, tokens: torch.Tensor
+):
+    """A chained draft: the NextN layer at token `start` of each row with keep[r] > 0, its input
+    the previous draft tokens [R'] (on the device) and the previous output `hidden` [R', Dm] ->
+    (logits [R', V], its output [R', Dm]); in the engine's head graphs when they fit."""
     sub = kept_rows(plan, ids, keep, np.full(len(keep), start, dtype=np.int64))
-    m, graphs = engine.model, engine.head_graphs
+    m, graphs, rows = engine.model, engine.head_graphs, np.arange(len(sub.num_tokens), dtype=np.int64)
     if graphs is not None and graphs.fits(flat := flat_plan(sub, sub.input_ids)):
         engine.stats["head_graph_passes"] += 1
-        return graphs.run(flat, feed=hidden)
+        return graphs.run(flat, (rows, rows, tokens), feed=hidden)
     ctx = engine.context(sub)
+    ctx.input_ids.copy_(tokens)
     ctx.sample_index = torch.arange(len(sub.num_tokens), device=hidden.device)
     return m.mtp(ctx.input_ids, hidden, ctx, m.embed, m.head)
