@@ -4,6 +4,7 @@ chunked / stepwise / continued-state forms of the recurrence against each other.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -263,3 +264,54 @@ def test_batched_decode_steps_equal_the_reference(seed: int) -> None:
         assert torch.equal(out[:r], got) and torch.equal(pad_state[slots], got_state[slots]), op
         assert bool(pad_state[scratch].isfinite().all()), op
         assert torch.equal(pad_state[others[:-1]], state0[others[:-1]]), op  # all but the scratch slot
+
+
+def verify_case(seed: int, steps: int = 3):
+    """A speculative verify step's inputs: 3 rows of `steps` tokens in scattered slots (the first
+    fresh over a NaN slot), each token's state to a checkpoint slot of its own; ops as
+    `op(fn, state, meta, tokens)` over shared tensors, and the pool's initial states."""
+    g = torch.Generator().manual_seed(seed)
+    r, h, hv, dk, dv, c, kern = 3, 2, 4, 8, 6, 10, 4
+    slots, fresh = [4, 0, 2], [True, False, False]
+    ckpt = torch.arange(5, 5 + r * steps).view(r, steps)  # past the rows' slots
+    n_slots, t = 5 + r * steps, r * steps
+    x, w = torch.randn(t, c, generator=g), torch.randn(c, 1, kern, generator=g)
+    q, k = torch.randn(t, h, dk, generator=g), torch.randn(t, h, dk, generator=g)
+    qv, kv, v = (
+        torch.randn(t, hv, dk, generator=g),
+        torch.randn(t, hv, dk, generator=g),
+        torch.randn(t, hv, dv, generator=g),
+    )
+    g_kda, g_gdr = -torch.rand(t, hv, dk, generator=g), -torch.rand(t, hv, generator=g)
+    beta = torch.rand(t, hv, generator=g)
+    conv0 = torch.randn(n_slots, c, kern - 1, generator=g)
+    rec0 = torch.randn(n_slots, hv, dk, dv, generator=g) * 0.3
+    conv0[4], rec0[4] = float("nan"), float("nan")
+    ops = {
+        "short_conv": (lambda f, s, m, i: f(x[i], w, s, m), conv0),
+        "kda_recurrence": (lambda f, s, m, i: f(qv[i], kv[i], v[i], g_kda[i], beta[i], s, m), rec0),
+        "gated_delta_rule": (lambda f, s, m, i: f(q[i], k[i], v[i], g_gdr[i], beta[i], s, m), rec0),
+    }
+    meta = replace(_decode_meta(None, slots, fresh), steps=steps, checkpoints=ckpt)
+    return ops, meta, slots, fresh, ckpt
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_verify_step_keeps_the_state_after_each_token(seed: int) -> None:
+    """Rows of 3 tokens in one decode step (StateMeta.steps, checkpoints), batched: each token's
+    output, and the state in its checkpoint slot, equal 3 single-token decode steps run in turn
+    (in place, within TOL); the rows' own slots are only read."""
+    from dayzero.kernels.batched import linear_attention as batched
+
+    steps = 3
+    ops, meta, slots, fresh, ckpt = verify_case(seed, steps)
+    t = len(slots) * steps
+    for op, (call, state0) in ops.items():
+        got_state, seq_state = state0.clone(), state0.clone()
+        got = call(getattr(batched, op), got_state, meta, slice(None))
+        assert torch.equal(got_state[slots].nan_to_num(), state0[slots].nan_to_num()), op
+        for i in range(steps):  # token i of every row, one decode step after another
+            one = _decode_meta(None, slots, fresh if i == 0 else [False] * len(slots))
+            want = call(getattr(batched, op), seq_state, one, slice(i, t, steps))
+            assert (got[i::steps] - want).abs().max().item() < TOL, (op, i)
+            assert (got_state[ckpt[:, i]] - seq_state[slots]).abs().max().item() < TOL, (op, i)

@@ -6,8 +6,10 @@ and the gated delta rule (a decay per value head, 2 query / key heads read by 4 
 32 columns, past one block of BV), 5 rows in scattered slots of a pool view whose slots sit apart
 (as in the engine's byte pool), one row fresh over a slot holding NaN; the short conv with 300
 channels (two blocks) and kernel 4, and 24 with kernel 3, on a strided input; outputs and the
-rows' states within 1e-5 of their scale (fp32, sums in another order), other slots untouched.
-A step that is not a decode step goes to the chunked form (the batched backend's, here)."""
+rows' states within 1e-5 of their scale (fp32, sums in another order), other slots untouched;
+and a verify step (rows of 3 tokens, the state after each token to a checkpoint slot, the rows'
+own slots only read) of all three. A step that is not a decode step goes to the chunked form
+(the batched backend's, here)."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def _view(pool: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def check(seed: int) -> list[str]:
-    from test_linear_attention import _decode_meta
+    from test_linear_attention import _decode_meta, verify_case
 
     from dayzero.kernels.batched import linear_attention as batched
     from dayzero.kernels.triton import linear_attention as tla
@@ -70,6 +72,15 @@ def check(seed: int) -> list[str]:
         others = [i for i in range(n_slots) if i not in slots]
         same = torch.equal(got_pool[others].nan_to_num(), pool[others].nan_to_num())
         out.append(f"short_conv c={c} k={kern} decode untouched={same} {err:.2e}")
+    ops, meta, slots, _, ckpt = verify_case(seed)  # rows of 3 tokens, a checkpoint after each
+    for op, (call, state0) in ops.items():
+        want_state, got_state = state0.clone(), state0.clone()
+        want = call(getattr(batched, op), want_state, meta, slice(None))
+        got = call(getattr(tla, op), got_state, meta, slice(None))
+        flat = ckpt.reshape(-1)
+        err = max(_rel(got, want), _rel(got_state[flat], want_state[flat]))
+        same = torch.equal(got_state[slots].nan_to_num(), state0[slots].nan_to_num())
+        out.append(f"{op} verify untouched={same} {err:.2e}")
     return out
 
 
@@ -77,7 +88,7 @@ def check(seed: int) -> list[str]:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_triton_delta_rule_decode_step_in_the_interpreter(seed: int) -> None:
     lines = run_checks(__file__, seed, timeout=300)
-    assert len(lines) == 4, lines
+    assert len(lines) == 7, lines
     for ln in lines:
         assert "untouched=True" in ln and float(ln.split()[-1]) <= TOL, ln
 

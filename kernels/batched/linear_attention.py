@@ -10,12 +10,14 @@ starts at position 0) before this step's. The index is built on the host from th
 layout (the scheduler's query starts and slots, host tuples), so nothing is read back from the
 device. Memory: [T, C] a term (the K terms summed one at a time), [R, K - 1, C] for the states.
 
-A decode step (StateMeta.decode: token r is row r's only token) reads the device copies of the
-slots and fresh flags alone: the rows' states gathered by slot [R, ...], one step of each op for
-all rows, the new states written back into their slots in place. No host copy is read and no
-shape depends on a row's length: graph-safe (a CUDA graph's padding rows all read and write the
-pool's scratch slot, with fresh set). Kimi delta attention and the gated delta rule run that
-step here; any other step goes to the reference ops (row by row; fla on CUDA does those).
+A decode step (StateMeta.decode: token r is row r's only token, or rows of `steps` tokens with
+their states kept after each in checkpoint slots) reads the device copies of the slots and fresh
+flags alone: the rows' states gathered by slot [R, ...], one step of each op for all rows (a
+token of each at a time), the new states written back into their slots (or checkpoints). No
+host copy is read and no shape depends on a row's length: graph-safe (a CUDA graph's padding
+rows all read and write the pool's scratch slot, with fresh set). Kimi delta attention and the
+gated delta rule run that step here; any other step goes to the reference ops (row by row; fla
+on CUDA does those).
 """
 
 from __future__ import annotations
@@ -66,16 +68,27 @@ def _initial(state: torch.Tensor, meta) -> torch.Tensor:
     return s.masked_fill(fresh, 0)
 
 
+def _written(meta, t: int) -> torch.Tensor:
+    """The slots the state after token t of each row goes to (`StateMeta.checkpoints`)."""
+    return meta.slots if meta.checkpoints is None else meta.checkpoints[:, t]
+
+
 def _conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, meta) -> torch.Tensor:
-    """One token a row: x [R, C] -> silu(sum_i w[:, i] u_i) [R, C] over u = [state ; x] [R, C, K];
-    the slots keep u's last K - 1 columns."""
-    seq = torch.cat((_initial(state, meta).to(x.dtype), x[:, :, None]), dim=2)  # [R, C, K]
-    w = weight[:, 0, :]  # [C, K]
-    y = seq[:, :, 0].to(w.dtype) * w[:, 0]
-    for i in range(1, w.shape[1]):  # the order of the sums over the whole step's taps below
-        y += seq[:, :, i].to(w.dtype) * w[:, i]
-    state.index_copy_(0, meta.slots, seq[:, :, 1:].to(state.dtype))
-    return F.silu(y).to(x.dtype)
+    """`steps` tokens a row, in order: x [R steps, C] -> silu(sum_i w[:, i] u_i) [R steps, C], u =
+    [the row's last K - 1 inputs ; this token] [R, C, K]; after each token u's last K - 1 columns
+    go to its slot (or checkpoint)."""
+    n, w = meta.steps, weight[:, 0, :]  # [C, K]
+    hist = _initial(state, meta).to(x.dtype)  # [R, C, K - 1]
+    ys = []
+    for t in range(n):
+        seq = torch.cat((hist, x[t::n, :, None]), dim=2)  # [R, C, K]
+        y = seq[:, :, 0].to(w.dtype) * w[:, 0]
+        for i in range(1, w.shape[1]):  # the order of the sums over the whole step's taps below
+            y += seq[:, :, i].to(w.dtype) * w[:, i]
+        hist = seq[:, :, 1:]
+        state.index_copy_(0, _written(meta, t), hist.to(state.dtype))
+        ys.append(F.silu(y).to(x.dtype))
+    return ys[0] if n == 1 else torch.stack(ys, dim=1).view(x.shape)
 
 
 @register("short_conv", "batched", Capabilities(features=OPS.get("short_conv").features, **DECODE_GRAPHS))
@@ -113,14 +126,18 @@ def _recurrent_step(
     state: torch.Tensor,
     meta,
 ) -> torch.Tensor:
-    """The decode step of kda_recurrence / gated_delta_rule: q, k [R, HV, Dk] (heads already
-    repeated to HV), v [R, HV, Dv], decay, beta as the reference's `delta_step`; state
-    [slots, HV, Dk, Dv] fp32 updated in the rows' slots -> [R, HV, Dv] in v's dtype."""
+    """The decode step of kda_recurrence / gated_delta_rule, `steps` tokens a row in order: q, k
+    [R steps, HV, Dk] (heads already repeated to HV), v [R steps, HV, Dv], decay, beta as the
+    reference's `delta_step`; state [slots, HV, Dk, Dv] fp32 written after each token to the
+    rows' slots (or checkpoints) -> [R steps, HV, Dv] in v's dtype."""
+    n = meta.steps
     qn = reference.l2norm(q.float()) * q.shape[-1] ** -0.5
-    o, s = reference.delta_step(
-        qn, reference.l2norm(k.float()), v.float(), decay, beta.float(), _initial(state, meta)
-    )
-    state.index_copy_(0, meta.slots, s)
+    kn, s, outs = reference.l2norm(k.float()), _initial(state, meta), []
+    for t in range(n):  # token t of every row
+        o, s = reference.delta_step(qn[t::n], kn[t::n], v[t::n].float(), decay[t::n], beta[t::n].float(), s)
+        state.index_copy_(0, _written(meta, t), s)
+        outs.append(o)
+    o = outs[0] if n == 1 else torch.stack(outs, dim=1).view(v.shape)
     return o.to(v.dtype)
 
 

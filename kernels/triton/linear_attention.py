@@ -10,7 +10,8 @@ state evolves alone), with q / k head j // rep (rep = HV / H):
     S <- decay S       decay [Dk] = exp(g[r, j]) (KDA: per key channel) or exp(g[r, j]) (one a head)
     S <- S + k (beta (v - S^T k))^T;   o = S^T q                              (fp32)
 
-S [Dk, BV] comes from the row's slot (zeros where the row is fresh) and goes back there. The
+S [Dk, BV] comes from the row's slot (zeros where the row is fresh) and goes back there (a
+verify step's rows of `steps` tokens: each token in turn, S after it to its checkpoint slot). The
 grid depends only on the shapes and every index is read on the device: graph-safe (a graph's
 padding rows read and write the pool's scratch slot, fresh). Any other step (a prompt's chunk)
 goes to fla-core's kernels where they are registered (CUDA), else to the reference's chunked
@@ -32,10 +33,10 @@ from dayzero.kernels.registry import KERNELS
 
 @triton.jit
 def _delta_step(
-    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, slot_ptr, fresh_ptr, HV, REP, DV,
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, s_ptr, o_ptr, slot_ptr, fresh_ptr, ckpt_ptr, HV, REP, DV, STEPS,
     stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_gr, stride_gh,
     stride_br, stride_ss, stride_sh, scale,
-    DK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    DK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, CKPT: tl.constexpr,
 ):  # fmt: skip
     r, j, pid = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     h = j // REP
@@ -43,50 +44,55 @@ def _delta_step(
     k_ok = kk < DK
     vv = pid * BV + tl.arange(0, BV)
     v_ok = vv < DV
-    q = tl.load(q_ptr + r * stride_qr + h * stride_qh + kk, mask=k_ok, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + r * stride_kr + h * stride_kh + kk, mask=k_ok, other=0.0).to(tl.float32)
-    q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
-    k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-    if PER_CHANNEL:
-        g = tl.load(g_ptr + r * stride_gr + j * stride_gh + kk, mask=k_ok, other=0.0).to(tl.float32)
-    else:
-        g = tl.load(g_ptr + r * stride_gr + j * stride_gh).to(tl.float32) + tl.zeros((BK,), tl.float32)
-    beta = tl.load(b_ptr + r * stride_br + j).to(tl.float32)
-    v = tl.load(v_ptr + r * stride_vr + j * stride_vh + vv, mask=v_ok, other=0.0).to(tl.float32)
     slot = tl.load(slot_ptr + r)
     m = k_ok[:, None] & v_ok[None, :]
-    at = s_ptr + slot * stride_ss + j * stride_sh + kk[:, None] * DV + vv[None, :]
-    s = tl.load(at, mask=m, other=0.0)  # [BK, BV]
+    cell = j * stride_sh + kk[:, None] * DV + vv[None, :]
+    s = tl.load(s_ptr + slot * stride_ss + cell, mask=m, other=0.0)  # [BK, BV]
     s = tl.where(tl.load(fresh_ptr + r) != 0, 0.0, s)  # a fresh row's slot is not read
-    s = s * tl.exp(g)[:, None]
-    delta = (v - tl.sum(k[:, None] * s, 0)) * beta  # [BV]
-    s = s + k[:, None] * delta[None, :]
-    o = tl.sum(q[:, None] * s, 0)
-    tl.store(at, s, mask=m)
-    tl.store(o_ptr + (r * HV + j) * DV + vv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+    for t in range(STEPS):  # the row's tokens in order, S in registers between them
+        tok = r * STEPS + t
+        q = tl.load(q_ptr + tok * stride_qr + h * stride_qh + kk, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + tok * stride_kr + h * stride_kh + kk, mask=k_ok, other=0.0).to(tl.float32)
+        q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+        if PER_CHANNEL:
+            g = tl.load(g_ptr + tok * stride_gr + j * stride_gh + kk, mask=k_ok, other=0.0).to(tl.float32)
+        else:
+            g = tl.load(g_ptr + tok * stride_gr + j * stride_gh).to(tl.float32) + tl.zeros((BK,), tl.float32)
+        beta = tl.load(b_ptr + tok * stride_br + j).to(tl.float32)
+        v = tl.load(v_ptr + tok * stride_vr + j * stride_vh + vv, mask=v_ok, other=0.0).to(tl.float32)
+        s = s * tl.exp(g)[:, None]
+        delta = (v - tl.sum(k[:, None] * s, 0)) * beta  # [BV]
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(q[:, None] * s, 0)
+        dst = tl.load(ckpt_ptr + tok) if CKPT else slot  # the state after this token
+        tl.store(s_ptr + dst * stride_ss + cell, s, mask=m)
+        tl.store(o_ptr + (tok * HV + j) * DV + vv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
 
 
 def _step(q, k, v, g, beta, state, meta, per_channel: bool) -> torch.Tensor:
-    r, hv, dv = v.shape
+    t, hv, dv = v.shape
     dk = q.shape[-1]
-    o = torch.empty(r, hv, dv, dtype=v.dtype, device=v.device)
+    o = torch.empty(t, hv, dv, dtype=v.dtype, device=v.device)
+    r = t // meta.steps
     if r == 0:
         return o
     bk = triton.next_power_of_2(dk)
     bv = min(triton.next_power_of_2(dv), max(16, 4096 // bk))  # S's block within 4,096 fp32
+    ckpt = meta.checkpoints
     _delta_step[(r, hv, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, state, o, meta.slots, meta.fresh, hv, hv // q.shape[1], dv,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-        g.stride(1), beta.stride(0), state.stride(0), state.stride(1), dk**-0.5,
-        DK=dk, BK=bk, BV=bv, PER_CHANNEL=per_channel,
+        q, k, v, g, beta, state, o, meta.slots, meta.fresh, meta.slots if ckpt is None else ckpt, hv,
+        hv // q.shape[1], dv, meta.steps, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), g.stride(0), g.stride(1), beta.stride(0), state.stride(0), state.stride(1), dk**-0.5,
+        DK=dk, BK=bk, BV=bv, PER_CHANNEL=per_channel, CKPT=ckpt is not None,
     )  # fmt: skip
     return o
 
 
 @triton.jit
 def _conv_step(
-    x_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, fresh_ptr, C, stride_x, stride_ss, stride_sc,
-    K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, y_ptr, slot_ptr, fresh_ptr, ckpt_ptr, C, STEPS, stride_x, stride_ss, stride_sc,
+    K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr, CKPT: tl.constexpr,
 ):  # fmt: skip
     r, pid = tl.program_id(0).to(tl.int64), tl.program_id(1)
     c = pid * BC + tl.arange(0, BC)
@@ -95,34 +101,40 @@ def _conv_step(
     dt = y_ptr.dtype.element_ty
     slot = tl.load(slot_ptr + r)
     keep = tl.load(fresh_ptr + r) == 0
-    past = s_ptr + slot * stride_ss + c[:, None] * stride_sc + i[None, :]  # [BC, KP]: taps 0 .. K - 2
-    u = tl.load(past, mask=c_ok[:, None] & (i < K - 1)[None, :] & keep, other=0.0).to(dt).to(tl.float32)
-    x = tl.load(x_ptr + r * stride_x + c, mask=c_ok, other=0.0).to(tl.float32)
-    u = tl.where((i == K - 1)[None, :], x[:, None], u)  # tap K - 1: this token
+    taps = c[:, None] * stride_sc + i[None, :]  # [BC, KP]: taps 0 .. K - 2 of a slot
+    hist = c_ok[:, None] & (i < K - 1)[None, :]
+    u = tl.load(s_ptr + slot * stride_ss + taps, mask=hist & keep, other=0.0).to(dt).to(tl.float32)
     w = tl.load(w_ptr + c[:, None] * K + i[None, :], mask=c_ok[:, None] & (i < K)[None, :], other=0.0)
-    y = tl.sum(u * w.to(tl.float32), 1)  # [BC]
-    tl.store(y_ptr + r * C + c, (y / (1.0 + tl.exp(-y))).to(dt), mask=c_ok)
-    # the slot keeps the last K - 1 inputs: taps 1 .. K - 1 move down by one
-    nxt = tl.load(past + 1, mask=c_ok[:, None] & (i < K - 2)[None, :] & keep, other=0.0).to(dt)
-    nxt = tl.where((i == K - 2)[None, :], x[:, None].to(dt), nxt)
-    tl.store(past, nxt.to(s_ptr.dtype.element_ty), mask=c_ok[:, None] & (i < K - 1)[None, :])
+    down = (i[None, :] == i[:, None] + 1).to(tl.float32)  # [KP, KP]: tap a takes tap a + 1
+    for t in range(STEPS):  # the row's tokens in order
+        tok = r * STEPS + t
+        x = tl.load(x_ptr + tok * stride_x + c, mask=c_ok, other=0.0).to(tl.float32)
+        u = tl.where((i == K - 1)[None, :], x[:, None], u)  # tap K - 1: this token
+        y = tl.sum(u * w.to(tl.float32), 1)  # [BC]
+        tl.store(y_ptr + tok * C + c, (y / (1.0 + tl.exp(-y))).to(dt), mask=c_ok)
+        u = tl.sum(u[:, None, :] * down[None, :, :], 2)  # the slot keeps the last K - 1 inputs (exact)
+        dst = tl.load(ckpt_ptr + tok) if CKPT else slot
+        tl.store(s_ptr + dst * stride_ss + taps, u.to(dt).to(s_ptr.dtype.element_ty), mask=hist)
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, meta) -> torch.Tensor:
     """The short convolution (kernels/batched: `short_conv`): a decode step here, one program a
-    (row, block of channels): u = [the slot's K - 1 inputs ; this token], y = silu(sum_i w_i u_i)
-    (fp32 sums of the inputs in x's dtype), the slot shifted by one in place; other steps batched."""
-    r, c = x.shape
+    (row, block of channels) over the row's `steps` tokens: u = [the slot's K - 1 inputs ; this
+    token], y = silu(sum_i w_i u_i) (fp32 sums of the inputs in x's dtype), u shifted by one and
+    written after each token to the slot (or its checkpoint); other steps batched."""
+    t, c = x.shape
     k = weight.shape[-1]
     usable = x.stride(-1) == 1 and weight.is_contiguous() and state.stride(-1) == 1 and k >= 2
     if not (meta.decode and meta.slots is not None and usable):
         return batched.short_conv(x, weight, state, meta)
-    y = torch.empty(r, c, dtype=x.dtype, device=x.device)
+    y = torch.empty(t, c, dtype=x.dtype, device=x.device)
+    r, ckpt = t // meta.steps, meta.checkpoints
     if r:
         bc = min(256, triton.next_power_of_2(c))
         _conv_step[(r, triton.cdiv(c, bc))](
-            x, weight, state, y, meta.slots, meta.fresh, c, x.stride(0), state.stride(0), state.stride(1),
-            K=k, KP=triton.next_power_of_2(k), BC=bc,
+            x, weight, state, y, meta.slots, meta.fresh, meta.slots if ckpt is None else ckpt, c, meta.steps,
+            x.stride(0), state.stride(0), state.stride(1),
+            K=k, KP=triton.next_power_of_2(k), BC=bc, CKPT=ckpt is not None,
         )  # fmt: skip
     return y
 

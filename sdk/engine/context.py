@@ -21,7 +21,12 @@ class StateMeta:
     The same on the device (what a graph-safe kernel reads; None where a caller gives host
     copies only): slots [R] int64, fresh [R] int64 (1: the row starts from zeros). decode: every
     row has exactly one token, token r being row r's (a decode step: the kernels' vectorised
-    one-token path over `slots` / `fresh`, no host copy read)."""
+    one-token path over `slots` / `fresh`, no host copy read).
+    A decode step of `steps` tokens a row (a speculative verify step of k + 1 tokens): row r's
+    tokens are r * steps .. r * steps + steps - 1, run in order; the state after its token t is
+    written to slot checkpoints[r, t] ([R, steps] int64, on the device) and slots[r] is only
+    read, so the step's state at any of its tokens is kept (the speculative rollback). Without
+    checkpoints (steps 1) the state goes back to slots[r]."""
 
     pool: torch.Tensor
     slots_cpu: tuple[int, ...]
@@ -30,6 +35,8 @@ class StateMeta:
     slots: torch.Tensor | None = None
     fresh: torch.Tensor | None = None
     decode: bool = False
+    steps: int = 1
+    checkpoints: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
