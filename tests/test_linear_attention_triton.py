@@ -141,6 +141,19 @@ def test_triton_delta_rule_decode_step_on_cuda(seed: int) -> None:
         got = getattr(tla, op)(q, k, v, gate, beta, _view(got_pool, view), meta)
         assert _rel(got.float(), want.float()) <= 2**-7, op  # one bf16 ulp of the output's scale
         assert _rel(_view(got_pool, view)[slots], _view(want_pool, view)[slots]) <= TOL, op
+        # a verify step: the 8 tokens as 2 rows of 4, each token's state to slots 4..11 of a
+        # wider pool (the rows' own slots, 3 and 9 of 12 here, only read)
+        wide = torch.randn(14, hv * dk * dv + 64, generator=g, device="cuda") * 0.1
+        want_pool, got_pool, view = wide.clone(), wide.clone(), (14, hv, dk, dv)
+        ckpt = torch.arange(4, 12, device="cuda").view(2, 4)
+        meta = _decode_meta(None, [3, 12], [False, True])
+        meta = replace(meta, slots=meta.slots.cuda(), fresh=meta.fresh.cuda(), steps=4, checkpoints=ckpt)
+        want = getattr(batched, op)(q, k, v, gate, beta, _view(want_pool, view), meta)
+        got = getattr(tla, op)(q, k, v, gate, beta, _view(got_pool, view), meta)
+        assert _rel(got.float(), want.float()) <= 2**-7, op
+        flat = ckpt.reshape(-1)
+        assert _rel(_view(got_pool, view)[flat], _view(want_pool, view)[flat]) <= TOL, op
+        assert torch.equal(got_pool[[3, 12]], wide[[3, 12]]), op
     c = 3 * 12288  # Kimi K3's q, k and v convolutions in one call
     x = torch.randn(r, c, generator=g, device="cuda").bfloat16()
     w = torch.randn(c, 1, 4, generator=g, device="cuda")

@@ -14,11 +14,12 @@ outcome is fixed, not flaky). Every attention kind and recurrent state the launc
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
 
-from dayzero.sdk.engine.engine import EngineConfig, SamplingParams
+from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams, checkpoint_slots
 from dayzero.sdk.engine.speculative import SpeculativeConfig, TokenDrafter, accepted
 from dayzero.sdk.loader import open_checkpoint
 from dayzero.sdk.parity.runner import RETRACTION, Ours, Tolerance, retraction_budget
@@ -114,15 +115,21 @@ def test_verify_steps_run_in_the_decode_graph_buffers(model: Ours) -> None:
     """decode_graphs "buffers" (the CUDA graphs' static buffers, run eagerly): a model without
     recurrent state verifies a step with no prefill row as single-token rows (speculative.flat_plan),
     with the tokens and logprobs of the varlen pass, through chunks and prefix hits; a model with
-    state verifies varlen (its tokens would share a state slot)."""
+    KDA / Gated DeltaNet state too, each request's k + 1 tokens a state row whose state after
+    each token is kept in a checkpoint slot (the kept one copied back); one with n-gram history
+    state verifies varlen (its op keeps no checkpoints)."""
     prompts = _prompts(model, 4)
     base = model.engine(decode_graphs="off").generate(prompts, GREEDY)
     eng = _engine(model, Oracle(prompts, base, 2), decode_graphs="buffers", block_size=4, chunk_size=8)
     _same(base, eng.generate(prompts, GREEDY))
     _same(base, eng.generate(prompts, GREEDY))  # prefix hits
-    stateless = not any(g.kind == "state" for g in model.cfg.cache_groups)
-    assert (eng.stats["graph_steps"] > 0) == stateless, eng.stats["graph_steps"]
+    ngram = any(layer.ngram_caches for layer in model.cfg.layers)
+    assert (eng.stats["graph_steps"] > 0) != ngram, eng.stats["graph_steps"]
+    assert (eng.pool.checkpoints > 0) == (eng.pool.state_bytes > 0 and not ngram)
     assert eng.stats["accepted_at"][1] > 0
+    every = _engine(model, Oracle(prompts, base), decode_graphs="buffers")  # rows keep all k + 1 tokens
+    _same(base, every.generate(prompts, GREEDY))
+    assert every.stats["accepted_at"][K - 1] > 0
 
 
 def test_stops_and_max_tokens_inside_accepted_drafts(model: Ours) -> None:
@@ -239,3 +246,21 @@ def test_oracle_covers_every_acceptance_length() -> None:
     for j in range(K + 1):
         drafts = Oracle(prompts, [Out()], j)([1, 2], K)
         assert accepted(drafts, [3, 4, 5, 6]) == j
+
+
+def test_the_verify_checkpoints_come_out_of_the_kv_budget(tmp_path) -> None:
+    """A stateful model drafting with decode graphs keeps k + 1 state checkpoints a batch row
+    (KvPool.checkpoints) inside kv_cache_bytes: fewer KV pages than without them, and a budget
+    too small for them is refused by name."""
+    ours = Ours(open_checkpoint(write_tiny("qwen38", tmp_path, seed=3)), torch.device("cpu"), torch.float32)
+    spec = SpeculativeConfig("ngram", K)
+    cfg = EngineConfig(max_batch_size=4, kv_cache_bytes=4 << 20, decode_graphs="buffers", speculative=spec)
+    assert checkpoint_slots(ours.cfg, cfg, torch.device("cpu")) == 4 * (K + 1)
+    assert checkpoint_slots(ours.cfg, replace(cfg, decode_graphs="auto"), torch.device("cpu")) == 0
+    drafting = Engine(ours.model, ours.cfg, ours.ops, cfg)
+    plain = Engine(ours.model, ours.cfg, ours.ops, replace(cfg, decode_graphs="off"))
+    assert drafting.pool.checkpoints == 4 * (K + 1) and plain.pool.checkpoints == 0
+    assert drafting.pool.layout["num_pages"] < plain.pool.layout["num_pages"]
+    slot = drafting.pool.layout["state_slot_bytes"]
+    with pytest.raises(ValueError, match="does not hold the speculative verify step's 16 state checkpoints"):
+        Engine(ours.model, ours.cfg, ours.ops, replace(cfg, kv_cache_bytes=16 * slot))

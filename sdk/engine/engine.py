@@ -22,19 +22,21 @@ from dayzero.sdk.engine.dp import DpScheduler, dp_context
 from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.grammar import Matchers
 from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
-from dayzero.sdk.engine.kv_pool import KvPool
+from dayzero.sdk.engine.kv_pool import ROW_ALIGN, KvPool
 from dayzero.sdk.engine.ranks import Leader, from_leader, smallest
 from dayzero.sdk.engine.sampling import Pending, Sampler, SamplingParams
 from dayzero.sdk.engine.speculative import (
     END,
     ROLLBACK,
     VERIFY,
+    SavedStates,
     SpeculativeConfig,
     VerifyRows,
     check_parallel,
     roll_back,
     save_states,
     verify_forward,
+    verify_graph_plan,
     verify_inputs,
     verify_rows,
 )
@@ -96,11 +98,32 @@ class EngineConfig:
             )
 
 
-def _scheduler_fields(cfg: ModelConfig, config: EngineConfig) -> dict[str, int | bool]:
-    """The scheduler's settings of an engine config (its memory layout's among them)."""
+def checkpoint_slots(cfg: ModelConfig, config: EngineConfig, device: torch.device) -> int:
+    """The state slots a stateful model's verify graphs keep their tokens' states in (KvPool,
+    StateMeta.checkpoints): k + 1 for each row of the largest batch; none without drafting,
+    recurrent state or decode graphs, or with an n-gram history state (its op keeps none)."""
+    mode, par = config.decode_graphs, cfg.parallel
+    if config.speculative is None or not any(g.kind == "state" for g in cfg.cache_groups):
+        return 0
+    if mode == "off" or (mode == "auto" and device.type != "cuda") or (par.attention_dp and par.size > 1):
+        return 0
+    if any(layer.ngram_caches for layer in cfg.layers):
+        return 0
+    return config.max_batch_size * (config.speculative.num_speculative_tokens + 1)
+
+
+def _scheduler_fields(cfg: ModelConfig, config: EngineConfig, checkpoints: int = 0) -> dict[str, int | bool]:
+    """The scheduler's settings of an engine config (its memory layout's among them), the device
+    budget less `checkpoints` state slots (`checkpoint_slots`)."""
+    slot = sum(-(-g.row // ROW_ALIGN) * ROW_ALIGN for g in cfg.cache_groups if g.kind == "state")
+    if checkpoints * slot >= config.kv_cache_bytes:
+        raise ValueError(
+            f"kv_cache_bytes {config.kv_cache_bytes} does not hold the speculative verify step's "
+            f"{checkpoints} state checkpoints ({slot} bytes each) and any KV"
+        )
     fields: dict[str, int | bool] = dict(
         block_size=config.block_size,
-        device_bytes=config.kv_cache_bytes,
+        device_bytes=config.kv_cache_bytes - checkpoints * slot,
         host_bytes=config.host_cache_bytes,
         max_batch_size=config.max_batch_size,
         max_tokens_per_step=config.max_tokens_per_step,
@@ -200,9 +223,7 @@ class _Launched:
     prefill_tokens: int
     pending: Pending
     verify: VerifyRows | None = None  # speculative: which sampled rows are whose, and the drafts
-    # speculative, with recurrent state: (the verify pass's input ids, each decode row's state
-    # slot [D] and a copy of the slots [D, bytes] from before it, the decode rows [D])
-    saved: tuple | None = None
+    saved: SavedStates | None = None  # speculative, with recurrent state: for the rollback
 
 
 _ENDED = SamplingParams(max_tokens=1, temperature=0)  # a row whose request ended after its plan
@@ -219,7 +240,8 @@ class Engine:
     ) -> None:
         self.model, self.cfg, self.ops, self.config = model, cfg, ops, config
         self.device, self.dtype = ops.device, ops.dtype
-        fields = _scheduler_fields(cfg, config)
+        checkpoints = checkpoint_slots(cfg, config, self.device)
+        fields = _scheduler_fields(cfg, config, checkpoints)
         self.groups = scheduler_groups(cfg, self.dtype.itemsize)
         par = cfg.parallel
         self.dp = par.attention_dp and par.size > 1  # one scheduler per attention rank (dp.py)
@@ -240,7 +262,7 @@ class Engine:
         fields["cache_salt_hi"], fields["cache_salt_lo"] = secrets.randbits(64), secrets.randbits(64)
         sched = make_config(self.groups, **fields)
         self.scheduler = DpScheduler(sched, par.size, par.rank) if self.dp else Scheduler(sched)
-        self.pool = KvPool(self.scheduler.layout, config.block_size, self.dtype, self.device)
+        self.pool = KvPool(self.scheduler.layout, config.block_size, self.dtype, self.device, checkpoints)
         # a model with no position limit (no RoPE) is bounded by what one request's KV can take
         self.max_model_len = (
             config.max_model_len or cfg.max_position or self.scheduler.layout["num_pages"] * config.block_size
@@ -314,7 +336,7 @@ class Engine:
         return why
 
     def _graphs(
-        self, what: str, forward, why: list[str] | None, feed=None, state: bool = True
+        self, what: str, forward, why: list[str] | None, feed=None, state: bool = True, steps: int = 1
     ) -> DecodeGraphs | None:
         if why is None:
             return None
@@ -322,23 +344,28 @@ class Engine:
             log.info("%s runs eagerly (no CUDA graphs): %s", what, "; ".join(why))
             return None
         # speculative: verify steps and the head's observe passes, each token a row
-        # (speculative.flat_plan): up to k + 1 rows a request
+        # (speculative.flat_plan): up to k + 1 rows a request (`steps` = k + 1: exactly)
         per = 1 if self.spec is None else self.spec.num_speculative_tokens + 1
         top = self.config.max_batch_size * per
         sizes = (*(s for s in DEFAULT_SIZES if s < top), min(top, DEFAULT_SIZES[-1]))
+        if steps > 1:  # buckets of whole requests
+            b = self.config.max_batch_size
+            sizes = tuple(s * steps for s in (*(s for s in DEFAULT_SIZES if s < b), b))
         max_blocks = -(-self.max_model_len // self.config.block_size)
         capture, block = self.config.decode_graphs == "auto", self.config.block_size
         return DecodeGraphs(
-            forward, self.pool, block, max_blocks, sizes, self.device, capture, feed, what, state
+            forward, self.pool, block, max_blocks, sizes, self.device, capture, feed, what, state, steps
         )
 
     def _decode_graphs(self) -> DecodeGraphs | None:
-        why = self._graph_blockers()
+        why, steps = self._graph_blockers(), 1
         if why is not None and self.spec is not None and self.pool.state_bytes:
-            why.append("speculative steps of a model with recurrent state verify k + 1 tokens a row")
+            steps = self.spec.num_speculative_tokens + 1  # each request a state row of k + 1 tokens
+            if not self.pool.checkpoints:
+                why.append("speculative steps of a model with n-gram history state verify k + 1 tokens a row")
         hidden = self.spec is not None and self.drafter.hidden
         model = self.model
-        return self._graphs("decode", lambda ctx, _: model(ctx, hidden=hidden), why)
+        return self._graphs("decode", lambda ctx, _: model(ctx, hidden=hidden), why, steps=steps)
 
     def _head_graphs(self) -> DecodeGraphs | None:
         """The MTP head's passes in graphs (speculative.observe_pass, draft_pass), unless its
@@ -535,7 +562,8 @@ class Engine:
         if isinstance(proposed, list):
             proposed = dict(zip(drafted, proposed, strict=True))
         inputs, fill = verify_inputs(plan, k, decode, proposed, verify)
-        saved = save_states(self, plan, inputs, decode)  # the decode rows' states before the drafts
+        flat = verify_graph_plan(self, plan, inputs)  # None: a varlen step
+        saved = save_states(self, plan, inputs, decode, checkpointed=flat is not None)
         if self.leader is not None:  # (the other ranks fill in the device drafts of their own chain)
             none = np.zeros(0, dtype=np.int64)
             on_device = (fill[0], np.asarray(verify.device.rows, dtype=np.int64)) if fill else (none, none)
@@ -543,7 +571,7 @@ class Engine:
                 VERIFY, inputs, index, decode, np.asarray([int(self.drafter.hidden)]), *on_device
             )
         with self._lockstep(), record_function("dayzero.verify"):  # the MTP head reads z of every token
-            logits, verify.z = verify_forward(self, plan, inputs, index, self.drafter.hidden, fill)
+            logits, verify.z = verify_forward(self, plan, inputs, index, self.drafter.hidden, fill, flat)
         req_ids = np.asarray(plan.req_ids).copy()
         sample_ids = np.repeat(req_ids, verify.count).tolist()
         with record_function("dayzero.sample"):
@@ -552,19 +580,18 @@ class Engine:
         return _Launched(plan, req_ids, sample, sample_ids, int(n[prefill].sum()), pending, verify, saved)
 
     def _roll_back_states(self, done: _Launched, rows: list[tuple[int, list[int]]]) -> None:
-        """The decode rows that keep fewer than k + 1 tokens: their states from before the
-        verify pass, then their kept inputs once more (speculative.py)."""
-        inputs, decode, k = done.saved[0], done.saved[3], self.spec.num_speculative_tokens
-        keep = np.zeros(len(rows), dtype=np.int64)
+        """Each decode row's state at its last kept token (speculative.roll_back)."""
+        saved, k = done.saved, self.spec.num_speculative_tokens
+        kept = np.zeros(len(rows), dtype=np.int64)
         qs = np.asarray(done.plan.query_start)
-        for r in decode.tolist():
-            keep[r] = len(rows[r][1]) if len(rows[r][1]) <= k else 0
+        for r in saved.decode.tolist():
+            kept[r] = len(rows[r][1])
             if done.verify.device is not None and r in done.verify.device.rows:  # the drafts, now known
-                inputs[qs[r] + 1 : qs[r] + 1 + k] = done.verify.drafts[r]
+                saved.inputs[qs[r] + 1 : qs[r] + 1 + k] = done.verify.drafts[r]
         if self.leader is not None:
-            self.leader.pass_(ROLLBACK, keep, inputs)
+            self.leader.pass_(ROLLBACK, kept, saved.inputs)
         with self._lockstep(), record_function("dayzero.rollback"):
-            roll_back(self, done.plan, done.saved, keep)
+            roll_back(self, done.plan, saved, kept)
 
     def _drafts(self, rid: int) -> bool:
         """Whether a request's decode rows verify drafts: not where its sampling reads its own

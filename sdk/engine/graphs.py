@@ -77,11 +77,15 @@ class DecodeGraphs:
         feed: tuple[tuple[int, ...], torch.dtype] | None = None,
         name: str = "decode",
         state: bool = True,
+        steps: int = 1,
     ) -> None:
         """max_blocks: the widest block table a request can have (max model length / block size);
         feed: (the shape of a row, dtype) of the input `forward` reads beside the tokens (the MTP
         head's hidden states), None: it reads none; name: what runs in them (the report's); state:
-        whether the forward reads the pool's recurrent states (the MTP head's layer does not)."""
+        whether the forward reads the pool's recurrent states (the MTP head's layer does not);
+        steps: the tokens of a state row (a stateful model's verify steps: k + 1, each token a
+        row of its own for attention, each request a state row whose state after each token goes
+        to the pool's checkpoint slots, flat row i's to checkpoint i; sizes are multiples)."""
         self.forward, self.pool, self.block_size, self.device = forward, pool, block_size, device
         self.name = name
         self.sizes = tuple(sorted(set(sizes)))
@@ -90,6 +94,10 @@ class DecodeGraphs:
         self.groups = [g for g, v in enumerate(pool.views) if v is not None]  # paged groups
         n = len(self.groups)
         self.state = state and pool.state_bytes > 0  # a State group: the rows' state slots and fresh flags
+        self.steps = steps
+        if steps > 1:  # flat row i's state to checkpoint slot i
+            assert all(s % steps == 0 for s in self.sizes) and pool.checkpoints >= b, (self.sizes, steps)
+            self.checkpoints = torch.arange(b, device=device).view(-1, steps) + pool.checkpoint_slot(0)
         self.state_field = 3 + n  # its fields' index: [slots | fresh]
         pin = device.type == "cuda"
         # [ids | positions | kv_lens | slots of each paged group (| state slots | fresh)], B each;
@@ -140,26 +148,29 @@ class DecodeGraphs:
         )
 
     def _state_meta(self, size: int, plan) -> StateMeta:
-        """The rows' state slots and fresh flags in the static buffers; the host copies only for
-        a plan run eagerly (padding rows: the scratch slot, fresh)."""
-        slots, fresh = (self._field(self.state_field + i, size) for i in range(2))
-        host_slots, host_init = (self.pool.scratch_state_slot(),) * size, (False,) * size
+        """The state rows' slots and fresh flags in the static buffers (size / steps rows); the
+        host copies only for a plan run eagerly (padding rows: the scratch slot, fresh)."""
+        n, rows = self.steps, size // self.steps
+        slots, fresh = (self._field(self.state_field + i, rows) for i in range(2))
+        host_slots, host_init = (self.pool.scratch_state_slot(),) * rows, (False,) * rows
         if plan is not None:
-            r = plan.rows
+            r = plan.rows // n
             host_slots = tuple(int(x) for x in plan.state_slots) + host_slots[r:]
-            host_init = tuple(bool(n > 1) for n in plan.kv_lens) + host_init[r:]
+            host_init = tuple(bool(p > 0) for p in plan.positions[::n]) + host_init[r:]
         return StateMeta(
             pool=self.pool.slots,
             slots_cpu=host_slots,
             has_initial_state_cpu=host_init,
-            query_start_cpu=tuple(range(size + 1)),
+            query_start_cpu=tuple(range(0, size + 1, n)),
             slots=slots,
             fresh=fresh,
             decode=True,
+            steps=n,
+            checkpoints=self.checkpoints[:rows] if n > 1 else None,
         )
 
     def fits(self, plan) -> bool:
-        return plan.rows <= self.sizes[-1] and decode_only(plan)
+        return plan.rows <= self.sizes[-1] and plan.rows % self.steps == 0 and decode_only(plan)
 
     def _fill(self, plan, size: int) -> None:
         """Stage the plan's rows (and padding up to `size`) and copy them to the device."""
@@ -180,12 +191,12 @@ class DecodeGraphs:
             s[(3 + j) * b + r : (3 + j) * b + size] = self.scratch[j]
             width = max(width, table.shape[1])
             self.tables_host[j].numpy()[:r, : table.shape[1]] = table
-        if self.state:  # a decode row at position 0 (a one-token prompt) starts from zeros
-            f = self.state_field * b
-            s[f : f + r] = plan.state_slots
-            s[f + r : f + size] = self.pool.scratch_state_slot()
-            s[f + b : f + b + r] = np.asarray(plan.kv_lens) == 1
-            s[f + b + r : f + b + size] = 1
+        if self.state:  # a state row at position 0 (a one-token prompt) starts from zeros
+            f, rs, n = self.state_field * b, r // self.steps, size // self.steps
+            s[f : f + rs] = plan.state_slots
+            s[f + rs : f + n] = self.pool.scratch_state_slot()
+            s[f + b : f + b + rs] = np.asarray(plan.positions)[:: self.steps] == 0
+            s[f + b + rs : f + b + n] = 1
         self.vec.copy_(self.staging, non_blocking=True)
         for j in range(len(self.groups)):
             self.tables[j][:r, :width].copy_(self.tables_host[j][:r, :width], non_blocking=True)
@@ -276,9 +287,9 @@ class DecodeGraphs:
         for j in range(len(self.groups)):
             s[(3 + j) * b : (3 + j) * b + size] = self.scratch[j]
         if self.state:
-            f = self.state_field * b
-            s[f : f + size] = self.pool.scratch_state_slot()
-            s[f + b : f + b + size] = 1
+            f, n = self.state_field * b, size // self.steps
+            s[f : f + n] = self.pool.scratch_state_slot()
+            s[f + b : f + b + n] = 1
         self.vec.copy_(self.staging)
 
 

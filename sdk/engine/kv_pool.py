@@ -1,11 +1,13 @@
 """Physical KV memory behind the scheduler's logical blocks.
 
 Device pool bytes: [ state slots: num_slots x state_slot_bytes ][ one scratch state slot ]
-[ pages: num_pages x page_bytes ][ one scratch page ] (no state slot at all for a model without
-a State group). The scratch page and slot lie past every block and slot the scheduler hands
-out: the padding rows of a captured decode step write their keys there (`scratch_slot`) and
-read and write their recurrent states there (`scratch_state_slot`); a group's view ends in the
-scratch page, so its last row is a scratch slot too (`PagedMeta.scratch`).
+[ `checkpoints` state slots ][ pages: num_pages x page_bytes ][ one scratch page ] (no state slot
+at all for a model without a State group). The checkpoint slots hold a speculative verify step's
+state after each of its tokens (StateMeta.checkpoints), no request's. The scratch page and slot
+lie past every block and slot the scheduler hands out: the padding rows of a captured decode
+step write their keys there (`scratch_slot`) and read and write their recurrent states there
+(`scratch_state_slot`); a group's view ends in the scratch page, so its last row is a scratch
+slot too (`PagedMeta.scratch`).
 Block b of paged group g is rows [b * block_size, (b + 1) * block_size) of that group's view
 [num_pages * blocks_per_page[g] * block_size, padded_row_bytes[g]], seen in the cache dtype.
 Host pool: num_host_pages x page_bytes (pinned on CUDA, not zeroed), for retraction and demoted
@@ -21,10 +23,14 @@ ROW_ALIGN = 256  # bytes; keeps every group's padded row a whole number of eleme
 
 
 class KvPool:
-    def __init__(self, layout: dict, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, layout: dict, block_size: int, dtype: torch.dtype, device: torch.device, checkpoints: int = 0
+    ) -> None:
         self.layout, self.block_size, self.dtype, self.device = layout, block_size, dtype, device
         slot_bytes = layout["state_slot_bytes"]
-        self.state_bytes = (layout["num_slots"] + 1) * slot_bytes if slot_bytes else 0  # + scratch
+        self.checkpoints = checkpoints if slot_bytes else 0
+        # + the scratch slot and the checkpoint slots
+        self.state_bytes = (layout["num_slots"] + 1 + self.checkpoints) * slot_bytes if slot_bytes else 0
         self.page_bytes = layout["page_bytes"]
         pages_held = layout["num_pages"] + 1  # + the scratch page
         total = self.state_bytes + pages_held * self.page_bytes
@@ -54,6 +60,10 @@ class KvPool:
     def scratch_state_slot(self) -> int:
         """A state slot that no request owns (past the scheduler's)."""
         return self.layout["num_slots"]
+
+    def checkpoint_slot(self, i: int) -> int:
+        """Checkpoint i's state slot (0 <= i < checkpoints)."""
+        return self.layout["num_slots"] + 1 + i
 
     def apply(self, c) -> None:
         """The plan's copies that run before the forward pass (offload, reload, state restore)."""

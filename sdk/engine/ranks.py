@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -51,6 +52,7 @@ from dayzero.sdk.engine.speculative import (
     roll_back,
     save_states,
     verify_forward,
+    verify_graph_plan,
 )
 
 STEP, STOP, PARTS, PASS = 1, 2, 3, 4
@@ -58,6 +60,7 @@ STEP, STOP, PARTS, PASS = 1, 2, 3, 4
 GRAPH, SHARE, PASSES = 1, 2, 4
 FIELDS = (
     "num_tokens", "query_start", "positions", "kv_lens", "input_ids", "sample", "state_slots", "req_ids",
+    "is_prefill",
 )  # fmt: skip
 COPIES = (
     "to_host_group", "to_host_src", "to_host_dst", "to_device_group", "to_device_src", "to_device_dst",
@@ -302,14 +305,15 @@ def _passes(engine, plan, group, heads: dict[int, tuple[torch.Tensor, torch.Tens
                     drafts = _chain_start(heads, plan, keep)[1]
                 tokens = torch.stack(drafts, dim=1).reshape(-1)
                 fill = (on_device, np.arange(len(on_device), dtype=np.int64), tokens)
-            saved = save_states(engine, plan, inputs, decode_rows)
-            _, z = verify_forward(engine, plan, inputs, index, bool(reads_hidden[0]), fill)
+            flat = verify_graph_plan(engine, plan, inputs)
+            saved = save_states(engine, plan, inputs, decode_rows, checkpointed=flat is not None)
+            _, z = verify_forward(engine, plan, inputs, index, bool(reads_hidden[0]), fill, flat)
             engine.pool.apply_after(plan.copies)
         elif mode == ROLLBACK:
             if saved is None:
                 raise RuntimeError("a rollback pass of a step whose states were not saved")
-            keep, inputs = arrays  # the inputs with the drafts rank 0 read back
-            roll_back(engine, plan, (inputs, *saved[1:]), keep)
+            kept, inputs = arrays  # the inputs with the drafts rank 0 read back
+            roll_back(engine, plan, replace(saved, inputs=inputs), kept)
         elif mode == OBSERVE:
             ids, keep, dropped = arrays
             for rid in dropped.tolist():

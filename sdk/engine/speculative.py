@@ -17,11 +17,13 @@ drafts are. The scheduler keeps a + 1 tokens and rolls the KV of the rest back.
 A request whose sampling reads its earlier tokens (penalties, logit bias, min_tokens, a grammar)
 samples only y_0 (a = 0): its drafts are verified as if all wrong.
 
-Recurrent state (KDA, Gated DeltaNet, short convolutions, n-gram history) has advanced through
-all k + 1 inputs by the end of the verify pass. Each decode row's state slot is copied before
-it; a row that keeps fewer than k + 1 tokens gets the copy back and its kept inputs
-x_p, d_1, .., d_a run once more (`kept_rows`: KV and index caches of those positions are
-written again with the same values), so its state ends at position p + a as without drafts.
+Recurrent state (KDA, Gated DeltaNet, short convolutions, n-gram history) must end at position
+p + a, as without drafts. In the verify graphs (a step of decode rows only) each token's state is
+kept in a checkpoint slot of the pool (StateMeta.checkpoints; the row's own slot only read), and
+the kept token's is copied to the row's slot. Otherwise the state has advanced through all
+k + 1 inputs by the end of the pass: each decode row's slot is copied before it, and a row that
+keeps fewer than k + 1 tokens gets the copy back and its kept inputs x_p, d_1, .., d_a run once
+more (`kept_rows`: KV and index caches of those positions are written again, same values).
 """
 
 from __future__ import annotations
@@ -304,23 +306,34 @@ def flat_plan(plan, inputs: np.ndarray) -> SimpleNamespace:
         kv_lens=positions + 1,
         sample=np.ones(t, dtype=np.int32),
         block_tables=[tb[row_of] if tb.size else tb for tb in map(np.asarray, plan.block_tables)],
+        state_slots=np.asarray(plan.state_slots),  # per row of `plan` (graphs of `steps` tokens a row)
     )
 
 
-def verify_forward(engine, plan, inputs: np.ndarray, index: np.ndarray, hidden: bool, fill=None):
+def verify_graph_plan(engine, plan, inputs: np.ndarray) -> SimpleNamespace | None:
+    """The verify step as the flat rows the engine's verify graphs run, or None where it runs as
+    a varlen step: a prefill row, too many rows, or (a stateful model's graphs, `steps` = k + 1
+    tokens a state row) a row of another length. Every rank decides the same."""
+    graphs = engine.graphs
+    n = np.asarray(plan.num_tokens)
+    if graphs is None or np.asarray(plan.is_prefill, dtype=bool).any():
+        return None
+    if graphs.steps > 1 and not (n == graphs.steps).all():
+        return None
+    flat = flat_plan(plan, inputs)
+    return flat if graphs.fits(flat) else None
+
+
+def verify_forward(engine, plan, inputs: np.ndarray, index: np.ndarray, hidden: bool, fill=None, flat=None):
     """The verify pass over `inputs` [T] (the plan's inputs with the drafts; fill: the device
     drafts, `verify_inputs`): (logits [S, V] fp32 at the tokens `index`, the final hidden states
-    of every token or None). In the engine's verify graphs (`DecodeGraphs` over `flat_plan`)
-    when the step has no prefill row and fits, else as a varlen step; every rank takes the same
-    branch (the same plan, the same graphs)."""
-    graphs = engine.graphs
+    of every token or None). In the engine's verify graphs over `flat` (`verify_graph_plan`),
+    else as a varlen step."""
     sel = upload(index, engine.device)
-    if graphs is not None and not np.asarray(plan.is_prefill, dtype=bool).any():
-        flat = flat_plan(plan, inputs)
-        if graphs.fits(flat):
-            engine.stats["graph_steps"] += 1
-            out = graphs.run(flat, fill)  # flat rows keep the plan's token order
-            return (out[0][sel], out[1]) if hidden else (out[sel], None)
+    if flat is not None:
+        engine.stats["graph_steps"] += 1
+        out = engine.graphs.run(flat, fill)  # flat rows keep the plan's token order
+        return (out[0][sel], out[1]) if hidden else (out[sel], None)
     ctx = engine.context(plan)
     ctx.input_ids.copy_(torch.from_numpy(inputs))
     if fill is not None:
@@ -331,25 +344,55 @@ def verify_forward(engine, plan, inputs: np.ndarray, index: np.ndarray, hidden: 
     return engine.model(ctx), None
 
 
-def save_states(engine, plan, inputs: np.ndarray, decode: np.ndarray) -> tuple | None:
-    """The decode rows' recurrent states before the verify pass, with the pass's inputs [T]
-    (None: the model keeps no state)."""
+@dataclass
+class SavedStates:
+    """The decode rows' recurrent states around a verify pass (`roll_back`): the pass's inputs
+    [T] (the device drafts written in once read back), the decode rows [D], their state slots
+    (host [D] and device), and a copy of those slots from before the pass [D, bytes], or None
+    where the pass kept each token's state in the pool's checkpoint slots (the verify graphs:
+    plan token i's at checkpoint i)."""
+
+    inputs: np.ndarray
+    decode: np.ndarray
+    slots_host: np.ndarray
+    slots: torch.Tensor
+    before: torch.Tensor | None
+
+
+def save_states(
+    engine, plan, inputs: np.ndarray, decode: np.ndarray, checkpointed: bool
+) -> SavedStates | None:
+    """The decode rows' states before the verify pass (checkpointed: the graphs keep them, no
+    copy); None: the model keeps no state."""
     if not engine.pool.state_bytes:
         return None
-    slots = upload(np.asarray(plan.state_slots, dtype=np.int64)[decode], engine.device)
-    return inputs, slots, engine.pool.slots[slots], decode  # index_select: a copy
+    host = np.asarray(plan.state_slots, dtype=np.int64)[decode]
+    slots = upload(host, engine.device)
+    before = None if checkpointed else engine.pool.slots[slots]  # index_select: a copy
+    return SavedStates(inputs, decode, host, slots, before)
 
 
-def roll_back(engine, plan, saved: tuple, keep: np.ndarray) -> None:
-    """The decode rows with keep[r] > 0 (they keep fewer than k + 1 tokens): their states from
-    before the verify pass, then their kept inputs once more (the module docstring)."""
-    inputs, slots, before, decode = saved
-    back = keep[decode] > 0
+def roll_back(engine, plan, saved: SavedStates, kept: np.ndarray) -> None:
+    """Each decode row's state at its last kept token (kept[r]: the tokens plan row r keeps, 0:
+    none, its request gone): from its checkpoint, or, without checkpoints, for a row that keeps
+    fewer than all its tokens, its state from before the pass and its kept inputs once more (the
+    module docstring)."""
+    qs, n = np.asarray(plan.query_start), np.asarray(plan.num_tokens)
+    rows = kept[saved.decode]
+    if saved.before is None:
+        use = np.flatnonzero(rows > 0)
+        if use.size:
+            src = [engine.pool.checkpoint_slot(int(qs[r] + kept[r] - 1)) for r in saved.decode[use]]
+            idx = upload(np.stack((saved.slots_host[use], np.asarray(src, dtype=np.int64))), engine.device)
+            engine.pool.slots[idx[0]] = engine.pool.slots[idx[1]]
+        return
+    back = (rows > 0) & (rows < n[saved.decode])
     if not back.any():
         return
-    rows = upload(np.flatnonzero(back), engine.device)
-    engine.pool.slots[slots[rows]] = before[rows]
-    engine.model(engine.context(kept_rows(plan, inputs, keep)))
+    i = upload(np.flatnonzero(back), engine.device)
+    engine.pool.slots[saved.slots[i]] = saved.before[i]
+    keep = np.where((kept > 0) & (kept < n), kept, 0)
+    engine.model(engine.context(kept_rows(plan, saved.inputs, keep)))
 
 
 @DRAFTERS.register("mtp")
