@@ -349,7 +349,7 @@ class Engine:
         top = self.config.max_batch_size * per
         sizes = (*(s for s in DEFAULT_SIZES if s < top), min(top, DEFAULT_SIZES[-1]))
         if steps > 1:  # buckets of whole requests
-            b = self.config.max_batch_size
+            b = min(self.config.max_batch_size, DEFAULT_SIZES[-1])
             sizes = tuple(s * steps for s in (*(s for s in DEFAULT_SIZES if s < b), b))
         max_blocks = -(-self.max_model_len // self.config.block_size)
         capture, block = self.config.decode_graphs == "auto", self.config.block_size
@@ -376,9 +376,8 @@ class Engine:
         groups = [g for g, _ in (*mtp.layer.caches, *mtp.layer.ngram_caches)]
         if why is not None and any(self.cfg.cache_groups[g].kind == "state" for g in groups):
             why.append("the MTP layer keeps recurrent state")
-        row = (
-            (mtp.streams, mtp.norm.dim) if mtp.streams > 1 else (mtp.norm.dim,)
-        )  # z: a row's [N, Dm] or [Dm]
+        # the z a row feeds in: its streams [N, Dm], or [Dm]
+        row = (mtp.streams, mtp.norm.dim) if mtp.streams > 1 else (mtp.norm.dim,)
 
         def head(ctx: StepContext, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return m.mtp(ctx.input_ids, z, ctx, m.embed, m.head)  # (logits [B, V], y)

@@ -16,13 +16,14 @@ Lengths are data, not shapes: the graph's kernels (Capabilities.graphs) size the
 the row count alone, so one capture serves every context length. On the CPU (or with
 `capture=False`) the same buffers run the model eagerly: the path CI tests.
 
-A speculative verify step of a model without recurrent state runs here too, each of its tokens
-a row of its own (`speculative.flat_plan`: the token at position p attends to the row's first
-p + 1 keys, those of the drafts before it written in the same pass); its forward also hands back
-the final hidden states the MTP head drafts from. The MTP head's passes run in graphs of their
-own (the same buffers, the head as the forward, the hidden states it reads fed in a static
-buffer `feed` [B, ...]): its observe pass over a step's kept tokens (flat rows again) and each
-chained draft.
+A speculative verify step runs here too, each of its tokens a row of its own for attention
+(`speculative.flat_plan`: the token at position p attends to the row's first p + 1 keys, those
+of the drafts before it written in the same pass); with recurrent state each request is a state
+row of its k + 1 tokens (`steps`), run in order, the state after each kept in a checkpoint slot
+of the pool; its forward also hands back the final hidden states the MTP head drafts from. The
+MTP head's passes run in graphs of their own (the same buffers, the head as the forward, the
+hidden states it reads fed in a static buffer `feed` [B, ...]): its observe pass over a step's
+kept tokens (flat rows again) and each chained draft.
 """
 
 from __future__ import annotations
