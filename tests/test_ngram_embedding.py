@@ -166,6 +166,55 @@ def test_batched_decode_steps_equal_the_reference(seed: int) -> None:
         assert torch.equal(s_got[unused], state[unused]) and torch.equal(s_ref[unused], state[unused])
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_verify_step_keeps_the_ngram_state_after_each_token(seed: int) -> None:
+    """Rows of 3 tokens in one decode step (StateMeta.steps, checkpoints; a speculative verify
+    step), batched ngram_ids and dilated_conv: each token's result, and the state in its
+    checkpoint slot, equal 3 single-token decode steps run in turn (ids and histories equal,
+    conv within 1e-6); the rows' own slots are only read. An eos among the tokens."""
+    from dataclasses import replace
+
+    from dayzero.kernels.batched import ngram as batched
+
+    g = torch.Generator().manual_seed(seed)
+    steps, slots, fresh, eos, vocab = 3, [4, 0, 2], [True, False, False], 2, 50
+    ckpt = torch.arange(5, 14).view(3, steps)
+
+    def one(fresh_rows):
+        return StateMeta(
+            None, tuple(slots), tuple(not f for f in fresh_rows), tuple(range(4)),
+            slots=torch.tensor(slots), fresh=torch.tensor(fresh_rows, dtype=torch.int64), decode=True,
+        )  # fmt: skip
+
+    verify = replace(one(fresh), steps=steps, checkpoints=ckpt)
+    n, hg = 4, 3
+    ids = torch.randint(3, vocab, (9,), generator=g)
+    ids[4] = eos  # row 1's second token
+    history = torch.randint(3, vocab, (14, n - 1), generator=g)
+    mult = torch.randint(1, 1000, (n,), generator=g) * 2 + 1
+    sizes = torch.randint(50, 90, ((n - 1) * hg,), generator=g)
+    offs = torch.cumsum(sizes, 0) - sizes
+    got_h, seq_h = history.clone(), history.clone()
+    got = batched.ngram_ids(ids, got_h, mult, sizes, offs, hg, eos, verify)
+    assert torch.equal(got_h[slots], history[slots])
+    for t in range(steps):
+        want = batched.ngram_ids(
+            ids[t::steps], seq_h, mult, sizes, offs, hg, eos, one(fresh if t == 0 else [False] * 3)
+        )
+        assert torch.equal(got[t::steps], want) and torch.equal(got_h[ckpt[:, t]], seq_h[slots]), t
+    k, d = 3, 2
+    x, w = torch.randn(9, 6, generator=g), torch.randn(6, 1, k, generator=g)
+    state = torch.randn(14, 6, (k - 1) * d, generator=g)
+    state[4] = float("nan")  # the fresh row's slot is not read
+    got_s, seq_s = state.clone(), state.clone()
+    got = batched.dilated_conv(x, w, d, got_s, verify)
+    assert torch.equal(got_s[slots].nan_to_num(), state[slots].nan_to_num())
+    for t in range(steps):
+        want = batched.dilated_conv(x[t::steps], w, d, seq_s, one(fresh if t == 0 else [False] * 3))
+        assert (got[t::steps] - want).abs().max().item() < 1e-6, t
+        assert (got_s[ckpt[:, t]] - seq_s[slots]).abs().max().item() < 1e-6, t
+
+
 def test_the_table_splits_by_rows_over_ranks() -> None:
     """Tensor parallel: each rank holds its runs of every checkpoint part's rows (its `shards`
     slice of the whole table) and looks up only the ids there; the ranks' lookups (here summed

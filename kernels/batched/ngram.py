@@ -1,9 +1,10 @@
 """The per-layer n-gram embedding ops' decode step for all rows at once (kernels/reference/ngram.py
 has the math and every other step).
 
-A decode step (StateMeta.decode: token r is row r's only token) reads the device copies of the
-rows' slots and fresh flags alone: each row's history or conv inputs gathered by slot, one step
-for all rows, the new state written back into the slots in place. No host copy is read and no
+A decode step (StateMeta.decode: token r is row r's only token, or rows of `steps` tokens with
+their states kept after each in checkpoint slots) reads the device copies of the rows' slots
+and fresh flags alone: each row's history or conv inputs gathered by slot, one token of all rows
+at a time, the new state written back into the slots (or checkpoints). No host copy is read and no
 shape depends on a row's length: graph-safe (a CUDA graph's padding rows read and write the
 pool's scratch slot, with fresh set).
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dayzero.kernels.batched.linear_attention import DECODE_GRAPHS, _initial
+from dayzero.kernels.batched.linear_attention import DECODE_GRAPHS, _initial, _written
 from dayzero.kernels.reference import ngram as reference
 from dayzero.kernels.registry import Capabilities, register
 
@@ -33,24 +34,28 @@ def ngram_ids(
     eos: int,
     meta,
 ) -> torch.Tensor:
-    """ids [R] (one a row), history [slots, n - 1] -> [R, (n - 1) Hg] hashed ids (the
-    reference's); the rows' histories move on by the token."""
+    """ids [R steps] (`steps` a row, in order), history [slots, n - 1] -> [R steps, (n - 1) Hg]
+    hashed ids (the reference's); a row's history moves on by each token, written after each to
+    its slot (or checkpoint)."""
     if not (meta.decode and meta.slots is not None):
         return reference.ngram_ids(ids, history, multipliers, sizes, offsets, heads_per_ngram, eos, meta)
-    n = multipliers.shape[0]
+    n, steps = multipliers.shape[0], meta.steps
     prev = history.index_select(0, meta.slots)  # [R, n - 1]
     prev = torch.where((meta.fresh != 0)[:, None], eos, prev)  # a fresh row's history: eos
-    seq = torch.cat((prev, ids[:, None]), dim=1)  # [R, n]
-    mixed = seq[:, n - 1] * multipliers[0]
-    blocked = torch.zeros_like(ids, dtype=torch.bool)
     out = ids.new_empty(ids.shape[0], sizes.shape[0])
-    for s in range(1, n):  # the token s places back, eos past a document boundary
-        back = seq[:, n - 1 - s]
-        blocked |= back == eos
-        mixed = torch.bitwise_xor(mixed, torch.where(blocked, eos, back) * multipliers[s])  # h_{s+1}
-        cols = slice((s - 1) * heads_per_ngram, s * heads_per_ngram)
-        out[:, cols] = torch.remainder(mixed[:, None], sizes[cols]) + offsets[cols]
-    history.index_copy_(0, meta.slots, seq[:, 1:])
+    for t in range(steps):
+        tok = ids[t::steps]
+        seq = torch.cat((prev, tok[:, None]), dim=1)  # [R, n]
+        mixed = seq[:, n - 1] * multipliers[0]
+        blocked = torch.zeros_like(tok, dtype=torch.bool)
+        for s in range(1, n):  # the token s places back, eos past a document boundary
+            back = seq[:, n - 1 - s]
+            blocked |= back == eos
+            mixed = torch.bitwise_xor(mixed, torch.where(blocked, eos, back) * multipliers[s])  # h_{s+1}
+            cols = slice((s - 1) * heads_per_ngram, s * heads_per_ngram)
+            out[t::steps, cols] = torch.remainder(mixed[:, None], sizes[cols]) + offsets[cols]
+        prev = seq[:, 1:]
+        history.index_copy_(0, _written(meta, t), prev)
     return out
 
 
@@ -58,14 +63,19 @@ def ngram_ids(
 def dilated_conv(
     x: torch.Tensor, weight: torch.Tensor, dilation: int, state: torch.Tensor, meta
 ) -> torch.Tensor:
-    """x [R, C] (one token a row), weight [C, 1, K], state [slots, C, (K - 1) d] -> [R, C] in x's
-    dtype (the reference's); the slots keep the last (K - 1) d inputs."""
+    """x [R steps, C] (`steps` tokens a row, in order), weight [C, 1, K], state [slots, C,
+    (K - 1) d] -> [R steps, C] in x's dtype (the reference's); after each token the slot (or
+    checkpoint) keeps the last (K - 1) d inputs."""
     if not (meta.decode and meta.slots is not None):
         return reference.dilated_conv(x, weight, dilation, state, meta)
-    seq = torch.cat((_initial(state, meta).to(x.dtype), x[:, :, None]), dim=2)  # [R, C, (K - 1) d + 1]
-    w = weight[:, 0, :]  # [C, K]
-    y = seq[:, :, 0].to(w.dtype) * w[:, 0]
-    for i in range(1, w.shape[1]):
-        y += seq[:, :, i * dilation].to(w.dtype) * w[:, i]
-    state.index_copy_(0, meta.slots, seq[:, :, 1:].to(state.dtype))
-    return F.silu(y).to(x.dtype)
+    steps, w = meta.steps, weight[:, 0, :]  # [C, K]
+    hist, ys = _initial(state, meta).to(x.dtype), []
+    for t in range(steps):
+        seq = torch.cat((hist, x[t::steps, :, None]), dim=2)  # [R, C, (K - 1) d + 1]
+        y = seq[:, :, 0].to(w.dtype) * w[:, 0]
+        for i in range(1, w.shape[1]):
+            y += seq[:, :, i * dilation].to(w.dtype) * w[:, i]
+        hist = seq[:, :, 1:]
+        state.index_copy_(0, _written(meta, t), hist.to(state.dtype))
+        ys.append(F.silu(y).to(x.dtype))
+    return ys[0] if steps == 1 else torch.stack(ys, dim=1).view(x.shape)

@@ -101,13 +101,11 @@ class EngineConfig:
 def checkpoint_slots(cfg: ModelConfig, config: EngineConfig, device: torch.device) -> int:
     """The state slots a stateful model's verify graphs keep their tokens' states in (KvPool,
     StateMeta.checkpoints): k + 1 for each row of the largest batch; none without drafting,
-    recurrent state or decode graphs, or with an n-gram history state (its op keeps none)."""
+    recurrent state or decode graphs."""
     mode, par = config.decode_graphs, cfg.parallel
     if config.speculative is None or not any(g.kind == "state" for g in cfg.cache_groups):
         return 0
     if mode == "off" or (mode == "auto" and device.type != "cuda") or (par.attention_dp and par.size > 1):
-        return 0
-    if any(layer.ngram_caches for layer in cfg.layers):
         return 0
     return config.max_batch_size * (config.speculative.num_speculative_tokens + 1)
 
@@ -361,8 +359,6 @@ class Engine:
         why, steps = self._graph_blockers(), 1
         if why is not None and self.spec is not None and self.pool.state_bytes:
             steps = self.spec.num_speculative_tokens + 1  # each request a state row of k + 1 tokens
-            if not self.pool.checkpoints:
-                why.append("speculative steps of a model with n-gram history state verify k + 1 tokens a row")
         hidden = self.spec is not None and self.drafter.hidden
         model = self.model
         return self._graphs("decode", lambda ctx, _: model(ctx, hidden=hidden), why, steps=steps)
