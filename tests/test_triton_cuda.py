@@ -233,11 +233,12 @@ def test_graph_decode_equals_the_eager_path(any_checkpoint) -> None:
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "glm53"])
+@pytest.mark.parametrize("family", ["llama", "glm53", "qwen38_flash_next"])
 def test_verify_graphs_answer_as_the_eager_verify(tmp_path, family: str) -> None:
     """Speculative decoding (prompt-lookup drafts of 3) on CUDA: verify steps replayed from the
-    graphs (each token a row, speculative.flat_plan) give the tokens, logprobs and acceptance
-    counts of the eager varlen verify."""
+    graphs (each token a row, speculative.flat_plan; Qwen3.8-Flash-Next's Gated DeltaNet and
+    n-gram states kept after each token in checkpoint slots) give the tokens, logprobs and
+    acceptance counts of the eager varlen verify (its rollback recomputing the kept tokens)."""
     path = write_tiny(family, tmp_path / "ckpt", seed=5)
     base = [7, 8, 9, 10, 11, 12]
     prompts = [base * 4 + [3], base * 6 + list(range(20, 27)) + base]  # repeats: drafts that hold
