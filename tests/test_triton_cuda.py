@@ -13,6 +13,7 @@ import pytest
 import torch
 from paged_meta import paged_meta
 from test_mtp import KITS, record_drafts  # the tiny checkpoints with a NextN layer
+from test_speculative import Oracle
 
 from dayzero.kernels.reference.attention import gqa_attention as reference_attention
 from dayzero.kernels.reference.moe import moe_experts as reference_moe
@@ -20,6 +21,7 @@ from dayzero.kernels.triton import attention, moe
 from dayzero.sdk.api import LLM
 from dayzero.sdk.engine.engine import EngineConfig, SamplingParams
 from dayzero.sdk.engine.graphs import decode_only
+from dayzero.sdk.engine.speculative import TokenDrafter
 from dayzero.sdk.parity.tiny import write_tiny
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -235,26 +237,32 @@ def test_graph_decode_equals_the_eager_path(any_checkpoint) -> None:
 
 @pytest.mark.parametrize("family", ["llama", "glm53", "qwen38_flash_next"])
 def test_verify_graphs_answer_as_the_eager_verify(tmp_path, family: str) -> None:
-    """Speculative decoding (prompt-lookup drafts of 3) on CUDA: verify steps replayed from the
-    graphs (each token a row, speculative.flat_plan; Qwen3.8-Flash-Next's Gated DeltaNet and
-    n-gram states kept after each token in checkpoint slots) give the tokens, logprobs and
+    """Speculative decoding (3 drafts a step, the first 2 of each right: `Oracle` over the
+    greedy answers) on CUDA: verify steps replayed from the graphs (each token a row,
+    speculative.flat_plan; Qwen3.8-Flash-Next's Gated DeltaNet and n-gram states kept after each
+    token in checkpoint slots, the kept one copied back) give the tokens, logprobs and
     acceptance counts of the eager varlen verify (its rollback recomputing the kept tokens)."""
     path = write_tiny(family, tmp_path / "ckpt", seed=5)
-    base = [7, 8, 9, 10, 11, 12]
-    prompts = [base * 4 + [3], base * 6 + list(range(20, 27)) + base]  # repeats: drafts that hold
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 500, (n,), generator=g).tolist() for n in (25, 49)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = LLM(
+        path, device="cuda", dtype="float32", progress=False, engine=EngineConfig(decode_graphs="off")
+    )
+    base = plain.engine.generate(prompts, [params] * len(prompts))
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     outs, stats = {}, {}
     for mode in ("off", "auto"):
         cfg = EngineConfig(block_size=16, kv_cache_bytes=256 << 20, max_batch_size=8, decode_graphs=mode)
         llm = LLM(path, device="cuda", dtype="float32", progress=False, engine=cfg, speculative_config=spec)
+        llm.engine.drafter = TokenDrafter(Oracle(prompts, base, 2))
         outs[mode] = llm.engine.generate(prompts, [params] * len(prompts))
         stats[mode] = dict(llm.engine.stats)
     assert stats["auto"]["graph_steps"] > 0 and stats["off"]["graph_steps"] == 0
     assert stats["auto"]["accepted_at"] == stats["off"]["accepted_at"]
-    assert sum(stats["off"]["accepted_at"]) > 0
-    for a, b in zip(outs["off"], outs["auto"], strict=True):
-        assert a.token_ids == b.token_ids
+    assert stats["off"]["accepted_at"][1] > 0
+    for a, b, want in zip(outs["off"], outs["auto"], base, strict=True):
+        assert a.token_ids == b.token_ids == want.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
 
 
