@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -31,11 +32,12 @@ from safetensors.torch import load_file, save_file
 from two_ranks import assert_drafting_on_two_ranks_answers_as_one
 
 from dayzero.models.kimi_k3.config import KimiK3TextConfig
+from dayzero.sdk.api import LLM
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.engine.speculative import DeviceDrafts, SpeculativeConfig
-from dayzero.sdk.errors import WeightError
+from dayzero.sdk.errors import CheckpointError, WeightError
 from dayzero.sdk.families import FAMILIES, build
-from dayzero.sdk.loader import load_weights, open_checkpoint
+from dayzero.sdk.loader import load_weights, open_checkpoint, open_mtp_head
 from dayzero.sdk.parity.runner import RETRACTION, Tolerance, retraction_budget
 from dayzero.sdk.parity.tiny import write_tiny
 
@@ -491,6 +493,46 @@ def test_mtp_drafting_over_streams_on_two_ranks_answers_as_one_rank(tmp_path) ->
     ]
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     assert_drafting_on_two_ranks_answers_as_one(kit.path, spec, prompts, params, graphs="buffers")
+
+
+def test_a_head_folder_with_a_nested_config_drafts_as_the_checkpoint_with_the_layer(tmp_path) -> None:
+    """Kimi K3's config nests its fields under text_config: the kit's checkpoint split into one
+    without the NextN layer (text_config.num_nextn_predict_layers 0) and a head folder holding
+    the layer and {"text_config": {"num_nextn_predict_layers": 1}} drafts the same greedy tokens
+    and acceptance as the whole checkpoint; a nested field that disagrees is refused by its
+    dotted name."""
+    kit = _kimi(tmp_path / "whole", 0)
+    whole = kit.path
+    n = json.loads((whole / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    (file,) = whole.glob("*.safetensors")
+    tensors, layer = load_file(file), f"language_model.model.layers.{n}."
+    base, head = tmp_path / "base", tmp_path / "head"
+    shutil.copytree(whole, base)
+    save_file({k: v for k, v in tensors.items() if not k.startswith(layer)}, base / file.name)
+    cfg = json.loads((whole / "config.json").read_text())
+    cfg["text_config"]["num_nextn_predict_layers"] = 0
+    (base / "config.json").write_text(json.dumps(cfg))
+    head.mkdir()
+    save_file({k: v for k, v in tensors.items() if k.startswith(layer)}, head / "model.safetensors")
+    (head / "config.json").write_text(json.dumps({"text_config": {"num_nextn_predict_layers": 1}}))
+    g = torch.Generator().manual_seed(4)
+    prompts = [{"prompt_token_ids": torch.randint(0, kit.vocab, (m,), generator=g).tolist()} for m in (7, 19)]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    runs = []
+    for path, config in ((whole, spec), (base, spec | {"model": str(head)})):
+        llm = LLM(str(path), device="cpu", dtype="float32", speculative_config=config, progress=False)
+        runs.append(([c.outputs[0].token_ids for c in llm.generate(prompts, greedy)], llm.engine.stats))
+    (want, want_stats), (got, got_stats) = runs
+    assert got == want and got_stats["accepted_at"] == want_stats["accepted_at"]
+    assert got_stats["verify_rows"] == want_stats["verify_rows"] > 0
+    (head / "config.json").write_text(
+        json.dumps({"text_config": {"num_nextn_predict_layers": 1, "hidden_size": 8}})
+    )
+    with pytest.raises(
+        CheckpointError, match=r"another model: text_config.hidden_size is 8 in its config.json"
+    ):
+        open_mtp_head(head, open_checkpoint(base))
 
 
 def test_an_mtp_config_value_the_head_does_not_implement_is_refused_by_name(tmp_path) -> None:

@@ -171,25 +171,45 @@ def open_mtp_head(path: str | Path, base: Checkpoint) -> Checkpoint:
     """A NextN head in its own folder, for `base`, whose checkpoint carries none: config.json
     with the MTP fields (num_nextn_predict_layers: 1, ...) and safetensors holding the tensors a
     checkpoint with the layer would (`model.layers.{L}.*` in Llama's naming). The head reads as
-    a checkpoint of base's family with base's config and the head's fields on top; a field both
-    hold must agree (a head made for another model is refused, by field)."""
+    a checkpoint of base's family with base's config and the head's fields on top (a nested
+    config, e.g. text_config, field by field); a field both hold must agree, the MTP layer count
+    aside (a head made for another model is refused, by field)."""
     p = Path(path)
     if not (p / "config.json").exists():
         raise CheckpointError(f"{p}: an MTP head's folder needs a config.json (and its safetensors)")
     head = json.loads((p / "config.json").read_text())
-    own = _mtp_fields(base.family)
+    _check_head(head, base.hf, _mtp_fields(base.family), p, base.path)
+    return Checkpoint(p, "safetensors", _merged(base.hf, head), base.family)
+
+
+def _check_head(head: dict, hf: dict, own: set[str], path: Path, base: Path, prefix: str = "") -> None:
+    """Every field of a head's config (nested ones, e.g. text_config.*, by their dotted names)
+    agrees with the base's, or is one of the MTP layer count fields `own`."""
     for key, value in head.items():
-        if key in base.hf and not _same(value, base.hf[key]):
+        name = prefix + key
+        if name in own:  # the layer count: the base's may say 0 (a checkpoint without the layer)
+            continue
+        if key in hf and isinstance(value, dict) and isinstance(hf[key], dict):
+            _check_head(value, hf[key], own, path, base, f"{name}.")
+        elif key in hf and not _same(value, hf[key]):
             raise CheckpointError(
-                f"{p}: the MTP head was made for another model: {key} is {value!r} in its config.json, "
-                f"{base.hf[key]!r} in {base.path}'s"
+                f"{path}: the MTP head was made for another model: {name} is {value!r} in its config.json, "
+                f"{hf[key]!r} in {base}'s"
             )
-        if key not in base.hf and key not in own:  # it would change the model it drafts for
+        elif key not in hf:  # it would change the model it drafts for
             raise CheckpointError(
-                f"{p}: config.json sets {key}, which {base.path}'s config does not; a head's config "
+                f"{path}: config.json sets {name}, which {base}'s config does not; a head's config "
                 f"adds only the MTP layer count ({', '.join(sorted(own)) or 'none in this spec'})"
             )
-    return Checkpoint(p, "safetensors", base.hf | head, base.family)
+
+
+def _merged(hf: dict, head: dict) -> dict:
+    """hf with the head's fields on top, nested configs merged field by field."""
+    out = dict(hf)
+    for key, value in head.items():
+        nested = isinstance(value, dict) and isinstance(hf.get(key), dict)
+        out[key] = _merged(hf[key], value) if nested else value
+    return out
 
 
 def _mtp_fields(family: Family) -> set[str]:
