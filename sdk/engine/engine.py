@@ -117,7 +117,9 @@ def _scheduler_fields(cfg: ModelConfig, config: EngineConfig, checkpoints: int =
     if checkpoints * slot >= config.kv_cache_bytes:
         raise ValueError(
             f"kv_cache_bytes {config.kv_cache_bytes} does not hold the speculative verify step's "
-            f"{checkpoints} state checkpoints ({slot} bytes each) and any KV"
+            f"{checkpoints} state checkpoints ({slot} bytes each: k + 1 for each of max_batch_size "
+            f"{config.max_batch_size} rows) and any KV; lower max_batch_size (--max-num-seqs) or "
+            "num_speculative_tokens, or give the KV cache more memory"
         )
     fields: dict[str, int | bool] = dict(
         block_size=config.block_size,
