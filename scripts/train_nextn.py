@@ -41,8 +41,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from dayzero.sdk.api import LLM, embedded_default
 from dayzero.sdk.bench.decode import BENCH_TOPICS as HELD_OUT  # the gate's and the bench's topics
+from dayzero.sdk.engine.drafters import SpeculativeConfig
 from dayzero.sdk.engine.engine import SamplingParams
-from dayzero.sdk.engine.speculative import SpeculativeConfig
 from dayzero.sdk.loader.tokenizer import chat_ids
 
 # fmt: off

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from dayzero.kernels.collective import TpGroup
 from dayzero.sdk.config.model import ModelConfig, Parallel
+from dayzero.sdk.engine.drafters import SpeculativeConfig, check_parallel
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams, agree_kv
 from dayzero.sdk.engine.grammar import GrammarCompiler
 from dayzero.sdk.engine.parallel import (
@@ -38,7 +39,6 @@ from dayzero.sdk.engine.parallel import (
     watch_parent,
 )
 from dayzero.sdk.engine.ranks import Leader, StepFailed, follow
-from dayzero.sdk.engine.speculative import SpeculativeConfig, check_parallel
 from dayzero.sdk.families import build, spec_family
 from dayzero.sdk.loader import (
     LOAD_FORMATS,

@@ -16,8 +16,8 @@ from dayzero.sdk.bench.decode import (
     profile_decode,
     time_drafting,
 )
+from dayzero.sdk.engine.drafters import SpeculativeConfig
 from dayzero.sdk.engine.engine import EngineConfig
-from dayzero.sdk.engine.speculative import SpeculativeConfig
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import fill_dummy, open_checkpoint
 from dayzero.sdk.parity.runner import Ours

@@ -33,8 +33,9 @@ from two_ranks import assert_drafting_on_two_ranks_answers_as_one
 
 from dayzero.models.kimi_k3.config import KimiK3TextConfig
 from dayzero.sdk.api import LLM
+from dayzero.sdk.engine.drafters import SpeculativeConfig
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
-from dayzero.sdk.engine.speculative import DeviceDrafts, SpeculativeConfig
+from dayzero.sdk.engine.speculative import DeviceDrafts
 from dayzero.sdk.errors import CheckpointError, WeightError
 from dayzero.sdk.families import FAMILIES, build
 from dayzero.sdk.loader import load_weights, open_checkpoint, open_mtp_head

@@ -28,8 +28,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from dayzero.sdk.api import LLM
 from dayzero.sdk.bench.decode import BENCH_TOPICS
+from dayzero.sdk.engine.drafters import SpeculativeConfig
 from dayzero.sdk.engine.engine import SamplingParams
-from dayzero.sdk.engine.speculative import SpeculativeConfig
 from dayzero.sdk.errors import CheckpointError, SpecError, WeightError
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import load_weights, open_checkpoint, open_mtp_head

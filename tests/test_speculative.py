@@ -19,8 +19,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from dayzero.sdk.engine.drafters import SpeculativeConfig, TokenDrafter
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams, checkpoint_slots
-from dayzero.sdk.engine.speculative import SpeculativeConfig, TokenDrafter, accepted
+from dayzero.sdk.engine.speculative import accepted
 from dayzero.sdk.loader import open_checkpoint
 from dayzero.sdk.parity.runner import RETRACTION, Ours, Tolerance, retraction_budget
 from dayzero.sdk.parity.tiny import write_tiny

@@ -19,9 +19,9 @@ from dayzero.kernels.reference.attention import gqa_attention as reference_atten
 from dayzero.kernels.reference.moe import moe_experts as reference_moe
 from dayzero.kernels.triton import attention, moe
 from dayzero.sdk.api import LLM
+from dayzero.sdk.engine.drafters import TokenDrafter
 from dayzero.sdk.engine.engine import EngineConfig, SamplingParams
 from dayzero.sdk.engine.graphs import decode_only
-from dayzero.sdk.engine.speculative import TokenDrafter
 from dayzero.sdk.parity.tiny import write_tiny
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

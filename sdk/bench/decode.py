@@ -27,8 +27,8 @@ from dayzero.kernels.packed import FORMATS, PackedWeight
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.bench.packed_weights import bench_packing, packable, quantized_stream, random_packed
 from dayzero.sdk.blocks.mlp import MoE
+from dayzero.sdk.engine.drafters import SpeculativeConfig
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
-from dayzero.sdk.engine.speculative import SpeculativeConfig
 from dayzero.sdk.families import FAMILIES, born_as, build, kernel_needs
 from dayzero.sdk.loader import Checkpoint, load_weights, open_checkpoint, open_mtp_head
 from dayzero.sdk.loader.tokenizer import chat_ids, load_tokenizer

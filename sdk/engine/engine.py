@@ -19,6 +19,7 @@ from torch.profiler import record_function
 from dayzero.sdk.config.model import ModelConfig
 from dayzero.sdk.engine.context import StepContext, build_context, device_fill, fill_tokens
 from dayzero.sdk.engine.dp import DpScheduler, dp_context
+from dayzero.sdk.engine.drafters import SpeculativeConfig, check_parallel
 from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.grammar import Matchers
 from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
@@ -30,9 +31,7 @@ from dayzero.sdk.engine.speculative import (
     ROLLBACK,
     VERIFY,
     SavedStates,
-    SpeculativeConfig,
     VerifyRows,
-    check_parallel,
     roll_back,
     save_states,
     verify_forward,
@@ -366,7 +365,7 @@ class Engine:
         return self._graphs("decode", lambda ctx, _: model(ctx, hidden=hidden), why, steps=steps)
 
     def _head_graphs(self) -> DecodeGraphs | None:
-        """The MTP head's passes in graphs (speculative.observe_pass, draft_pass), unless its
+        """The MTP head's passes in graphs (drafters.observe_pass, draft_pass), unless its
         layer keeps recurrent state (its kept tokens would share a state slot as flat rows)."""
         if self.spec is None or not self.drafter.hidden:
             return None

@@ -41,14 +41,13 @@ import torch.distributed as dist
 from dayzero.kernels.collective import TpGroup
 from dayzero.sdk.engine.context import build_context, device_fill, fill_tokens
 from dayzero.sdk.engine.dp import dp_context
+from dayzero.sdk.engine.drafters import draft_pass, observe_pass
 from dayzero.sdk.engine.speculative import (
     DRAFT,
     END,
     OBSERVE,
     ROLLBACK,
     VERIFY,
-    draft_pass,
-    observe_pass,
     roll_back,
     save_states,
     verify_forward,

@@ -40,7 +40,7 @@ def refuse_unsupported_flags(args: argparse.Namespace) -> None:
         raise ValueError(
             f"--kv-cache-dtype {args.kv_cache_dtype}: only 'auto' (the model dtype) is supported yet"
         )
-    from dayzero.sdk.engine.speculative import SpeculativeConfig
+    from dayzero.sdk.engine.drafters import SpeculativeConfig
 
     try:
         SpeculativeConfig.parse(args.speculative_config)

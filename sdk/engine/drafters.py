@@ -1,0 +1,252 @@
+"""The drafters of speculative decoding (sdk/engine/speculative.py has the verify step and its
+math) and vLLM's --speculative-config that picks one: `ngram` (prompt lookup, from the request's
+own tokens) and `mtp` (the model's NextN head, chained on the device), in one registry."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from dayzero.kernels.registry import Registry, UnknownKeyError
+from dayzero.sdk.engine.context import upload
+from dayzero.sdk.engine.speculative import DRAFT, OBSERVE, DeviceDrafts, flat_plan, kept_rows
+
+
+class Drafter(Protocol):
+    """What proposes drafts: for the plan's rows `rows` (decode rows of drafting requests) up to
+    k tokens each, as host lists or `DeviceDrafts`; `observe` sees each step's new tokens (and
+    the target's final hidden states when `hidden` asks for them) before the scheduler does;
+    `drop` forgets a finished request."""
+
+    hidden: bool
+
+    def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]] | DeviceDrafts: ...
+
+    def observe(self, engine, plan, z, news: list[list[int]]) -> None: ...
+
+    def drop(self, rid: int) -> None: ...
+
+
+class TokenDrafter:
+    """A drafter that reads the request's tokens alone: propose(tokens, k) -> up to k drafts."""
+
+    hidden = False
+
+    def __init__(self, propose: Callable[[list[int], int], list[int]]) -> None:
+        self.propose = propose
+
+    def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]]:
+        out = []
+        for r in rows:
+            req = engine.requests[int(plan.req_ids[r])]
+            out.append(self.propose(req.prompt_ids + req.token_ids, k)[:k])
+        return out
+
+    def observe(self, engine, plan, z, news: list[list[int]]) -> None:
+        return None
+
+    def drop(self, rid: int) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's --speculative-config: {"method": "ngram", "num_speculative_tokens": k, ...}."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4  # ngram: the longest suffix matched
+    prompt_lookup_min: int = 1  # ngram: the shortest
+    # mtp: a folder holding the NextN head in its own checkpoint (config.json + safetensors), for
+    # a model whose checkpoint carries none (sdk/loader open_mtp_head; scripts/train_nextn.py)
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in DRAFTERS:  # named with the known ones
+            raise ValueError(str(UnknownKeyError(DRAFTERS.what, self.method, DRAFTERS.keys())))
+        if self.model is not None and self.method != "mtp":
+            raise ValueError(
+                f"speculative config: 'model' (an MTP head's folder) goes with method mtp, not {self.method}"
+            )
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"want 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """A config from vLLM's JSON (or its dict); a key dayzero does not implement is refused."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        raw = json.loads(value) if isinstance(value, str) else dict(value)
+        known = {f.name for f in fields(cls)}
+        if bad := sorted(set(raw) - known):
+            raise ValueError(
+                f"speculative config: unknown key(s) {', '.join(bad)}; known: {', '.join(sorted(known))}"
+            )
+        if "method" not in raw or "num_speculative_tokens" not in raw:
+            raise ValueError("speculative config needs 'method' and 'num_speculative_tokens'")
+        return cls(**raw)
+
+    def drafter(self) -> Drafter:
+        return DRAFTERS.get(self.method)(self)
+
+
+DRAFTERS: Registry[Callable[[SpeculativeConfig], Drafter]] = Registry("speculative method")
+
+
+def check_parallel(spec: SpeculativeConfig, size: int, attention_dp: bool) -> None:
+    """Refuse, by name, what drafting does not run with on `size` ranks yet: data-parallel
+    attention. With tensor parallelism a step's passes (the MTP head's, the verify and the
+    rollback pass) follow the plan to every rank (ranks.py)."""
+    if size > 1 and attention_dp:
+        raise ValueError(
+            f"speculative decoding ({spec.method}) is not implemented with data-parallel attention "
+            f"({size} ranks)"
+        )
+
+
+@DRAFTERS.register("ngram")
+def ngram(cfg: SpeculativeConfig) -> Drafter:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the request's last
+    n tokens, for the largest n in [prompt_lookup_min, prompt_lookup_max] that occurs."""
+    return TokenDrafter(prompt_lookup(cfg))
+
+
+def prompt_lookup(cfg: SpeculativeConfig) -> Callable[[list[int], int], list[int]]:
+    """ngram's proposal function (see `ngram`)."""
+
+    def propose(tokens: list[int], k: int) -> list[int]:
+        arr = np.asarray(tokens)
+        for n in range(min(cfg.prompt_lookup_max, len(arr) - 1), cfg.prompt_lookup_min - 1, -1):
+            tail = arr[-n:]
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # starts 0..len-1-n
+            hits = np.flatnonzero((windows == tail).all(-1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return arr[start : start + k].tolist()
+        return []
+
+    return propose
+
+
+@DRAFTERS.register("mtp")
+class MtpDrafter:
+    """Greedy drafts from the model's NextN layer (sdk/blocks/decoder.py NextN; the model built
+    with it: ModelConfig.mtp).
+
+    `observe`, after each step: the layer runs over every position i of the step whose next
+    token is now known, with the target's final hidden z_i and that token t_{i+1} (a prefill
+    chunk: all its positions, the last one's next token the prompt's, or the one just sampled; a
+    decode row: x_p .. x_{p+a}, the kept inputs), writing its KV at i; its output at a row's last
+    such position q gives d_1 = argmax of its logits and y_q. `draft` chains the rest at the next
+    verify row's positions p' = q + 1, .., p' + k - 2:
+        d_{j+1} = argmax head(rmsnorm_s(y_{p'+j-1})),  y_{p'+j-1} = layer(W_eh [e(d_j) ; h(y_{p'+j-2})])
+    (the previous output fed back as the hidden, as DeepSeek's and TokenSpeed's NextN chain).
+    The chain's KV at p'.. is rewritten by the next observe from the target's z. The drafts stay
+    on the device (`DeviceDrafts`): the only host sync of a drafting step is its readback."""
+
+    hidden = True
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        # rid -> (y at its last known position [Dm], d_1 [1] on the device)
+        self.next: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.dropped: list[int] = []  # finished since the last observe (the other ranks' copies go)
+
+    def observe(self, engine, plan, z, news: list[list[int]]) -> None:
+        qs, kv = np.asarray(plan.query_start), np.asarray(plan.kv_lens)
+        prefill, ids = np.asarray(plan.is_prefill, dtype=bool), np.asarray(plan.input_ids).copy()
+        keep = np.zeros(len(kv), dtype=np.int64)
+        for r, rid in enumerate(np.asarray(plan.req_ids).tolist()):
+            if rid not in engine.params:  # finished or aborted: nothing more to draft
+                continue
+            if prefill[r]:  # each position's next token: the prompt's, after the last the sampled one
+                req = engine.requests[rid]
+                known = req.prompt_ids + req.token_ids
+                ids[qs[r] : qs[r + 1] - 1] = ids[qs[r] + 1 : qs[r + 1]]
+                ids[qs[r + 1] - 1] = known[kv[r]] if kv[r] < len(known) else (news[r] or [-1])[0]
+                keep[r] = qs[r + 1] - qs[r] if ids[qs[r + 1] - 1] >= 0 else 0
+            elif news[r]:  # a decode row: its kept inputs' next tokens are its new tokens
+                ids[qs[r] : qs[r] + len(news[r])] = news[r]
+                keep[r] = len(news[r])
+        if engine.leader is not None:  # every rank runs the pass on its shard (ranks.py)
+            engine.leader.pass_(OBSERVE, ids, keep, np.asarray(self.dropped, dtype=np.int64))
+        self.dropped = []
+        out = observe_pass(engine, plan, z, ids, keep)
+        if out is None:
+            return
+        _, y, rids, last, d1 = out
+        for j, rid in enumerate(rids):  # views would pin the pass's [T', Dm]
+            self.next[rid] = (y[int(last[j])].clone(), d1[j : j + 1].clone())
+
+    def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]] | DeviceDrafts:
+        have = [r for r in rows if int(plan.req_ids[r]) in self.next]
+        if not have:
+            return [[] for _ in rows]
+        heads = [self.next[int(plan.req_ids[r])] for r in have]
+        hidden = torch.stack([y for y, _ in heads])  # [R', Dm]
+        drafts = [torch.cat([d for _, d in heads])]  # d_1 of each row [R']
+        keep = np.zeros(len(plan.kv_lens), dtype=np.int64)
+        keep[have] = 1
+        ids = np.asarray(plan.input_ids)
+        for j in range(1, k):  # d_{j+1} from position p' + j - 1
+            if engine.leader is not None:
+                engine.leader.pass_(DRAFT, ids, keep, np.asarray([j - 1], dtype=np.int64))
+            logits, hidden = draft_pass(engine, plan, ids, keep, j - 1, hidden, drafts[-1])
+            drafts.append(logits.argmax(-1))
+        out = DeviceDrafts(have, torch.stack(drafts, dim=1))  # [R', k]
+        out.copy_to_host()
+        return out
+
+    def drop(self, rid: int) -> None:
+        if self.next.pop(rid, None) is not None:
+            self.dropped.append(rid)
+
+
+def observe_pass(engine, plan, z: torch.Tensor, ids: np.ndarray, keep: np.ndarray):
+    """The NextN layer over the plan's rows with keep[r] > 0, their first keep[r] tokens with
+    next tokens ids [T] and the target's z [T, Dm]: (logits [R', V] at each row's last kept
+    token, y [T', Dm], the rows' request ids, each row's last index in y, d_1 [R'] = the argmax
+    of the logits, on the device); None: no row. In the engine's head graphs, each kept token a
+    row (`flat_plan`), when they fit."""
+    if not keep.any():
+        return None
+    sub = kept_rows(plan, ids, keep)
+    last = np.cumsum(sub.num_tokens) - 1
+    index = upload(np.stack((sub.token, np.pad(last, (0, len(sub.token) - len(last))))), z.device)
+    zs = z[index[0]]  # [T', Dm]
+    m, graphs = engine.model, engine.head_graphs
+    if graphs is not None and graphs.fits(flat := flat_plan(sub, sub.input_ids)):
+        engine.stats["head_graph_passes"] += 1
+        logits, y = graphs.run(flat, feed=zs)  # [T', V], [T', Dm]
+        logits = logits[index[1, : len(last)]]
+    else:
+        ctx = engine.context(sub)
+        ctx.sample_index = index[1, : len(last)]
+        logits, y = m.mtp(ctx.input_ids, zs, ctx, m.embed, m.head)
+    return logits, y, sub.req_ids.tolist(), last, logits.argmax(-1)
+
+
+def draft_pass(
+    engine, plan, ids: np.ndarray, keep: np.ndarray, start: int, hidden: torch.Tensor, tokens: torch.Tensor
+):
+    """A chained draft: the NextN layer at token `start` of each row with keep[r] > 0, its input
+    the previous draft tokens [R'] (on the device) and the previous output `hidden` [R', Dm] ->
+    (logits [R', V], its output [R', Dm]); in the engine's head graphs when they fit."""
+    sub = kept_rows(plan, ids, keep, np.full(len(keep), start, dtype=np.int64))
+    m, graphs, rows = engine.model, engine.head_graphs, np.arange(len(sub.num_tokens), dtype=np.int64)
+    if graphs is not None and graphs.fits(flat := flat_plan(sub, sub.input_ids)):
+        engine.stats["head_graph_passes"] += 1
+        return graphs.run(flat, (rows, rows, tokens), feed=hidden)
+    ctx = engine.context(sub)
+    ctx.input_ids.copy_(tokens)
+    ctx.sample_index = torch.arange(len(sub.num_tokens), device=hidden.device)
+    return m.mtp(ctx.input_ids, hidden, ctx, m.embed, m.head)
