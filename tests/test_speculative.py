@@ -250,8 +250,9 @@ def test_oracle_covers_every_acceptance_length() -> None:
 
 def test_the_verify_checkpoints_come_out_of_the_kv_budget(tmp_path) -> None:
     """A stateful model drafting with decode graphs keeps k + 1 state checkpoints a batch row
-    (KvPool.checkpoints) inside kv_cache_bytes: fewer KV pages than without them, and a budget
-    too small for them is refused by name."""
+    (KvPool.checkpoints) inside kv_cache_bytes: fewer KV pages than without them. Where half the
+    budget holds fewer requests' checkpoints than the batch, the verify graphs take that many
+    requests and larger verify steps run varlen (the same tokens); where it holds none, no graph."""
     ours = Ours(open_checkpoint(write_tiny("qwen38", tmp_path, seed=3)), torch.device("cpu"), torch.float32)
     spec = SpeculativeConfig("ngram", K)
     cfg = EngineConfig(max_batch_size=4, kv_cache_bytes=4 << 20, decode_graphs="buffers", speculative=spec)
@@ -262,5 +263,13 @@ def test_the_verify_checkpoints_come_out_of_the_kv_budget(tmp_path) -> None:
     assert drafting.pool.checkpoints == 4 * (K + 1) and plain.pool.checkpoints == 0
     assert drafting.pool.layout["num_pages"] < plain.pool.layout["num_pages"]
     slot = drafting.pool.layout["state_slot_bytes"]
-    with pytest.raises(ValueError, match="does not hold the speculative verify step's 16 state checkpoints"):
-        Engine(ours.model, ours.cfg, ours.ops, replace(cfg, kv_cache_bytes=16 * slot))
+    prompts = _prompts(ours, 6)
+    base = ours.engine(decode_graphs="off").generate(prompts, GREEDY)
+    two = Engine(ours.model, ours.cfg, ours.ops, replace(cfg, kv_cache_bytes=5 * slot * (K + 1)))
+    assert two.pool.checkpoints == 2 * (K + 1) and two.graphs.sizes[-1] == 2 * (K + 1)
+    two.drafter = TokenDrafter(Oracle(prompts, base, 2))
+    _same(base, two.generate(prompts, GREEDY))
+    assert two.stats["graph_steps"] > 0 and two.stats["accepted_at"][1] > 0
+    none = replace(cfg, max_batch_size=1, kv_cache_bytes=6 * slot)  # half: 3 slots; a request needs K + 1
+    assert checkpoint_slots(ours.cfg, none, torch.device("cpu")) == 0
+    assert Engine(ours.model, ours.cfg, ours.ops, none).graphs is None

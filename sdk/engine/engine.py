@@ -97,29 +97,30 @@ class EngineConfig:
             )
 
 
+def _state_slot_bytes(cfg: ModelConfig) -> int:
+    """A request's state slot, as the scheduler lays it out (csrc/src/memory.cc)."""
+    return sum(-(-g.row // ROW_ALIGN) * ROW_ALIGN for g in cfg.cache_groups if g.kind == "state")
+
+
 def checkpoint_slots(cfg: ModelConfig, config: EngineConfig, device: torch.device) -> int:
     """The state slots a stateful model's verify graphs keep their tokens' states in (KvPool,
-    StateMeta.checkpoints): k + 1 for each row of the largest batch; none without drafting,
-    recurrent state or decode graphs."""
+    StateMeta.checkpoints): k + 1 for each row of the largest batch, within half the KV budget
+    (rounded down to whole requests: verify steps of more requests run varlen); none without
+    drafting, recurrent state or decode graphs."""
     mode, par = config.decode_graphs, cfg.parallel
     if config.speculative is None or not any(g.kind == "state" for g in cfg.cache_groups):
         return 0
     if mode == "off" or (mode == "auto" and device.type != "cuda") or (par.attention_dp and par.size > 1):
         return 0
-    return config.max_batch_size * (config.speculative.num_speculative_tokens + 1)
+    per = config.speculative.num_speculative_tokens + 1
+    fit = config.kv_cache_bytes // 2 // (_state_slot_bytes(cfg) * per)
+    return min(config.max_batch_size, fit) * per
 
 
 def _scheduler_fields(cfg: ModelConfig, config: EngineConfig, checkpoints: int = 0) -> dict[str, int | bool]:
     """The scheduler's settings of an engine config (its memory layout's among them), the device
     budget less `checkpoints` state slots (`checkpoint_slots`)."""
-    slot = sum(-(-g.row // ROW_ALIGN) * ROW_ALIGN for g in cfg.cache_groups if g.kind == "state")
-    if checkpoints * slot >= config.kv_cache_bytes:
-        raise ValueError(
-            f"kv_cache_bytes {config.kv_cache_bytes} does not hold the speculative verify step's "
-            f"{checkpoints} state checkpoints ({slot} bytes each: k + 1 for each of max_batch_size "
-            f"{config.max_batch_size} rows) and any KV; lower max_batch_size (--max-num-seqs) or "
-            "num_speculative_tokens, or give the KV cache more memory"
-        )
+    slot = _state_slot_bytes(cfg)
     fields: dict[str, int | bool] = dict(
         block_size=config.block_size,
         device_bytes=config.kv_cache_bytes - checkpoints * slot,
@@ -347,8 +348,8 @@ class Engine:
         per = 1 if self.spec is None else self.spec.num_speculative_tokens + 1
         top = self.config.max_batch_size * per
         sizes = (*(s for s in DEFAULT_SIZES if s < top), min(top, DEFAULT_SIZES[-1]))
-        if steps > 1:  # buckets of whole requests
-            b = min(self.config.max_batch_size, DEFAULT_SIZES[-1])
+        if steps > 1:  # buckets of whole requests, as many as the state checkpoints hold
+            b = min(self.config.max_batch_size, DEFAULT_SIZES[-1], self.pool.checkpoints // steps)
             sizes = tuple(s * steps for s in (*(s for s in DEFAULT_SIZES if s < b), b))
         max_blocks = -(-self.max_model_len // self.config.block_size)
         capture, block = self.config.decode_graphs == "auto", self.config.block_size
@@ -360,6 +361,14 @@ class Engine:
         why, steps = self._graph_blockers(), 1
         if why is not None and self.spec is not None and self.pool.state_bytes:
             steps = self.spec.num_speculative_tokens + 1  # each request a state row of k + 1 tokens
+            held = self.pool.checkpoints // steps
+            if not held:
+                why.append("half the KV budget holds no request's k + 1 state checkpoints")
+            elif held < self.config.max_batch_size:
+                log.info(
+                    "verify steps of up to %d requests run in graphs (their state checkpoints: half the "
+                    "KV budget at most); larger ones run varlen", held,
+                )  # fmt: skip
         hidden = self.spec is not None and self.drafter.hidden
         model = self.model
         return self._graphs("decode", lambda ctx, _: model(ctx, hidden=hidden), why, steps=steps)
