@@ -157,8 +157,7 @@ class MtpDrafter:
     hidden = True
 
     def __init__(self, cfg: SpeculativeConfig) -> None:
-        # rid -> (y at its last known position [Dm], d_1 [1] on the device)
-        self.next: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.next: Heads = {}
         self.dropped: list[int] = []  # finished since the last observe (the other ranks' copies go)
 
     def observe(self, engine, plan, z, news: list[list[int]]) -> None:
@@ -180,28 +179,20 @@ class MtpDrafter:
         if engine.leader is not None:  # every rank runs the pass on its shard (ranks.py)
             engine.leader.pass_(OBSERVE, ids, keep, np.asarray(self.dropped, dtype=np.int64))
         self.dropped = []
-        out = observe_pass(engine, plan, z, ids, keep)
-        if out is None:
-            return
-        _, y, rids, last, d1 = out
-        for j, rid in enumerate(rids):  # views would pin the pass's [T', Dm]
-            self.next[rid] = (y[int(last[j])].clone(), d1[j : j + 1].clone())
+        remember(self.next, observe_pass(engine, plan, z, ids, keep))
 
     def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]] | DeviceDrafts:
         have = [r for r in rows if int(plan.req_ids[r]) in self.next]
         if not have:
             return [[] for _ in rows]
-        heads = [self.next[int(plan.req_ids[r])] for r in have]
-        hidden = torch.stack([y for y, _ in heads])  # [R', Dm]
-        drafts = [torch.cat([d for _, d in heads])]  # d_1 of each row [R']
         keep = np.zeros(len(plan.kv_lens), dtype=np.int64)
         keep[have] = 1
+        hidden, drafts = chain_start(self.next, plan, keep)
         ids = np.asarray(plan.input_ids)
         for j in range(1, k):  # d_{j+1} from position p' + j - 1
             if engine.leader is not None:
                 engine.leader.pass_(DRAFT, ids, keep, np.asarray([j - 1], dtype=np.int64))
-            logits, hidden = draft_pass(engine, plan, ids, keep, j - 1, hidden, drafts[-1])
-            drafts.append(logits.argmax(-1))
+            hidden = chain(engine, plan, ids, keep, j - 1, hidden, drafts)
         out = DeviceDrafts(have, torch.stack(drafts, dim=1))  # [R', k]
         out.copy_to_host()
         return out
@@ -211,12 +202,39 @@ class MtpDrafter:
             self.dropped.append(rid)
 
 
+# the MTP head's state by request, on every rank: (y at its last known position [Dm], d_1 [1])
+Heads = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+def remember(heads: Heads, out) -> None:
+    """An `observe_pass` result into `heads` (copies: views would pin the pass's [T', Dm])."""
+    if out is not None:
+        y, rids, last, d1 = out
+        heads.update((rid, (y[int(last[j])].clone(), d1[j : j + 1].clone())) for j, rid in enumerate(rids))
+
+
+def chain_start(heads: Heads, plan, keep: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(the last observed outputs [R', Dm], [d_1 [R']]) of the plan rows with keep[r] > 0."""
+    got = [heads[r] for r in np.asarray(plan.req_ids)[keep > 0].tolist()]
+    return torch.stack([y for y, _ in got]), [torch.cat([d for _, d in got])]
+
+
+def chain(
+    engine, plan, ids, keep: np.ndarray, start: int, hidden: torch.Tensor, drafts: list
+) -> torch.Tensor:
+    """One chained draft (`draft_pass` from drafts[-1]): its argmax appended to `drafts`, its
+    output [R', Dm] returned (the next pass's hidden)."""
+    logits, hidden = draft_pass(engine, plan, ids, keep, start, hidden, drafts[-1])
+    drafts.append(logits.argmax(-1))
+    return hidden
+
+
 def observe_pass(engine, plan, z: torch.Tensor, ids: np.ndarray, keep: np.ndarray):
     """The NextN layer over the plan's rows with keep[r] > 0, their first keep[r] tokens with
-    next tokens ids [T] and the target's z [T, Dm]: (logits [R', V] at each row's last kept
-    token, y [T', Dm], the rows' request ids, each row's last index in y, d_1 [R'] = the argmax
-    of the logits, on the device); None: no row. In the engine's head graphs, each kept token a
-    row (`flat_plan`), when they fit."""
+    next tokens ids [T] and the target's z [T, Dm]: (y [T', Dm], the rows' request ids, each
+    row's last index in y, d_1 [R'] = the argmax of the logits at each row's last kept token, on
+    the device); None: no row. In the engine's head graphs, each kept token a row (`flat_plan`),
+    when they fit."""
     if not keep.any():
         return None
     sub = kept_rows(plan, ids, keep)
@@ -232,7 +250,7 @@ def observe_pass(engine, plan, z: torch.Tensor, ids: np.ndarray, keep: np.ndarra
         ctx = engine.context(sub)
         ctx.sample_index = index[1, : len(last)]
         logits, y = m.mtp(ctx.input_ids, zs, ctx, m.embed, m.head)
-    return logits, y, sub.req_ids.tolist(), last, logits.argmax(-1)
+    return y, sub.req_ids.tolist(), last, logits.argmax(-1)
 
 
 def draft_pass(

@@ -586,12 +586,13 @@ class Engine:
 
     def _roll_back_states(self, done: _Launched, rows: list[tuple[int, list[int]]]) -> None:
         """Each decode row's state at its last kept token (speculative.roll_back)."""
-        saved, k = done.saved, self.spec.num_speculative_tokens
+        saved, k, dev = done.saved, self.spec.num_speculative_tokens, done.verify.device
         kept = np.zeros(len(rows), dtype=np.int64)
-        qs = np.asarray(done.plan.query_start)
         for r in saved.decode.tolist():
             kept[r] = len(rows[r][1])
-            if done.verify.device is not None and r in done.verify.device.rows:  # the drafts, now known
+        if saved.before is not None and dev is not None:  # a recompute reads the drafts, now known
+            qs = np.asarray(done.plan.query_start)
+            for r in dev.rows:
                 saved.inputs[qs[r] + 1 : qs[r] + 1 + k] = done.verify.drafts[r]
         if self.leader is not None:
             self.leader.pass_(ROLLBACK, kept, saved.inputs)

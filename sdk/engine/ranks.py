@@ -41,7 +41,7 @@ import torch.distributed as dist
 from dayzero.kernels.collective import TpGroup
 from dayzero.sdk.engine.context import build_context, device_fill, fill_tokens
 from dayzero.sdk.engine.dp import dp_context
-from dayzero.sdk.engine.drafters import draft_pass, observe_pass
+from dayzero.sdk.engine.drafters import Heads, chain, chain_start, observe_pass, remember
 from dayzero.sdk.engine.speculative import (
     DRAFT,
     END,
@@ -248,7 +248,7 @@ def follow(engine, group, tp: TpGroup | None = None) -> int:
     tp = tp or TpGroup()
     steps, sampled, tokens = 0, [], None  # the last step's sampled requests and their device tokens
     # speculative, MTP: each request's last head output [Dm] and its first draft [1]
-    heads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    heads: Heads = {}
     while True:
         kind, plan = receive(group)
         if kind == STOP:
@@ -276,7 +276,7 @@ def follow(engine, group, tp: TpGroup | None = None) -> int:
         steps += 1
 
 
-def _passes(engine, plan, group, heads: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _passes(engine, plan, group, heads: Heads) -> None:
     """A speculative step's passes as rank 0 runs them (sdk/engine/speculative.py): the MTP
     head's chained drafts, the verify pass on the inputs with the drafts (the decode rows' states
     saved first; the step's end copies after it, as on rank 0), a rollback of the rows that keep
@@ -291,9 +291,8 @@ def _passes(engine, plan, group, heads: dict[int, tuple[torch.Tensor, torch.Tens
         if mode == DRAFT:
             ids, keep, start = arrays
             if int(start[0]) == 0:  # the chain starts from each row's last observed output
-                hidden, drafts = _chain_start(heads, plan, keep)
-            logits, hidden = draft_pass(engine, plan, ids, keep, int(start[0]), hidden, drafts[-1])
-            drafts.append(logits.argmax(-1))
+                hidden, drafts = chain_start(heads, plan, keep)
+            hidden = chain(engine, plan, ids, keep, int(start[0]), hidden, drafts)
         elif mode == VERIFY:
             inputs, index, decode_rows, reads_hidden, on_device, drafted = arrays
             fill = None
@@ -301,7 +300,7 @@ def _passes(engine, plan, group, heads: dict[int, tuple[torch.Tensor, torch.Tens
                 if not drafts:
                     keep = np.zeros(len(plan.num_tokens), dtype=np.int64)
                     keep[drafted] = 1
-                    drafts = _chain_start(heads, plan, keep)[1]
+                    drafts = chain_start(heads, plan, keep)[1]
                 tokens = torch.stack(drafts, dim=1).reshape(-1)
                 fill = (on_device, np.arange(len(on_device), dtype=np.int64), tokens)
             flat = verify_graph_plan(engine, plan, inputs)
@@ -317,19 +316,9 @@ def _passes(engine, plan, group, heads: dict[int, tuple[torch.Tensor, torch.Tens
             ids, keep, dropped = arrays
             for rid in dropped.tolist():
                 heads.pop(rid, None)
-            if (out := observe_pass(engine, plan, z, ids, keep)) is not None:
-                _, y, rids, last, d1 = out
-                heads.update(
-                    (rid, (y[int(last[j])].clone(), d1[j : j + 1].clone())) for j, rid in enumerate(rids)
-                )
+            remember(heads, observe_pass(engine, plan, z, ids, keep))
         else:
             raise RuntimeError(f"unknown speculative pass mode {mode}")
-
-
-def _chain_start(heads, plan, keep: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(the last observed outputs [R', Dm], [d_1 [R']]) of the plan rows with keep[r] > 0."""
-    got = [heads[r] for r in np.asarray(plan.req_ids)[keep > 0].tolist()]
-    return torch.stack([y for y, _ in got]), [torch.cat([d for _, d in got])]
 
 
 def _forward(engine, plan, mine, rank: int, fill) -> None:
