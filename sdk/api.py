@@ -25,8 +25,9 @@ import torch.distributed as dist
 from dayzero.kernels.collective import TpGroup
 from dayzero.sdk.config.model import ModelConfig, Parallel
 from dayzero.sdk.engine.drafters import SpeculativeConfig, check_parallel
-from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams, agree_kv
+from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.engine.grammar import GrammarCompiler
+from dayzero.sdk.engine.memory import agree_kv
 from dayzero.sdk.engine.parallel import (
     Followers,
     Launch,

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from dayzero.sdk.engine.drafters import SpeculativeConfig, TokenDrafter
-from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams, checkpoint_slots
+from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
+from dayzero.sdk.engine.memory import checkpoint_slots
 from dayzero.sdk.engine.speculative import accepted
 from dayzero.sdk.loader import open_checkpoint
 from dayzero.sdk.parity.runner import RETRACTION, Ours, Tolerance, retraction_budget

@@ -22,8 +22,9 @@ import pytest
 from dayzero.sdk.api import LLM
 from dayzero.sdk.config.model import Parallel
 from dayzero.sdk.engine.drafters import TokenDrafter
-from dayzero.sdk.engine.engine import EngineConfig, SamplingParams, kv_capacity
+from dayzero.sdk.engine.engine import EngineConfig, SamplingParams
 from dayzero.sdk.engine.geometry import scheduler_groups
+from dayzero.sdk.engine.memory import kv_capacity
 from dayzero.sdk.engine.parallel import RankError
 from dayzero.sdk.loader import open_checkpoint
 from dayzero.sdk.parity.tiny import write_tiny

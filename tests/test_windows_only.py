@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dayzero.sdk.engine.engine import EngineConfig, SamplingParams, kv_capacity
+from dayzero.sdk.engine.engine import EngineConfig, SamplingParams
+from dayzero.sdk.engine.memory import kv_capacity
 from dayzero.sdk.families import FAMILIES
 from dayzero.sdk.loader import open_checkpoint
 from dayzero.sdk.parity.runner import Ours, Reference, Tolerance

@@ -10,21 +10,23 @@ import contextlib
 import itertools
 import logging
 import secrets
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch.profiler import record_function
 
 from dayzero.sdk.config.model import ModelConfig
+from dayzero.sdk.engine.config import DEFAULTS, EngineConfig
 from dayzero.sdk.engine.context import StepContext, build_context, device_fill, fill_tokens
 from dayzero.sdk.engine.dp import DpScheduler, dp_context
-from dayzero.sdk.engine.drafters import SpeculativeConfig, check_parallel
+from dayzero.sdk.engine.drafters import check_parallel
 from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.grammar import Matchers
 from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
-from dayzero.sdk.engine.kv_pool import ROW_ALIGN, KvPool
-from dayzero.sdk.engine.ranks import Leader, from_leader, smallest
+from dayzero.sdk.engine.kv_pool import KvPool
+from dayzero.sdk.engine.memory import checkpoint_slots, scheduler_fields
+from dayzero.sdk.engine.ranks import Leader
 from dayzero.sdk.engine.sampling import Pending, Sampler, SamplingParams
 from dayzero.sdk.engine.speculative import (
     END,
@@ -41,8 +43,6 @@ from dayzero.sdk.engine.speculative import (
 )
 from dayzero.sdk.scheduler import FinishReason, Scheduler, SchedulerError, make_config
 
-GRAPH_MODES = ("auto", "off", "buffers")
-OVERLAP_MODES = ("auto", "on", "off")
 log = logging.getLogger(__name__)
 
 
@@ -60,149 +60,6 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    kv_cache_bytes: int = 256 << 20
-    host_cache_bytes: int = 256 << 20
-    block_size: int = 16
-    max_batch_size: int = 64
-    max_tokens_per_step: int = 2048
-    chunk_size: int | None = None  # default: max_tokens_per_step
-    prefix_cache: bool = True
-    max_model_len: int | None = None  # default: the model's max_position
-    # recurrent-state snapshots kept for prefix-cache hits (models with a State cache group);
-    # default: one per batch slot
-    snapshot_slots: int | None = None
-    # decode steps from CUDA graphs (sdk/engine/graphs.py): auto = captured on CUDA when every
-    # kernel of the model is graph-safe; off = eager (vLLM's --enforce-eager); buffers = the
-    # graphs' static buffers run eagerly (any device: what the CPU tests check)
-    decode_graphs: str = "auto"
-    # plan step N+1 and launch it before reading step N's tokens back (the scheduler's overlap;
-    # a decode row's input token is filled in on the device): auto = on CUDA
-    overlap: str = "auto"
-    # speculative decoding (sdk/engine/speculative.py; vLLM's --speculative-config): drafted
-    # tokens verified a step; None: off
-    speculative: SpeculativeConfig | None = None
-
-    def __post_init__(self) -> None:
-        if self.decode_graphs not in GRAPH_MODES:
-            raise ValueError(f"decode_graphs {self.decode_graphs!r}; known: {', '.join(GRAPH_MODES)}")
-        if self.overlap not in OVERLAP_MODES:
-            raise ValueError(f"overlap {self.overlap!r}; known: {', '.join(OVERLAP_MODES)}")
-        if self.speculative is not None and self.overlap == "on":
-            raise ValueError(
-                "speculative decoding runs without overlap (a step's drafts need its accepted tokens)"
-            )
-
-
-def _state_slot_bytes(cfg: ModelConfig) -> int:
-    """A request's state slot, as the scheduler lays it out (csrc/src/memory.cc)."""
-    return sum(-(-g.row // ROW_ALIGN) * ROW_ALIGN for g in cfg.cache_groups if g.kind == "state")
-
-
-def checkpoint_slots(cfg: ModelConfig, config: EngineConfig, device: torch.device) -> int:
-    """The state slots a stateful model's verify graphs keep their tokens' states in (KvPool,
-    StateMeta.checkpoints): k + 1 for each row of the largest batch, within half the KV budget
-    (rounded down to whole requests: verify steps of more requests run varlen); none without
-    drafting, recurrent state or decode graphs."""
-    mode, par = config.decode_graphs, cfg.parallel
-    if config.speculative is None or not any(g.kind == "state" for g in cfg.cache_groups):
-        return 0
-    if mode == "off" or (mode == "auto" and device.type != "cuda") or (par.attention_dp and par.size > 1):
-        return 0
-    per = config.speculative.num_speculative_tokens + 1
-    fit = config.kv_cache_bytes // 2 // (_state_slot_bytes(cfg) * per)
-    return min(config.max_batch_size, fit) * per
-
-
-def _scheduler_fields(cfg: ModelConfig, config: EngineConfig, checkpoints: int = 0) -> dict[str, int | bool]:
-    """The scheduler's settings of an engine config (its memory layout's among them), the device
-    budget less `checkpoints` state slots (`checkpoint_slots`)."""
-    slot = _state_slot_bytes(cfg)
-    fields: dict[str, int | bool] = dict(
-        block_size=config.block_size,
-        device_bytes=config.kv_cache_bytes - checkpoints * slot,
-        host_bytes=config.host_cache_bytes,
-        max_batch_size=config.max_batch_size,
-        max_tokens_per_step=config.max_tokens_per_step,
-        prefix_cache=config.prefix_cache,
-    )
-    if config.chunk_size:
-        fields["chunk_size"] = config.chunk_size
-    if config.speculative is not None:
-        fields["spec_tokens"] = config.speculative.num_speculative_tokens
-    if any(g.kind == "state" for g in cfg.cache_groups):
-        snaps = config.snapshot_slots
-        fields["snapshot_slots"] = config.max_batch_size if snaps is None else snaps
-    return fields
-
-
-@dataclass(frozen=True)
-class KvCapacity:
-    """What an engine config's memory budgets hold of one rank's model: `pages` KV pages on the
-    device (one block of `block_size` tokens of the widest cache group each) and `host_pages`
-    in host memory, `page_bytes` each, after `state_bytes` of recurrent-state slots."""
-
-    pages: int
-    host_pages: int
-    page_bytes: int
-    state_bytes: int
-
-    def budgets(self, config: EngineConfig, pages: int, host_pages: int) -> EngineConfig:
-        """config with budgets of exactly `pages` device and `host_pages` host pages."""
-        device = self.state_bytes + pages * self.page_bytes
-        return replace(config, kv_cache_bytes=device, host_cache_bytes=host_pages * self.page_bytes)
-
-
-def kv_capacity(cfg: ModelConfig, itemsize: int, config: EngineConfig) -> KvCapacity:
-    """The KV pool the scheduler lays out for this model (cfg: this rank's shard) in config's
-    budgets, by the scheduler's own rules (csrc/src/memory.cc); raises ValueError when the
-    device budget holds too few pages."""
-    try:
-        layout = Scheduler(
-            make_config(scheduler_groups(cfg, itemsize), **_scheduler_fields(cfg, config))
-        ).layout
-    except SchedulerError as e:
-        raise ValueError(str(e)) from None
-    state = layout["num_slots"] * layout["state_slot_bytes"]
-    return KvCapacity(layout["num_pages"], layout["num_host_pages"], layout["page_bytes"], state)
-
-
-def agree_kv(own: EngineConfig, cfg: ModelConfig, itemsize: int, group) -> EngineConfig:
-    """A tensor-parallel rank's engine config: rank 0's settings with the KV pool the smallest
-    rank's memory holds, the same number of pages on every rank (`own`: this rank's budgets,
-    found on this rank; cfg: its shard), so that every block rank 0's scheduler hands out exists
-    on every rank. One broadcast (rank 0's config) and one all-reduce (min) on `group`."""
-    mine = from_leader(own, group)
-    mine = replace(mine, kv_cache_bytes=own.kv_cache_bytes, host_cache_bytes=own.host_cache_bytes)
-    try:
-        cap, why = kv_capacity(cfg, itemsize, mine), None
-    except ValueError as e:  # said after the all-reduce: the other ranks must not wait for it
-        cap, why = KvCapacity(0, 0, 0, 0), str(e)
-    (pages, host_pages), rank = smallest((cap.pages, cap.host_pages), group)
-    if pages < 2:
-        raise ValueError(
-            why
-            or f"tensor-parallel rank {rank}'s KV memory holds {pages} pages of {mine.block_size} tokens; "
-            "at least 2 are needed (that rank's error says why)"
-        )
-    if cfg.parallel.attention_dp:  # each rank's pool holds its own requests' KV alone
-        log.info(
-            "KV blocks: %d of %d tokens per rank, for that rank's own requests (data-parallel "
-            "attention over %d ranks: %d blocks in all; rank %d's memory is the smallest; this "
-            "rank's holds %d), host %d per rank",
-            pages, mine.block_size, cfg.parallel.size, pages * cfg.parallel.size, rank, cap.pages,
-            host_pages,
-        )  # fmt: skip
-    else:
-        log.info(
-            "KV blocks: %d of %d tokens on every rank (tensor-parallel rank %d's memory is the "
-            "smallest; this rank's holds %d), host %d",
-            pages, mine.block_size, rank, cap.pages, host_pages,
-        )  # fmt: skip
-    return cap.budgets(mine, pages, host_pages)
 
 
 _REASONS = {
@@ -236,12 +93,12 @@ def _sampled(plan) -> list[int]:
 
 class Engine:
     def __init__(
-        self, model: torch.nn.Module, cfg: ModelConfig, ops, config: EngineConfig = EngineConfig()
+        self, model: torch.nn.Module, cfg: ModelConfig, ops, config: EngineConfig = DEFAULTS
     ) -> None:
         self.model, self.cfg, self.ops, self.config = model, cfg, ops, config
         self.device, self.dtype = ops.device, ops.dtype
         checkpoints = checkpoint_slots(cfg, config, self.device)
-        fields = _scheduler_fields(cfg, config, checkpoints)
+        fields = scheduler_fields(cfg, config, checkpoints)
         self.groups = scheduler_groups(cfg, self.dtype.itemsize)
         par = cfg.parallel
         self.dp = par.attention_dp and par.size > 1  # one scheduler per attention rank (dp.py)

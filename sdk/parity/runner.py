@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from dayzero.sdk.api import default_device, parse_dtype
-from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, SamplingParams, kv_capacity
+from dayzero.sdk.engine.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from dayzero.sdk.engine.memory import kv_capacity
 from dayzero.sdk.families import Family, build
 from dayzero.sdk.loader import Checkpoint, load_weights, open_checkpoint
 from dayzero.sdk.parity.dequant import write_dequantized
