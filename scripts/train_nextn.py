@@ -20,8 +20,8 @@ with the model's own embedding and LM head (frozen) and one decoder layer of the
 4. the head is saved under the names a checkpoint with the layer would use (model.layers.{L}.*,
    bf16) with config.json {num_nextn_predict_layers: 1, the model's shape}; then dayzero decodes
    held-out prompts with it (3 drafts) and prints the mean acceptance length.
-Runs on the CPU (the embedded default's 98 MB GGUF cannot travel to the lent GPU) in about 35
-minutes on 2 cores; progress is printed at every stage.
+Runs on a GPU when one is visible (`--device`; the shipped head's run is in its training.json),
+else on the CPU (about 35 minutes on 2 cores); progress is printed at every stage.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ class NextNHead(nn.Module):
         """emb [B, M, D] (of t_{i+1}), z [B, M, D] -> rmsnorm_s(y) [B, M, D]"""
         x = self.eh_proj(torch.cat((self.enorm(emb), self.hnorm(z)), -1))
         m = x.shape[1]
-        pos = torch.arange(m)[None].expand(x.shape[0], m)
-        mask = torch.full((m, m), torch.finfo(x.dtype).min).triu(1)[None, None]
+        pos = torch.arange(m, device=x.device)[None].expand(x.shape[0], m)
+        mask = torch.full((m, m), torch.finfo(x.dtype).min, device=x.device).triu(1)[None, None]
         y = self.layer(x, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(x, pos))
         return self.norm(y[0] if isinstance(y, tuple) else y)
 
@@ -132,10 +132,16 @@ def save(head: NextNHead, base, out: Path, info: dict) -> None:
     (out / "training.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
-def acceptance(model: str | None, head: Path, prompts: list[list[int]], new_tokens: int, k: int = 3) -> float:
+def torch_device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+def acceptance(
+    model: str | None, head: Path, prompts: list[list[int]], new_tokens: int, device: str, k: int = 3
+) -> float:
     """Mean accepted tokens a verify step (1 + accepted drafts) of dayzero's greedy decode."""
     spec = SpeculativeConfig("mtp", k, model=str(head))
-    llm = LLM(model, speculative_config=spec)
+    llm = LLM(model, device=device, speculative_config=spec)
     llm.generate(
         [{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=new_tokens, temperature=0)
     )
@@ -155,13 +161,15 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--batch", type=int, default=8, help="sequences a step")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
+    dev = torch.device(a.device)
     torch.manual_seed(a.seed)
     rng = random.Random(a.seed)
     path = Path(a.model) if a.model else embedded_default()
 
     print(f"[1/4] greedy answers to {a.prompts} prompts from {path}")
-    llm = LLM(str(path))
+    llm = LLM(str(path), device=a.device)
     pairs = [(t, topic) for t in TASKS for topic in TOPICS]
     rng.shuffle(pairs)
     texts = [task.format(topic) for task, topic in pairs[: a.prompts]]
@@ -171,13 +179,14 @@ def main() -> None:
 
     print("[2/4] the model's final hidden states (transformers)")
     kw = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-    base = AutoModelForCausalLM.from_pretrained(path.parent if kw else path, dtype=torch.float32, **kw).eval()
+    base = AutoModelForCausalLM.from_pretrained(path.parent if kw else path, dtype=torch.float32, **kw)
+    base = base.to(dev).eval()
     for p in base.parameters():
         p.requires_grad_(False)
     seqs = []
     with torch.no_grad():
         for j, (ids, m) in enumerate(data):
-            t = torch.tensor(ids)
+            t = torch.tensor(ids, device=dev)
             z = base.model(input_ids=t[None]).last_hidden_state[0]  # [L, D]
             seqs.append((t, z, m))
             if (j + 1) % 64 == 0:
@@ -186,7 +195,7 @@ def main() -> None:
     train = seqs[len(held) :]
 
     print(f"[3/4] training on {sum(len(t) - m for t, _, m in train)} answer tokens, {a.epochs} epochs")
-    head = NextNHead(base)
+    head = NextNHead(base).to(dev)
     params = [p for n, p in head.named_parameters() if not n.startswith("rotary")]
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
     steps = a.epochs * math.ceil(len(train) / a.batch)
@@ -226,12 +235,13 @@ def main() -> None:
     print(f"[4/4] saving the head to {a.out}; acceptance on held-out prompts")
     info = {
         "model": path.name, "prompts": a.prompts, "new_tokens": a.new_tokens, "epochs": a.epochs,
-        "lr": a.lr, "batch": a.batch, "seed": a.seed, "train_seconds": round(time.perf_counter() - t0),
+        "lr": a.lr, "batch": a.batch, "seed": a.seed, "device": torch_device_name(dev),
+        "train_seconds": round(time.perf_counter() - t0),
         "held_out_top1": round(vhits / vcount, 4), "held_out_loss": round(vloss.item(), 4),
     }  # fmt: skip
     save(head, base, a.out, info)
     prompts = [chat_ids(tok, f"Tell me about {x}.") for x in HELD_OUT[:4]]
-    acc = acceptance(str(path) if a.model else None, a.out, prompts, 64)
+    acc = acceptance(str(path) if a.model else None, a.out, prompts, 64, a.device)
     info["acceptance_length_k3"] = round(acc, 3)
     (a.out / "training.json").write_text(json.dumps(info, indent=1) + "\n")
     print(f"mean acceptance length (3 drafts, greedy, 4 held-out prompts x 64 tokens): {acc:.3f}")

@@ -272,7 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "part",
         choices=["scheduler", "decode", "agentic"],
-        help="scheduler: control plane vs TokenSpeed; decode: GPU; agentic: agents through the server",
+        help=(
+            "scheduler: control plane vs TokenSpeed; decode: GPU (a checkpoint on the CPU: --device cpu "
+            "--model); agentic: agents through the server"
+        ),
     )
     b.add_argument("--sizes", default="32,256,1024", help="scheduler: live request counts (comma separated)")
     b.add_argument("--steps", type=int, default=1000, help="scheduler: timed decode steps per size")

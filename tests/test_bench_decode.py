@@ -1,8 +1,12 @@
 """`dayzero bench decode`'s CPU-testable parts: the reference weights under their checkpoint
-names, and the bytes a decode step reads (the roofline's numerator)."""
+names, the bytes a decode step reads (the roofline's numerator), and `--device cpu` (a
+checkpoint's decode on the host)."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -145,3 +149,39 @@ def test_a_drafting_profile_names_its_phases(tmp_path, capsys) -> None:
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("dayzero.")}
     assert {"dayzero.draft", "dayzero.verify", "dayzero.observe"} <= set(rows), out[:2000]
     assert int(rows["dayzero.verify"][0]) == 4 and float(rows["dayzero.verify"][1]) > 0
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "dayzero.sdk.cli", "bench", "decode", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_cpu_decode_bench_times_a_checkpoint_with_and_without_drafts(tmp_path) -> None:
+    """`bench decode --device cpu --model DIR`: a tiny Llama's decode at batches 1 and 2 in fp32,
+    its roofline from the host's copy bandwidth, the drafting rows (prompt lookup) and the
+    summary lines; the prefill is said to be timed on CUDA only, not silently skipped."""
+    path = write_tiny("llama", tmp_path / "ckpt", seed=2)
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    r = _bench("--device", "cpu", "--model", str(path), "--batches", "1,2", "--new-tokens", "6",
+               "--speculative-config", spec)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    assert "weights resident on the CPU" in out and "(float32)" in out
+    assert "prefill: timed on CUDA only" in out
+    assert re.search(r"^batch 1 decode step: \d+\.\d\d ms wall$", out, re.M), out
+    rates = re.search(r"^decode_llama b1=([\d.]+) b2=([\d.]+) roofline_b1=(\d+) roofline_b2=(\d+)", out, re.M)
+    assert rates and all(float(v) > 0 for v in rates.groups()), out
+    drafted = re.search(
+        r"^speculative_llama b1=([\d.]+) accept_b1=([\d.]+) breakeven_b1=([\d.]+) b2=", out, re.M
+    )
+    assert drafted and 1.0 <= float(drafted[2]) <= 3.0 and float(drafted[3]) > 0, out
+    assert out.strip().splitlines()[-1].startswith("decode_vs_roofline B1=")
+
+
+def test_cpu_decode_bench_refuses_what_it_cannot_time(tmp_path) -> None:
+    """A GPU-sized bench config, --profile or a weight format on the CPU are refused by name."""
+    r = _bench("--device", "cpu", "--family", "beam")
+    assert r.returncode == 2 and "times a checkpoint (--model PATH)" in r.stdout
+    path = write_tiny("llama", tmp_path / "ckpt", seed=3)
+    r = _bench("--device", "cpu", "--model", str(path), "--profile")
+    assert r.returncode == 2 and "--profile and --quantization are GPU-only" in r.stdout

@@ -152,7 +152,7 @@ def test_llm_with_dp_attention_answers_as_one_rank(checkpoints, caplog):
         c.outputs[0].token_ids
         for c in LLM(path, device="cpu", dtype="float32", progress=False).generate(ps, greedy)
     ]
-    with caplog.at_level(logging.INFO, logger="dayzero.sdk.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="dayzero.sdk.engine.memory"):
         llm = LLM(
             path,
             device="cpu",

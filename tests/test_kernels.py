@@ -16,7 +16,7 @@ from dayzero.kernels.batched.sampling import sample as batched_sample
 from dayzero.kernels.ops import PagedMeta, Penalties, SamplingBatch
 from dayzero.kernels.reference.attention import gqa_attention as reference_attention
 from dayzero.kernels.reference.attention import kv_write
-from dayzero.kernels.reference.basic import rms_norm, rope
+from dayzero.kernels.reference.basic import SMALL_M, linear, rms_norm, rope
 from dayzero.kernels.reference.moe import moe_route
 from dayzero.kernels.reference.sampling import sample as reference_sample
 from dayzero.kernels.registry import KERNELS, OPS, Capabilities, UnknownKeyError, declare_op, register
@@ -150,6 +150,27 @@ def test_op_table_unions_needs_and_refuses_unselected_ops() -> None:
     assert ops.rms_norm is rms_norm
     with pytest.raises(AttributeError, match="op 'softcap' was not selected for this model"):
         _ = ops.softcap
+
+
+# ---- linear ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_reference_linear_few_rows_equal_the_matmul(seed: int) -> None:
+    """The fp32 CPU linear's few-rows form (W @ x^T, one row padded to two) against F.linear in
+    fp64, for 1 .. SMALL_M + 1 rows, with and without a bias: within fp32 rounding of a K = 576
+    dot product (2e-5 of the rows' scale), a contiguous [M, N]; bf16 rows take F.linear as is."""
+    g = torch.Generator().manual_seed(seed)
+    w, b = torch.randn(1536, 576, generator=g), torch.randn(1536, generator=g)
+    for m in range(1, SMALL_M + 2):
+        x = torch.randn(m, 576, generator=g)
+        for bias in (None, b):
+            want = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            got = linear(x, w, bias)
+            assert got.shape == (m, 1536) and got.is_contiguous() and got.dtype == torch.float32
+            assert (got.double() - want).abs().max() <= 2e-5 * want.abs().max(), (m, bias is None)
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(linear(xb, wb), F.linear(xb, wb))
 
 
 # ---- paged GQA attention ---------------------------------------------------------------------

@@ -88,7 +88,7 @@ def test_ranks_driven_by_rank_0_answer_as_one_rank(checkpoints, family, size, ex
     path = str(checkpoints[family])
     one = LLM(path, device="cpu", dtype="float32", engine=sized(80), progress=False)
     want = answers(one, seed)
-    with caplog.at_level(logging.INFO, logger="dayzero.sdk.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="dayzero.sdk.engine.memory"):
         many = LLM(
             path, device="cpu", dtype="float32", engine=sized(200, 80), progress=False,
             tensor_parallel_size=size, enable_expert_parallel=experts,

@@ -25,6 +25,7 @@ import torch
 
 from dayzero.kernels.packed import FORMATS, PackedWeight
 from dayzero.kernels.selection import OpTable
+from dayzero.sdk.api import parse_dtype
 from dayzero.sdk.bench.packed_weights import bench_packing, packable, quantized_stream, random_packed
 from dayzero.sdk.blocks.mlp import MoE
 from dayzero.sdk.engine.drafters import SpeculativeConfig
@@ -36,6 +37,7 @@ from dayzero.sdk.quant.packing import PackedParam
 from dayzero.sdk.spec.reference import merge, reference_class, spec_config
 
 KV_BYTES = 8 << 30  # the engines' KV pool: the budget a long prefill runs within
+CPU_KV_BYTES = 1 << 30  # on the CPU (--device cpu: a checkpoint's decode, no long prefill)
 # --model's chat prompts (none of them among scripts/train_nextn.py's training topics)
 BENCH_TOPICS = (
     "the pyramids",
@@ -68,6 +70,14 @@ def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
     """Device-to-device copy, bytes read + written per second (median of 20)."""
+    if device.type == "cpu":  # memory-to-memory, timed on the host
+        src = torch.randint(0, 255, (nbytes // 8,), dtype=torch.uint8)
+        dst, times = torch.empty_like(src), []
+        for _ in range(25):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+        return 2 * src.numel() / float(np.median(times[5:]))
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     times = []
@@ -445,10 +455,22 @@ def checkpoint_model(args: argparse.Namespace, spec: SpeculativeConfig | None, d
 
 
 def main(args: argparse.Namespace) -> int:
-    if not torch.cuda.is_available():
-        print("dayzero bench decode: needs a CUDA GPU (none visible)")
+    dev = torch.device(args.device or "cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("dayzero bench decode: needs a CUDA GPU (none visible); on the CPU: --device cpu --model PATH")
         return 2
-    dev, dtype = torch.device("cuda"), torch.bfloat16
+    if dev.type == "cpu" and not args.model:
+        print("dayzero bench decode --device cpu: times a checkpoint (--model PATH), not a GPU-sized config")
+        return 2
+    if dev.type == "cpu" and (args.profile or args.quantization):
+        print("dayzero bench decode --device cpu: --profile and --quantization are GPU-only")
+        return 2
+    dtype = (
+        parse_dtype(args.dtype, dev)
+        if args.dtype
+        else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    )
+    kv_bytes = KV_BYTES if dev.type == "cuda" else CPU_KV_BYTES
     speculative = SpeculativeConfig.parse(args.speculative_config)
     mtp = speculative is not None and speculative.method == "mtp"
     if args.model:
@@ -460,19 +482,21 @@ def main(args: argparse.Namespace) -> int:
         fam, cfg, model, ops, ref, fmt = bench_model(args, mtp, dev, dtype)
         prompts = None
     resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    print(f"weights resident on the GPU: {resident / 2**30:.2f} GiB ({fmt or 'bf16'})")
+    where, stored = ("the GPU" if dev.type == "cuda" else "the CPU"), fmt or str(dtype).removeprefix("torch.")
+    print(f"weights resident on {where}: {resident / 2**30:.2f} GiB ({stored})")
     bw = copy_bandwidth(dev)
     bpt, total, active = bytes_per_step(cfg, model, args.prompt_len)
     roofline = bw / bpt
+    rate = f"{bw / 1e12:.2f} TB/s" if dev.type == "cuda" else f"{bw / 1e9:.1f} GB/s"
     print(
-        f"params {total / 1e9:.2f}B, active {active / 1e9:.2f}B; copy bandwidth {bw / 1e12:.2f} TB/s; "
+        f"params {total / 1e9:.2f}B, active {active / 1e9:.2f}B; copy bandwidth {rate}; "
         f"{bpt / 1e9:.2f} GB per decode step at batch 1 -> roofline {roofline:.0f} tok/s"
     )
     rows, host_gpu, drafted = [], None, []
     graphs = "off" if args.enforce_eager else "auto"
     for b in (int(x) for x in args.batches.split(",")):
         engine_cfg = EngineConfig(
-            kv_cache_bytes=KV_BYTES,
+            kv_cache_bytes=kv_bytes,
             host_cache_bytes=0,
             block_size=64,
             max_batch_size=b,
@@ -484,7 +508,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"batch {b}: {eng.graphs.report if eng.graphs else 'eager decode (no CUDA graphs)'}")
         ours, step_ms = time_ours(eng, b, args.prompt_len, args.new_tokens, cfg.embedding.vocab, prompts)
         if b == 1:
-            host_gpu = (step_ms, gpu_step_ms(eng, args.prompt_len, cfg.embedding.vocab))
+            on_gpu = dev.type == "cuda"
+            host_gpu = (step_ms, gpu_step_ms(eng, args.prompt_len, cfg.embedding.vocab) if on_gpu else None)
         del eng
         torch.cuda.empty_cache()
         if speculative is not None:
@@ -504,7 +529,9 @@ def main(args: argparse.Namespace) -> int:
     prefill = None
     n = min(args.prefill_len, (cfg.max_position or args.prefill_len + 1) - 1)  # room for the token
     chunk = min(n, args.prefill_chunk) or args.prefill_chunk
-    if args.prefill_len:
+    if args.prefill_len and dev.type == "cpu":
+        print("prefill: timed on CUDA only (--device cpu times decode)")
+    if args.prefill_len and dev.type == "cuda":
         base = torch.cuda.memory_allocated()  # the weights (and transformers' copy, when it runs)
         eng = Engine(
             model, cfg, ops,
@@ -547,7 +574,9 @@ def main(args: argparse.Namespace) -> int:
             f"{b:>5} {ours:>14.1f} {theirs:>19.1f} {ours / theirs:>6.2f} "
             f"{roofs[b]:>15.0f} {ours / roofs[b]:>17.3f}"
         )
-    if host_gpu is not None:
+    if host_gpu is not None and host_gpu[1] is None:
+        print(f"batch 1 decode step: {host_gpu[0]:.2f} ms wall")
+    elif host_gpu is not None:
         print(
             f"batch 1 decode step: {host_gpu[0]:.2f} ms wall (host), {host_gpu[1]:.2f} ms forward on the GPU"
         )
