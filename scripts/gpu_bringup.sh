@@ -7,6 +7,9 @@
 #   attention references to fla's kernels)
 #   PARITY: "family:dtype ..." (dtype fp32 | bf16); QPARITY: "folder:dtype ..." for checkpoints
 #   carried in (quantized ones are made here by ModelOpt: `dayzero tiny F OUT --quantization Q`)
+#   TP: "2 4 8": each fp32 PARITY / QPARITY checkpoint also on N GPUs over NCCL against one GPU
+#   (`dayzero parity --tensor-parallel-size N`: logits within 1e-4 of max|logit|, the same
+#   greedy tokens, prefix hits and retractions); EP=1 adds the expert-parallel layout
 #   BENCH: "family ..."; QUANT: the weight formats to bench, "bf16 nvfp4 ..."; REPEAT: runs of each
 #   (batch-1 rates swing between runs: report the median of three); AGENTIC: runs of `bench
 #   agentic` (beam, one agent; TOKENIZER: a tokenizer folder, default .tok/: the embedded default's,
@@ -19,6 +22,8 @@
 # Wheels for packages the machine lacks (transformers 5.23, pydantic) travel in .whl/.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+# NVLink multicast stays off (the device's KINDS.md: it can take the host's GPUs out of service)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -73,11 +78,23 @@ for t in ${TESTS-}; do
   echo "[${SECONDS}s] == pytest $t"
   $T python3 -m pytest -q -rfE --tb=short -p no:cacheprovider $t >>"$OUT/tests.log" 2>&1; tail -25 "$OUT/tests.log"
 done
+# the checkpoint on N GPUs (TP, and EP when asked) against one, fp32 (parity's own checks first)
+ranks() {
+  [ "$2" = float32 ] || return 0
+  for n in ${TP-}; do
+    for ep in "" ${EP:+--enable-expert-parallel}; do
+      echo "[${SECONDS}s] == parity $1 on $n GPUs ${ep:-(tensor parallel)}"
+      $T $DZ parity --checkpoint "$1" --seed 3 --device cuda --dtype float32 --tensor-parallel-size "$n" $ep 2>&1 \
+        | grep "tensor parallel\|error\|Error" | tee -a "$OUT/parity.log"
+    done
+  done
+}
 for which in ${QPARITY-}; do
   dir=${which%:*}; dtype=${which#*:}; [ "$dtype" = bf16 ] && dtype=bfloat16 || dtype=float32
   echo "[${SECONDS}s] == parity $dir $dtype"
   $T $DZ parity --checkpoint "$dir" --seed 3 --device cuda --dtype $dtype 2>&1 \
     | grep -v "Loading weights\|falling back" | tee -a "$OUT/parity.log"
+  ranks "$dir" $dtype
 done
 PARITY=${PARITY-"glm53:fp32 glm53:bf16 glm53_flash:fp32 glm53_flash:bf16"}
 for which in $PARITY; do
@@ -86,6 +103,7 @@ for which in $PARITY; do
   echo "[${SECONDS}s] == parity $fam medium $dtype"
   $T $DZ parity --checkpoint "$TMP/$fam" --seed 3 --device cuda --dtype $dtype 2>&1 \
     | grep -v "Loading weights\|falling back" | tee -a "$OUT/parity.log"
+  ranks "$TMP/$fam" $dtype
 done
 # fla-core's wheel from .fla/, unpacked once into /tmp/fla (put on PYTHONPATH where a part asks for it)
 fla() { [ -d /tmp/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .fla/*.whl; }

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dayzero.sdk.engine.parallel import RankError, run_ranks
-from dayzero.sdk.parity.parallel import check_prompts, run_check
+from dayzero.sdk.parity.parallel import check_prompts, compare_ranks, run_check
 from dayzero.sdk.parity.tiny import write_tiny
 
 TOL = 1e-5  # relative to the largest |logit|: fp32 sums in another order (the all-reduce)
@@ -271,9 +271,22 @@ def test_parity_cli_runs_the_ranks_against_one():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "parity PASSED" in r.stdout
     line = next(
-        ln for ln in r.stdout.splitlines() if ln.startswith("tensor parallel (2 ranks, expert parallel")
+        ln
+        for ln in r.stdout.splitlines()
+        if ln.startswith("tensor parallel (2 ranks on CPUs, gloo, expert parallel")
     )
     assert line.endswith("PASSED") and "identical" in line, line
+
+
+def test_ranks_on_more_gpus_than_visible_are_refused(tmp_path, checkpoints):
+    """The GPU form of the check (one GPU a rank, NCCL) needs as many GPUs as ranks: refused by
+    count before any rank starts."""
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs")
+    with pytest.raises(
+        ValueError, match=rf"2 ranks on CUDA need 2 GPUs; {torch.cuda.device_count()} visible"
+    ):
+        compare_ranks(str(checkpoints["llama"]), 2, False, 0, 64, str(tmp_path), device="cuda")
 
 
 # (quantization, layout, overrides): a rank's K must stay a multiple of the format's block (mxfp4

@@ -36,15 +36,18 @@ def rank_outputs(
     new_tokens: int,
     engine_kw: dict,
     out: str,
+    device: str = "cpu",
 ) -> None:
     """Rank `rank` of `size` (run_ranks' signature); engine_kw: EngineConfig fields, with
-    `kv_tokens` for a KV pool of that many tokens on every rank."""
-    tp = init_group(size, rank, port=port) if size > 1 else TpGroup()
+    `kv_tokens` for a KV pool of that many tokens on every rank. device "cuda": rank r on GPU r,
+    the group over NCCL (gloo on the CPU); fp32 either way."""
+    tp = init_group(size, rank, port=port, device=device) if size > 1 else TpGroup()
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     try:
         ckpt = open_checkpoint(Path(path))
         cfg = ckpt.family.config(ckpt.hf, str(ckpt.path), Parallel(size, rank, experts))
         packed = ckpt.packing.params if ckpt.packing else None
-        model, ops = build(ckpt.family, cfg, ckpt.hf, torch.device("cpu"), torch.float32, packed, tp=tp)
+        model, ops = build(ckpt.family, cfg, ckpt.hf, dev, torch.float32, packed, tp=tp)
         load_weights(model, ckpt, progress=False)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
         whose = "" if size > 1 else " (this process's: one rank runs in the caller)"
@@ -97,31 +100,44 @@ def check_prompts(vocab: int, seed: int) -> list[list[int]]:
     ]
 
 
-def run_check(path: str, size: int, experts: bool, prompts: list[list[int]], out_dir: Path) -> dict:
-    """rank_outputs on `size` ranks (one rank: in this process); rank 0's results."""
+def run_check(
+    path: str, size: int, experts: bool, prompts: list[list[int]], out_dir: Path, device: str = "cpu"
+) -> dict:
+    """rank_outputs on `size` ranks (one rank: in this process); rank 0's results, on the CPU."""
     out = out_dir / f"ranks-{size}-{int(experts)}.pt"
-    args = (path, experts, prompts, CHECK_TOKENS, CHECK_ENGINE, str(out))
+    args = (path, experts, prompts, CHECK_TOKENS, CHECK_ENGINE, str(out), device)
     if size == 1:
         rank_outputs(0, 1, 0, *args)
     else:
         run_ranks(rank_outputs, size, args, timeout_s=900)
-    return torch.load(out)
+    return torch.load(out, map_location="cpu")
 
 
 def compare_ranks(
-    path: str, size: int, experts: bool, seed: int, vocab: int, out_dir: str, tol: float = 1e-5
+    path: str,
+    size: int,
+    experts: bool,
+    seed: int,
+    vocab: int,
+    out_dir: str,
+    tol: float = 1e-5,
+    device: str = "cpu",
 ) -> tuple[bool, list[str]]:
-    """The checkpoint on `size` ranks against one rank (fp32, CPU): every prompt position's
-    logits within tol x max|logit|, the same greedy tokens, cached-token counts and retractions.
-    (One rank is what the parity suite checks against the reference.)"""
+    """The checkpoint on `size` ranks against one rank (fp32; CPU ranks over gloo, or one GPU a
+    rank over NCCL): every prompt position's logits within tol x max|logit|, the same greedy
+    tokens, cached-token counts and retractions. (One rank is what the parity suite checks
+    against the reference.)"""
+    if device == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"{size} ranks on CUDA need {size} GPUs; {torch.cuda.device_count()} visible")
     prompts = check_prompts(vocab, seed)
-    one, many = (run_check(path, n, experts and n > 1, prompts, Path(out_dir)) for n in (1, size))
+    one, many = (run_check(path, n, experts and n > 1, prompts, Path(out_dir), device) for n in (1, size))
     scale = max(t.abs().max().item() for t in one["logits"])
     err = max((a - b).abs().max().item() for a, b in zip(one["logits"], many["logits"], strict=True))
     same = many["tokens"] == one["tokens"] and many["cached"] == one["cached"]
     same = same and many["stats"]["retracted"] == one["stats"]["retracted"]
     ok = err <= tol * scale and same
-    layout = f"{size} ranks, {'expert' if experts else 'tensor'} parallel MoE"
+    layout = f"{size} ranks on {'GPUs, NCCL' if device == 'cuda' else 'CPUs, gloo'}, "
+    layout += f"{'expert' if experts else 'tensor'} parallel MoE"
     lines = [
         f"tensor parallel ({layout}) vs one rank: logits max|diff| {err:.2e} (limit {tol * scale:.2e}); "
         f"greedy tokens, prefix hits and retractions {'identical' if same else 'DIFFER'}; "
