@@ -7,6 +7,8 @@
 #   attention references to fla's kernels)
 #   PARITY: "family:dtype ..." (dtype fp32 | bf16); QPARITY: "folder:dtype ..." for checkpoints
 #   carried in (quantized ones are made here by ModelOpt: `dayzero tiny F OUT --quantization Q`)
+#   TP_BENCH_FAMILIES: "family ..." benched on TP_BENCH GPUs ("2 4 8"; random weights, the
+#   tokenizer's vocabulary: `bench decode --tensor-parallel-size N`)
 #   TP: "2 4 8": each fp32 PARITY / QPARITY checkpoint also on N GPUs over NCCL against one GPU
 #   (`dayzero parity --tensor-parallel-size N`: logits within 1e-4 of max|logit|, the same
 #   greedy tokens, prefix hits and retractions); EP=1 adds the expert-parallel layout
@@ -120,6 +122,15 @@ for fam in ${BENCH-glm53_flash}; do
       $([ "$q" = bf16 ] || echo --quantization "$q") ${BENCH_FLAGS-} 2>&1 \
       | tr "\r" "\n" | grep -v "loading weights\|falling back\|^$" | tee -a "$OUT/bench.log"
    done
+  done
+done
+for fam in ${TP_BENCH_FAMILIES-}; do  # `bench decode` on N GPUs (TP_BENCH: "2 4 8"), random weights
+  for n in ${TP_BENCH:-2}; do
+    echo "[${SECONDS}s] == bench decode $fam on $n GPUs"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $T $DZ bench decode --family "$fam" \
+      --tensor-parallel-size "$n" --batches ${BATCHES:-1,8,32} --prompt-len 512 --new-tokens 64 \
+      --tokenizer "${TOKENIZER:-.tok}" ${BENCH_FLAGS-} 2>&1 | tr "\r" "\n" | grep -v "loading weights\|^$" \
+      | tee -a "$OUT/bench_tp.log"
   done
 done
 for which in ${SPEC-}; do

@@ -40,6 +40,10 @@ def _bench(args: argparse.Namespace) -> int:
         if args.spec is not None:  # the server it starts serves that family too
             args.serve_flags = f"{args.serve_flags} --spec {args.spec}"
         return agentic.main(args)
+    if args.tensor_parallel_size > 1:
+        from dayzero.sdk.bench import parallel
+
+        return parallel.main(args)
     from dayzero.sdk.bench import decode
 
     return decode.main(args)
@@ -316,6 +320,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode: also time each batch drafting so (vLLM's JSON; method mtp: the bench config's "
         "MTP head, random weights, where the config has one (else --set its layer count); with --model "
         "the checkpoint's, or the head folder of 'model'): tok/s, acceptance length, break-even",
+    )
+    b.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="decode: N ranks (one GPU each over NCCL; CPU ranks over gloo with --device cpu --model)",
+    )
+    b.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="decode, with --tensor-parallel-size: experts whole per rank",
     )
     b.add_argument(
         "--disable-overlap-schedule",

@@ -185,3 +185,22 @@ def test_cpu_decode_bench_refuses_what_it_cannot_time(tmp_path) -> None:
     path = write_tiny("llama", tmp_path / "ckpt", seed=3)
     r = _bench("--device", "cpu", "--model", str(path), "--profile")
     assert r.returncode == 2 and "--profile and --quantization are GPU-only" in r.stdout
+
+
+def test_tensor_parallel_decode_bench_on_cpu_ranks(tmp_path) -> None:
+    """`bench decode --tensor-parallel-size 2 --device cpu --model DIR`: the model on two gloo
+    ranks driven by rank 0's engine, a rate and a rank's roofline a batch, and the summary line;
+    what it cannot time on several ranks is refused by name before any rank starts."""
+    path = write_tiny("llama", tmp_path / "ckpt", seed=4)
+    r = _bench("--device", "cpu", "--model", str(path), "--tensor-parallel-size", "2",
+               "--batches", "1,2", "--new-tokens", "6")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "2 ranks (tensor parallel MoE) on CPUs, gloo" in r.stdout
+    last = r.stdout.strip().splitlines()[-1]
+    got = re.fullmatch(r"decode_tp2_llama b1=([\d.]+) roofline_b1=(\d+) b2=([\d.]+) roofline_b2=(\d+)", last)
+    assert got and all(float(v) > 0 for v in got.groups()), r.stdout
+    r = _bench("--device", "cpu", "--model", str(path), "--tensor-parallel-size", "2", "--profile")
+    assert r.returncode == 2 and "--profile run on one rank only" in r.stdout
+    if torch.cuda.device_count() < 2:
+        r = _bench("--tensor-parallel-size", "2", "--family", "llama")
+        assert r.returncode == 2 and "needs 2 GPUs;" in r.stdout

@@ -1,0 +1,113 @@
+"""`dayzero bench decode --tensor-parallel-size N`: decode on N ranks (one GPU each over NCCL,
+or CPU ranks over gloo with --device cpu --model), through `LLM` as `dayzero serve` runs it.
+
+The model: --model's checkpoint, or --family's bench config (+ --set) with random weights
+(`--load-format dummy` on every rank, no checkpoint on disk) and a tokenizer's vocabulary (the
+embedded default's, or --tokenizer's folder: `bench agentic --random-weights`'s model). Each
+batch of --batches decodes --new-tokens after --prompt-len random tokens (chat prompts with
+--model), timed on rank 0,
+whose engine sends every step's plan to the other ranks. The roofline is a rank's: the bytes its
+shard reads a step (its slices of every weight, the experts it holds that the batch picks, its
+KV heads) over one device's copy bandwidth, since the ranks read in parallel; a step's
+collectives are the difference between the two. Last line: `decode_tp{N}_{family} b1=...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+from dayzero.sdk.api import LLM
+from dayzero.sdk.bench.agentic import random_model
+from dayzero.sdk.bench.decode import (
+    BENCH_TOPICS,
+    CPU_KV_BYTES,
+    KV_BYTES,
+    bytes_per_step,
+    copy_bandwidth,
+    time_ours,
+)
+from dayzero.sdk.engine.config import EngineConfig
+from dayzero.sdk.loader.tokenizer import chat_ids
+
+
+def main(args: argparse.Namespace) -> int:
+    size = args.tensor_parallel_size
+    dev = torch.device(args.device or "cuda")
+    refused = _refused(args, dev)
+    if refused:
+        print(f"dayzero bench decode --tensor-parallel-size {size}: {refused}")
+        return 2
+    batches = [int(x) for x in args.batches.split(",")]
+    engine = EngineConfig(
+        kv_cache_bytes=KV_BYTES if dev.type == "cuda" else CPU_KV_BYTES,
+        host_cache_bytes=0,
+        block_size=64 if dev.type == "cuda" else 16,
+        max_batch_size=max(batches),
+        max_tokens_per_step=8192,
+        decode_graphs="off" if args.enforce_eager else "auto",
+        overlap="off" if args.disable_overlap_schedule else "auto",
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        context = args.prompt_len + args.new_tokens + 128
+        out = Path(tmp) / "model"
+        folder = args.model or random_model(args.family, args.set, out, context, args.tokenizer)
+        llm = LLM(
+            str(folder),
+            device=dev.type,
+            dtype=args.dtype,
+            engine=engine,
+            load_format="auto" if args.model else "dummy",
+            tensor_parallel_size=size,
+            enable_expert_parallel=args.enable_expert_parallel,
+        )
+        try:
+            return _time(llm, args, batches, dev)
+        finally:
+            llm.close()
+
+
+def _refused(args: argparse.Namespace, dev: torch.device) -> str | None:
+    """What this run cannot time, said before any rank starts (None: it can)."""
+    if dev.type == "cuda" and torch.cuda.device_count() < args.tensor_parallel_size:
+        return f"needs {args.tensor_parallel_size} GPUs; {torch.cuda.device_count()} visible"
+    if dev.type == "cpu" and not args.model:
+        return "on the CPU it times a checkpoint (--model PATH), not a GPU-sized config"
+    unsupported = [
+        flag
+        for flag, given in (
+            ("--profile", args.profile),
+            ("--quantization", args.quantization),
+            ("--speculative-config", args.speculative_config),
+        )
+        if given
+    ]
+    if unsupported:
+        return f"{', '.join(unsupported)} run on one rank only (leave out --tensor-parallel-size)"
+    return None
+
+
+def _time(llm: LLM, args: argparse.Namespace, batches: list[int], dev: torch.device) -> int:
+    cfg, size = llm.config, args.tensor_parallel_size
+    layout = "expert" if args.enable_expert_parallel else "tensor"
+    print(f"{size} ranks ({layout} parallel MoE) on {'GPUs, NCCL' if dev.type == 'cuda' else 'CPUs, gloo'}")
+    print("not run on several ranks: transformers' rate, the prefill timing (they run on one rank)")
+    bw = copy_bandwidth(dev, (2 << 30) if dev.type == "cuda" else (256 << 20))
+    prompts = [chat_ids(llm.tokenizer, f"Tell me about {t}.") for t in BENCH_TOPICS] if args.model else None
+    rows = []
+    for b in batches:
+        tps, step_ms = time_ours(
+            llm.engine, b, args.prompt_len, args.new_tokens, cfg.embedding.vocab, prompts
+        )
+        roof = b * bw / bytes_per_step(cfg, llm.model, args.prompt_len, b)[0]  # rank 0's shard
+        rows.append((b, tps, step_ms, roof))
+        print(f"batch {b}: {tps:.1f} tok/s ({step_ms:.2f} ms a step)")
+    print(f"{'batch':>5} {'tok/s':>10} {'step ms':>8} {'rank roofline tok/s':>20} {'of the roofline':>16}")
+    for b, tps, ms, roof in rows:
+        print(f"{b:>5} {tps:>10.1f} {ms:>8.2f} {roof:>20.0f} {tps / roof:>16.3f}")
+    line = " ".join(f"b{b}={t:.1f} roofline_b{b}={r:.0f}" for b, t, _, r in rows)
+    print(f"decode_tp{size}_{cfg.family} {line}")
+    return 0
