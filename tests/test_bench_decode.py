@@ -190,7 +190,8 @@ def test_cpu_decode_bench_refuses_what_it_cannot_time(tmp_path) -> None:
 def test_tensor_parallel_decode_bench_on_cpu_ranks(tmp_path) -> None:
     """`bench decode --tensor-parallel-size 2 --device cpu --model DIR`: the model on two gloo
     ranks driven by rank 0's engine, a rate and a rank's roofline a batch, and the summary line;
-    what it cannot time on several ranks is refused by name before any rank starts."""
+    with --profile the collectives' time a step; what it cannot time on several ranks is refused
+    by name before any rank starts."""
     path = write_tiny("llama", tmp_path / "ckpt", seed=4)
     r = _bench("--device", "cpu", "--model", str(path), "--tensor-parallel-size", "2",
                "--batches", "1,2", "--new-tokens", "6")  # fmt: skip
@@ -199,8 +200,16 @@ def test_tensor_parallel_decode_bench_on_cpu_ranks(tmp_path) -> None:
     last = r.stdout.strip().splitlines()[-1]
     got = re.fullmatch(r"decode_tp2_llama b1=([\d.]+) roofline_b1=(\d+) b2=([\d.]+) roofline_b2=(\d+)", last)
     assert got and all(float(v) > 0 for v in got.groups()), r.stdout
-    r = _bench("--device", "cpu", "--model", str(path), "--tensor-parallel-size", "2", "--profile")
-    assert r.returncode == 2 and "--profile run on one rank only" in r.stdout
+    r = _bench("--device", "cpu", "--model", str(path), "--tensor-parallel-size", "2", "--profile",
+               "--batches", "2", "--new-tokens", "4")  # fmt: skip
+    share = re.search(r"^ +2 +([\d.]+) +([\d.]+) +([\d.]+)%$", r.stdout, re.M)
+    assert r.returncode == 0 and share, r.stdout + r.stderr[-2000:]
+    assert 0 < float(share[2]) < float(share[1])  # gloo collectives take part of a profiled step
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    r = _bench(
+        "--device", "cpu", "--model", str(path), "--tensor-parallel-size", "2", "--speculative-config", spec
+    )
+    assert r.returncode == 2 and "--speculative-config run on one rank only" in r.stdout
     if torch.cuda.device_count() < 2:
         r = _bench("--tensor-parallel-size", "2", "--family", "llama")
         assert r.returncode == 2 and "needs 2 GPUs;" in r.stdout

@@ -9,16 +9,20 @@ batch of --batches decodes --new-tokens after --prompt-len random tokens (chat p
 whose engine sends every step's plan to the other ranks. The roofline is a rank's: the bytes its
 shard reads a step (its slices of every weight, the experts it holds that the batch picks, its
 KV heads) over one device's copy bandwidth, since the ranks read in parallel; a step's
-collectives are the difference between the two. Last line: `decode_tp{N}_{family} b1=...`.
+collectives are part of the difference: --profile gives their time a step (rank 0's NCCL kernels,
+or its gloo collectives), from 8 profiled steps a batch. Last line: `decode_tp{N}_{family} b1=...`.
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from dayzero.sdk.api import LLM
 from dayzero.sdk.bench.agentic import random_model
@@ -31,6 +35,7 @@ from dayzero.sdk.bench.decode import (
     time_ours,
 )
 from dayzero.sdk.engine.config import EngineConfig
+from dayzero.sdk.engine.engine import Engine, SamplingParams
 from dayzero.sdk.loader.tokenizer import chat_ids
 
 
@@ -79,7 +84,6 @@ def _refused(args: argparse.Namespace, dev: torch.device) -> str | None:
     unsupported = [
         flag
         for flag, given in (
-            ("--profile", args.profile),
             ("--quantization", args.quantization),
             ("--speculative-config", args.speculative_config),
         )
@@ -91,7 +95,7 @@ def _refused(args: argparse.Namespace, dev: torch.device) -> str | None:
 
 
 def _time(llm: LLM, args: argparse.Namespace, batches: list[int], dev: torch.device) -> int:
-    cfg, size = llm.config, args.tensor_parallel_size
+    cfg, size, vocab = llm.config, args.tensor_parallel_size, llm.config.embedding.vocab
     layout = "expert" if args.enable_expert_parallel else "tensor"
     print(f"{size} ranks ({layout} parallel MoE) on {'GPUs, NCCL' if dev.type == 'cuda' else 'CPUs, gloo'}")
     print("not run on several ranks: transformers' rate, the prefill timing (they run on one rank)")
@@ -99,15 +103,52 @@ def _time(llm: LLM, args: argparse.Namespace, batches: list[int], dev: torch.dev
     prompts = [chat_ids(llm.tokenizer, f"Tell me about {t}.") for t in BENCH_TOPICS] if args.model else None
     rows = []
     for b in batches:
-        tps, step_ms = time_ours(
-            llm.engine, b, args.prompt_len, args.new_tokens, cfg.embedding.vocab, prompts
-        )
+        tps, step_ms = time_ours(llm.engine, b, args.prompt_len, args.new_tokens, vocab, prompts)
         roof = b * bw / bytes_per_step(cfg, llm.model, args.prompt_len, b)[0]  # rank 0's shard
         rows.append((b, tps, step_ms, roof))
         print(f"batch {b}: {tps:.1f} tok/s ({step_ms:.2f} ms a step)")
     print(f"{'batch':>5} {'tok/s':>10} {'step ms':>8} {'rank roofline tok/s':>20} {'of the roofline':>16}")
     for b, tps, ms, roof in rows:
         print(f"{b:>5} {tps:>10.1f} {ms:>8.2f} {roof:>20.0f} {tps / roof:>16.3f}")
+    if args.profile:
+        print(f"{'batch':>5} {'step ms (profiled)':>19} {'collectives ms':>15} {'share':>6}")
+        rng = np.random.default_rng(0)
+        some = prompts or [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(max(batches))]
+        for b in batches:
+            wall, coll = collectives_ms(llm.engine, b, some, dev)
+            print(f"{b:>5} {wall:>19.2f} {coll:>15.2f} {coll / wall:>6.1%}")
     line = " ".join(f"b{b}={t:.1f} roofline_b{b}={r:.0f}" for b, t, _, r in rows)
     print(f"decode_tp{size}_{cfg.family} {line}")
     return 0
+
+
+def collectives_ms(
+    eng: Engine, batch: int, prompts: list[list[int]], dev: torch.device, steps: int = 8
+) -> tuple[float, float]:
+    """(wall ms a decode step under the profiler, ms of it in collectives) over `steps` decode
+    steps of `batch` of the prompts on rank 0: its NCCL kernels' device time on CUDA, its gloo
+    collectives' time on the CPU (the plan's broadcast to the other ranks included)."""
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    ids = [eng.add(prompts[i % len(prompts)], params) for i in range(batch)]
+    while any(len(eng.requests[i].token_ids) < 3 for i in ids):
+        eng.step()  # prefill + two warm-up decodes
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            eng.step()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    events = prof.key_averages()
+    if cuda:
+        us = sum(e.device_time_total for e in events if "nccl" in e.key.lower())
+    else:
+        us = sum(e.cpu_time_total for e in events if e.key.startswith("gloo:"))
+    for i in ids:
+        eng.abort(i)
+    while eng.has_work():
+        eng.step()
+    return wall, us / 1e3 / steps
