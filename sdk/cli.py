@@ -40,7 +40,7 @@ def _bench(args: argparse.Namespace) -> int:
         if args.spec is not None:  # the server it starts serves that family too
             args.serve_flags = f"{args.serve_flags} --spec {args.spec}"
         return agentic.main(args)
-    if args.tensor_parallel_size > 1:
+    if args.tensor_parallel_size is not None:
         from dayzero.sdk.bench import parallel
 
         return parallel.main(args)
@@ -324,8 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--tensor-parallel-size",
         type=int,
-        default=1,
-        help="decode: N ranks (one GPU each over NCCL; CPU ranks over gloo with --device cpu --model)",
+        default=None,
+        help="decode: through LLM on N ranks (one GPU each over NCCL; CPU ranks over gloo with --device "
+        "cpu --model); 1: the same path on one rank, the ranks' baseline",
+    )
+    b.add_argument(
+        "--release",
+        action="store_true",
+        help="decode --tensor-parallel-size, agentic --random-weights: the release config's shapes "
+        "(random weights) instead of the bench config",
     )
     b.add_argument(
         "--enable-expert-parallel",

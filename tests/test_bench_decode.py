@@ -4,6 +4,7 @@ checkpoint's decode on the host)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from dayzero.sdk.bench.agentic import random_model
 from dayzero.sdk.bench.decode import (
     bytes_per_step,
     checkpoint_tensors,
@@ -213,3 +215,18 @@ def test_tensor_parallel_decode_bench_on_cpu_ranks(tmp_path) -> None:
     if torch.cuda.device_count() < 2:
         r = _bench("--tensor-parallel-size", "2", "--family", "llama")
         assert r.returncode == 2 and "needs 2 GPUs;" in r.stdout
+
+
+def test_random_model_takes_the_bench_or_the_release_shapes(tmp_path) -> None:
+    """The ranks' bench and `bench agentic --random-weights` serve a random-weight folder: the
+    spec's bench config (Beam: 8 layers, 64 experts) or with release the spec's own (the release
+    checkpoint's 52 layers, 256 experts); keep_vocab keeps the config's vocabulary, refused when
+    the tokenizer's ids do not fit in it."""
+    bench = random_model("beam", None, tmp_path / "bench", 1024, keep_vocab=True)
+    release = random_model("beam", '{"num_experts_per_tok": 4}', tmp_path / "release", 1024, release=True)
+    b, r = (json.loads((f / "config.json").read_text()) for f in (bench, release))
+    assert (b["num_hidden_layers"], b["num_experts"], b["vocab_size"]) == (8, 64, 151936)
+    assert (r["num_hidden_layers"], r["num_experts"], r["num_experts_per_tok"]) == (52, 256, 4)
+    assert r["vocab_size"] == 49152 and r["max_position_embeddings"] == 1024  # the tokenizer's, as served
+    with pytest.raises(ValueError, match="llama's vocabulary of 32000 does not hold the tokenizer's 49152"):
+        random_model("llama", None, tmp_path / "llama", 1024, release=True, keep_vocab=True)

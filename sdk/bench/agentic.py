@@ -122,16 +122,28 @@ def _turns(spec: str) -> tuple[int, int]:
 
 
 def random_model(
-    family: str, overrides: str | None, out: Path, context: int, tokenizer: str | None = None
+    family: str,
+    overrides: str | None,
+    out: Path,
+    context: int,
+    tokenizer: str | None = None,
+    release: bool = False,
+    keep_vocab: bool = False,
 ) -> Path:
-    """A folder serving FAMILY's spec `bench` config (+ JSON overrides) with random weights: its
-    config.json (the tokenizer's vocabulary, positions >= context) beside a tokenizer: the
-    embedded default's, saved from its GGUF, or the one in the folder `tokenizer`; served with
-    --load-format dummy."""
+    """A folder serving FAMILY's spec `bench` config (release: the spec's own, the release
+    checkpoint's shapes) + JSON overrides with random weights: its config.json (positions >=
+    context; the tokenizer's vocabulary, or with keep_vocab the config's, which must hold it)
+    beside a tokenizer: the embedded default's, saved from its GGUF, or the one in the folder
+    `tokenizer`; served with --load-format dummy."""
     spec = FAMILIES.get(family).spec.spec
     tok = load_tokenizer(Path(tokenizer), "hf") if tokenizer else load_tokenizer(embedded_default(), "gguf")
-    base = merge(dict(spec.bench), {"vocab_size": len(tok), "max_position_embeddings": context})
+    base = merge({} if release else dict(spec.bench), {"max_position_embeddings": context})
+    if not keep_vocab:
+        base = merge(base, {"vocab_size": len(tok)})
     hf = spec_config(spec, merge(base, json.loads(overrides) if overrides else {}))
+    vocab = FAMILIES.get(family).config(hf).embedding.vocab
+    if vocab < len(tok):
+        raise ValueError(f"{family}'s vocabulary of {vocab} does not hold the tokenizer's {len(tok)} tokens")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf, indent=1))
     tok.save_pretrained(str(out))
@@ -143,12 +155,17 @@ def main(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     plan = [int(rng.integers(lo, hi + 1)) for _ in range(args.agents)]
     longest = args.first_turn + max(plan) * (args.max_output + args.turn_tokens)
+    if args.release and not args.random_weights:
+        print("dayzero bench agentic: --release goes with --random-weights (the release config's shapes)")
+        return 2
     with tempfile.TemporaryDirectory(prefix="dayzero-agentic-") as tmp:
         if args.random_weights:
             context = longest + args.max_output
-            args.model = str(random_model(args.family, args.set, Path(tmp), context, args.tokenizer))
+            folder = random_model(args.family, args.set, Path(tmp), context, args.tokenizer, args.release)
+            args.model = str(folder)
             args.serve_flags = f"{args.serve_flags} --load-format dummy"
-            print(f"serving the {args.family} bench config with random weights from {args.model}")
+            which = "release" if args.release else "bench"
+            print(f"serving the {args.family} {which} config with random weights from {args.model}")
         return run(args, plan, longest)
 
 

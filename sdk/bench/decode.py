@@ -456,6 +456,9 @@ def checkpoint_model(args: argparse.Namespace, spec: SpeculativeConfig | None, d
 
 def main(args: argparse.Namespace) -> int:
     dev = torch.device(args.device or "cuda")
+    if args.release:
+        print("dayzero bench decode: --release goes with --tensor-parallel-size N (the ranks' path)")
+        return 2
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("dayzero bench decode: needs a CUDA GPU (none visible); on the CPU: --device cpu --model PATH")
         return 2

@@ -1,9 +1,10 @@
 """`dayzero bench decode --tensor-parallel-size N`: decode on N ranks (one GPU each over NCCL,
 or CPU ranks over gloo with --device cpu --model), through `LLM` as `dayzero serve` runs it.
 
-The model: --model's checkpoint, or --family's bench config (+ --set) with random weights
-(`--load-format dummy` on every rank, no checkpoint on disk) and a tokenizer's vocabulary (the
-embedded default's, or --tokenizer's folder: `bench agentic --random-weights`'s model). Each
+The model: --model's checkpoint, or --family's bench config (--release: the release's shapes;
++ --set) with random weights (`--load-format dummy` on every rank, no checkpoint on disk) and a
+tokenizer (the embedded default's, or --tokenizer's folder) held by the config's vocabulary.
+--tensor-parallel-size 1 runs the same path on one GPU: the baseline of the ranks' efficiency. Each
 batch of --batches decodes --new-tokens after --prompt-len random tokens (chat prompts with
 --model), timed on rank 0,
 whose engine sends every step's plan to the other ranks. The roofline is a rank's: the bytes its
@@ -59,7 +60,8 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         context = args.prompt_len + args.new_tokens + 128
         out = Path(tmp) / "model"
-        folder = args.model or random_model(args.family, args.set, out, context, args.tokenizer)
+        kw = dict(release=args.release, keep_vocab=True)  # the vocabulary of the one-rank bench
+        folder = args.model or random_model(args.family, args.set, out, context, args.tokenizer, **kw)
         llm = LLM(
             str(folder),
             device=dev.type,
@@ -77,6 +79,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _refused(args: argparse.Namespace, dev: torch.device) -> str | None:
     """What this run cannot time, said before any rank starts (None: it can)."""
+    if args.tensor_parallel_size < 1:
+        return "needs at least 1 rank"
     if dev.type == "cuda" and torch.cuda.device_count() < args.tensor_parallel_size:
         return f"needs {args.tensor_parallel_size} GPUs; {torch.cuda.device_count()} visible"
     if dev.type == "cpu" and not args.model:
