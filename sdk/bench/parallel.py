@@ -4,14 +4,14 @@ or CPU ranks over gloo with --device cpu --model), through `LLM` as `dayzero ser
 The model: --model's checkpoint, or --family's bench config (--release: the release's shapes;
 + --set) with random weights (`--load-format dummy` on every rank, no checkpoint on disk) and a
 tokenizer (the embedded default's, or --tokenizer's folder) held by the config's vocabulary.
---tensor-parallel-size 1 runs the same path on one GPU: the baseline of the ranks' efficiency. Each
-batch of --batches decodes --new-tokens after --prompt-len random tokens (chat prompts with
---model), timed on rank 0,
-whose engine sends every step's plan to the other ranks. The roofline is a rank's: the bytes its
-shard reads a step (its slices of every weight, the experts it holds that the batch picks, its
-KV heads) over one device's copy bandwidth, since the ranks read in parallel; a step's
-collectives are part of the difference: --profile gives their time a step (rank 0's NCCL kernels,
-or its gloo collectives), from 8 profiled steps a batch. Last line: `decode_tp{N}_{family} b1=...`.
+--tensor-parallel-size 1 runs the same path on one GPU: the baseline of the ranks' efficiency.
+Each batch of --batches decodes --new-tokens after --prompt-len random tokens (chat prompts with
+--model), timed on rank 0, whose engine sends every step's plan to the other ranks. The
+roofline is a rank's: the bytes its shard reads a step (its slices of every weight, the experts
+it holds that the batch picks, its KV heads) over one device's copy bandwidth, since the ranks
+read in parallel; a step's collectives are part of the difference: --profile gives their time a
+step (rank 0's NCCL kernels, or its gloo collectives), from 8 profiled steps a batch. Last line:
+`decode_tp{N}_{family} b1=... roofline_b1=...`.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def _time(llm: LLM, args: argparse.Namespace, batches: list[int], dev: torch.dev
     cfg, size, vocab = llm.config, args.tensor_parallel_size, llm.config.embedding.vocab
     layout = "expert" if args.enable_expert_parallel else "tensor"
     print(f"{size} ranks ({layout} parallel MoE) on {'GPUs, NCCL' if dev.type == 'cuda' else 'CPUs, gloo'}")
-    print("not run on several ranks: transformers' rate, the prefill timing (they run on one rank)")
+    print("not run on this path: transformers' rate, the prefill timing (bench decode without the flag)")
     bw = copy_bandwidth(dev, (2 << 30) if dev.type == "cuda" else (256 << 20))
     prompts = [chat_ids(llm.tokenizer, f"Tell me about {t}.") for t in BENCH_TOPICS] if args.model else None
     rows = []
