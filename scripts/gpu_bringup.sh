@@ -12,7 +12,8 @@
 #   the collectives' time a step)
 #   TP: "2 4 8": each fp32 PARITY / QPARITY checkpoint also on N GPUs over NCCL against one GPU
 #   (`dayzero parity --tensor-parallel-size N`: logits within 1e-4 of max|logit|, the same
-#   greedy tokens, prefix hits and retractions); EP=1 adds the expert-parallel layout
+#   greedy tokens, prefix hits and retractions); EP=1 adds the expert-parallel layout, DP=1
+#   data-parallel attention (logits and tokens)
 #   BENCH: "family ..."; QUANT: the weight formats to bench, "bf16 nvfp4 ..."; REPEAT: runs of each
 #   (batch-1 rates swing between runs: report the median of three); AGENTIC: runs of `bench
 #   agentic` (beam, one agent; TOKENIZER: a tokenizer folder, default .tok/: the embedded default's,
@@ -85,7 +86,7 @@ done
 ranks() {
   [ "$2" = float32 ] || return 0
   for n in ${TP-}; do
-    for ep in "" ${EP:+--enable-expert-parallel}; do
+    for ep in "" ${EP:+--enable-expert-parallel} ${DP:+--enable-dp-attention}; do
       echo "[${SECONDS}s] == parity $1 on $n GPUs ${ep:-(tensor parallel)}"
       $T $DZ parity --checkpoint "$1" --seed 3 --device cuda --dtype float32 --tensor-parallel-size "$n" $ep 2>&1 \
         | grep "tensor parallel\|error\|Error" | tee -a "$OUT/parity.log"

@@ -193,6 +193,9 @@ def _parity(args: argparse.Namespace) -> int:
     if args.checkpoint is None and args.family is None:
         print("dayzero parity: give FAMILY, --spec PATH, --checkpoint DIR, or both", file=sys.stderr)
         return 2
+    if args.enable_dp_attention and args.tensor_parallel_size < 2:
+        print("dayzero parity: --enable-dp-attention needs --tensor-parallel-size >= 2", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.checkpoint or write_tiny(args.family, Path(tmp) / "tiny", seed=args.seed)
         report = run_parity(
@@ -213,7 +216,9 @@ def _parity(args: argparse.Namespace) -> int:
             _say(f"tensor parallel: {args.tensor_parallel_size} ranks against one ({where}, fp32)")
             size, experts = args.tensor_parallel_size, args.enable_expert_parallel
             tol = 1e-4 if device == "cuda" else 1e-5  # GPU fp32 sums in other orders (issue 21's bound)
-            tp_ok, lines = compare_ranks(str(ckpt), size, experts, args.seed, vocab, tmp, tol, device)
+            tp_ok, lines = compare_ranks(
+                str(ckpt), size, experts, args.seed, vocab, tmp, tol, device, args.enable_dp_attention
+            )
         print("\n".join(lines))
         ok = ok and tp_ok
     return 0 if ok else 1
@@ -475,6 +480,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-expert-parallel",
         action="store_true",
         help="with --tensor-parallel-size: experts whole per rank",
+    )
+    q.add_argument(
+        "--enable-dp-attention",
+        action="store_true",
+        help="with --tensor-parallel-size: each rank attends for its own requests (experts whole a rank)",
     )
     device_flags(q)
     q.set_defaults(fn=_parity)

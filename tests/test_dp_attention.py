@@ -12,6 +12,8 @@ first check the MLP's reduce-scatter of rows on its own (`scatter_rows`).
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.parallel import init_group, run_ranks
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import load_weights, open_checkpoint
-from dayzero.sdk.parity.parallel import check_prompts
+from dayzero.sdk.parity.parallel import check_prompts, compare_ranks
 from dayzero.sdk.parity.tiny import write_tiny
 
 TOL = 1e-5  # relative to the largest |logit|
@@ -220,3 +222,17 @@ def test_dp_scheduler_gives_each_rank_its_requests():
     assert sorted(dp.step().finished_ids.tolist()) == [7, 8, 9] and dp.owner == {}
     with pytest.raises(SchedulerError, match="unknown request 7"):
         dp.abort(7)
+
+
+def test_the_parity_rank_check_runs_dp_attention(checkpoints, tmp_path):
+    """`dayzero parity --tensor-parallel-size 2 --enable-dp-attention` (compare_ranks, gloo):
+    logits within 1e-5 of max|logit| and the same greedy tokens as one rank (each rank's pool
+    has its own prefix hits and retractions, not compared); without ranks it is refused."""
+    ok, lines = compare_ranks(str(checkpoints["glm53"]), 2, False, 3, 512, str(tmp_path), dp_attention=True)
+    assert ok and "2 ranks on CPUs, gloo, data-parallel attention" in lines[0], lines
+    assert lines[0].endswith("greedy tokens identical; PASSED"), lines
+    r = subprocess.run(
+        [sys.executable, "-m", "dayzero.sdk.cli", "parity", "llama", "--enable-dp-attention"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--enable-dp-attention needs --tensor-parallel-size >= 2" in r.stderr

@@ -37,15 +37,19 @@ def rank_outputs(
     engine_kw: dict,
     out: str,
     device: str = "cpu",
+    dp_attention: bool = False,
 ) -> None:
     """Rank `rank` of `size` (run_ranks' signature); engine_kw: EngineConfig fields, with
     `kv_tokens` for a KV pool of that many tokens on every rank. device "cuda": rank r on GPU r,
-    the group over NCCL (gloo on the CPU); fp32 either way."""
+    the group over NCCL (gloo on the CPU); fp32 either way. dp_attention: each rank attends for
+    its own requests, the experts whole a rank (sdk/engine/dp.py)."""
     tp = init_group(size, rank, port=port, device=device) if size > 1 else TpGroup()
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
     try:
         ckpt = open_checkpoint(Path(path))
-        cfg = ckpt.family.config(ckpt.hf, str(ckpt.path), Parallel(size, rank, experts))
+        cfg = ckpt.family.config(
+            ckpt.hf, str(ckpt.path), Parallel(size, rank, experts or dp_attention, dp_attention)
+        )
         packed = ckpt.packing.params if ckpt.packing else None
         model, ops = build(ckpt.family, cfg, ckpt.hf, dev, torch.float32, packed, tp=tp)
         load_weights(model, ckpt, progress=False)
@@ -101,11 +105,17 @@ def check_prompts(vocab: int, seed: int) -> list[list[int]]:
 
 
 def run_check(
-    path: str, size: int, experts: bool, prompts: list[list[int]], out_dir: Path, device: str = "cpu"
+    path: str,
+    size: int,
+    experts: bool,
+    prompts: list[list[int]],
+    out_dir: Path,
+    device: str = "cpu",
+    dp_attention: bool = False,
 ) -> dict:
     """rank_outputs on `size` ranks (one rank: in this process); rank 0's results, on the CPU."""
-    out = out_dir / f"ranks-{size}-{int(experts)}.pt"
-    args = (path, experts, prompts, CHECK_TOKENS, CHECK_ENGINE, str(out), device)
+    out = out_dir / f"ranks-{size}-{int(experts)}-{int(dp_attention)}.pt"
+    args = (path, experts, prompts, CHECK_TOKENS, CHECK_ENGINE, str(out), device, dp_attention)
     if size == 1:
         rank_outputs(0, 1, 0, *args)
     else:
@@ -122,25 +132,38 @@ def compare_ranks(
     out_dir: str,
     tol: float = 1e-5,
     device: str = "cpu",
+    dp_attention: bool = False,
 ) -> tuple[bool, list[str]]:
     """The checkpoint on `size` ranks against one rank (fp32; CPU ranks over gloo, or one GPU a
     rank over NCCL): every prompt position's logits within tol x max|logit|, the same greedy
-    tokens, cached-token counts and retractions. (One rank is what the parity suite checks
-    against the reference.)"""
+    tokens, cached-token counts and retractions. With dp_attention each rank's pool holds its
+    own requests, so the prefix hits and retractions are its own: the logits and tokens are
+    compared. (One rank is what the parity suite checks against the reference.)"""
     if device == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(f"{size} ranks on CUDA need {size} GPUs; {torch.cuda.device_count()} visible")
     prompts = check_prompts(vocab, seed)
-    one, many = (run_check(path, n, experts and n > 1, prompts, Path(out_dir), device) for n in (1, size))
+    one, many = (
+        run_check(path, n, experts and n > 1, prompts, Path(out_dir), device, dp_attention and n > 1)
+        for n in (1, size)
+    )
     scale = max(t.abs().max().item() for t in one["logits"])
     err = max((a - b).abs().max().item() for a, b in zip(one["logits"], many["logits"], strict=True))
-    same = many["tokens"] == one["tokens"] and many["cached"] == one["cached"]
-    same = same and many["stats"]["retracted"] == one["stats"]["retracted"]
+    same = many["tokens"] == one["tokens"]
+    if not dp_attention:
+        same = (
+            same
+            and many["cached"] == one["cached"]
+            and many["stats"]["retracted"] == one["stats"]["retracted"]
+        )
     ok = err <= tol * scale and same
     layout = f"{size} ranks on {'GPUs, NCCL' if device == 'cuda' else 'CPUs, gloo'}, "
-    layout += f"{'expert' if experts else 'tensor'} parallel MoE"
+    layout += (
+        "data-parallel attention" if dp_attention else f"{'expert' if experts else 'tensor'} parallel MoE"
+    )
     lines = [
         f"tensor parallel ({layout}) vs one rank: logits max|diff| {err:.2e} (limit {tol * scale:.2e}); "
-        f"greedy tokens, prefix hits and retractions {'identical' if same else 'DIFFER'}; "
+        f"greedy tokens{'' if dp_attention else ', prefix hits and retractions'} "
+        f"{'identical' if same else 'DIFFER'}; "
         f"{'PASSED' if ok else 'FAILED'}"
     ]
     return ok, lines
