@@ -29,6 +29,16 @@ def _use_spec(args: argparse.Namespace) -> None:
 def _bench(args: argparse.Namespace) -> int:
     _use_spec(args)
     args.family = args.family or "beam"
+    if args.part != "decode" and (args.tensor_parallel_size is not None or args.enable_expert_parallel):
+        print(
+            f"dayzero bench {args.part}: --tensor-parallel-size and --enable-expert-parallel are decode's "
+            "(agentic: --serve-flags)",
+            file=sys.stderr,
+        )
+        return 2
+    if args.enable_expert_parallel and args.tensor_parallel_size is None:
+        print("dayzero bench decode: --enable-expert-parallel needs --tensor-parallel-size", file=sys.stderr)
+        return 2
     if args.part == "scheduler":
         from dayzero.sdk.bench import scheduler
 

@@ -230,3 +230,17 @@ def test_random_model_takes_the_bench_or_the_release_shapes(tmp_path) -> None:
     assert r["vocab_size"] == 49152 and r["max_position_embeddings"] == 1024  # the tokenizer's, as served
     with pytest.raises(ValueError, match="llama's vocabulary of 32000 does not hold the tokenizer's 49152"):
         random_model("llama", None, tmp_path / "llama", 1024, release=True, keep_vocab=True)
+
+
+def test_bench_flags_that_would_be_ignored_are_refused() -> None:
+    """The ranks' flags outside `bench decode`, expert parallelism without ranks, a non-bf16
+    dtype on CUDA and --release on the one-rank path: exit 2, said why."""
+    for argv, said in (
+        (["agentic", "--tensor-parallel-size", "2"], "are decode's (agentic: --serve-flags)"),
+        (["decode", "--enable-expert-parallel"], "--enable-expert-parallel needs --tensor-parallel-size"),
+    ):
+        r = subprocess.run([sys.executable, "-m", "dayzero.sdk.cli", "bench", *argv], capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+        assert r.returncode == 2 and said in r.stderr, (argv, r.stderr)
+    r = _bench("--release", "--family", "beam")
+    assert r.returncode == 2 and "--release goes with --tensor-parallel-size N" in r.stdout

@@ -468,11 +468,10 @@ def main(args: argparse.Namespace) -> int:
     if dev.type == "cpu" and (args.profile or args.quantization):
         print("dayzero bench decode --device cpu: --profile and --quantization are GPU-only")
         return 2
-    dtype = (
-        parse_dtype(args.dtype, dev)
-        if args.dtype
-        else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    )
+    dtype = parse_dtype(args.dtype, dev)  # default: bf16 on the GPU, fp32 on the CPU
+    if dev.type == "cuda" and dtype != torch.bfloat16:
+        print("dayzero bench decode: on CUDA it times bf16 (transformers' copy too); --dtype is for the CPU")
+        return 2
     kv_bytes = KV_BYTES if dev.type == "cuda" else CPU_KV_BYTES
     speculative = SpeculativeConfig.parse(args.speculative_config)
     mtp = speculative is not None and speculative.method == "mtp"
