@@ -7,9 +7,9 @@
 #   attention references to fla's kernels)
 #   PARITY: "family:dtype ..." (dtype fp32 | bf16); QPARITY: "folder:dtype ..." for checkpoints
 #   carried in (quantized ones are made here by ModelOpt: `dayzero tiny F OUT --quantization Q`)
-#   TP_BENCH_FAMILIES: "family ..." benched on TP_BENCH GPUs ("2 4 8"; random weights, the
-#   tokenizer's vocabulary: `bench decode --tensor-parallel-size N`; BENCH_FLAGS=--profile adds
-#   the collectives' time a step)
+#   TP_BENCH_FAMILIES: "family ..." benched on TP_BENCH GPUs ("1 2 4 8"; 1: the same path on one
+#   GPU, the baseline; random weights: `bench decode --tensor-parallel-size N`; BENCH_FLAGS=--profile
+#   adds the collectives' time a step, --release the release config's shapes)
 #   TP: "2 4 8": each fp32 PARITY / QPARITY checkpoint also on N GPUs over NCCL against one GPU
 #   (`dayzero parity --tensor-parallel-size N`: logits within 1e-4 of max|logit|, the same
 #   greedy tokens, prefix hits and retractions); EP=1 adds the expert-parallel layout, DP=1
