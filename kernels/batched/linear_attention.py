@@ -73,18 +73,21 @@ def _written(meta, t: int) -> torch.Tensor:
     return meta.slots if meta.checkpoints is None else meta.checkpoints[:, t]
 
 
-def _conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, meta) -> torch.Tensor:
-    """`steps` tokens a row, in order: x [R steps, C] -> silu(sum_i w[:, i] u_i) [R steps, C], u =
-    [the row's last K - 1 inputs ; this token] [R, C, K]; after each token u's last K - 1 columns
-    go to its slot (or checkpoint)."""
+def conv_step(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, meta, dilation: int = 1
+) -> torch.Tensor:
+    """`steps` tokens a row, in order: x [R steps, C] -> silu(sum_i w[:, i] u_{i d}) [R steps, C],
+    u = [the row's last (K - 1) d inputs ; this token] [R, C, (K - 1) d + 1] (d: the dilation;
+    1: the short conv); after each token u's last (K - 1) d columns go to its slot (or
+    checkpoint)."""
     n, w = meta.steps, weight[:, 0, :]  # [C, K]
-    hist = _initial(state, meta).to(x.dtype)  # [R, C, K - 1]
+    hist = _initial(state, meta).to(x.dtype)  # [R, C, (K - 1) d]
     ys = []
     for t in range(n):
-        seq = torch.cat((hist, x[t::n, :, None]), dim=2)  # [R, C, K]
+        seq = torch.cat((hist, x[t::n, :, None]), dim=2)
         y = seq[:, :, 0].to(w.dtype) * w[:, 0]
         for i in range(1, w.shape[1]):  # the order of the sums over the whole step's taps below
-            y += seq[:, :, i].to(w.dtype) * w[:, i]
+            y += seq[:, :, i * dilation].to(w.dtype) * w[:, i]
         hist = seq[:, :, 1:]
         state.index_copy_(0, _written(meta, t), hist.to(state.dtype))
         ys.append(F.silu(y).to(x.dtype))
@@ -96,7 +99,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, meta)
     """x [T, C]; weight [C, 1, K] (the sums in its dtype); state [slots, C, K - 1] -> [T, C] in x's
     dtype; each row's state left as its last K - 1 inputs (kernels/reference: `short_conv`)."""
     if meta.decode and meta.slots is not None:
-        return _conv_step(x, weight, state, meta)
+        return conv_step(x, weight, state, meta)
     out = torch.empty_like(x)
     k = weight.shape[-1]
     tokens, taps, last, slots, fresh = _index(meta, k)

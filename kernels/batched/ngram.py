@@ -16,9 +16,8 @@ pool's scratch slot, with fresh set).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from dayzero.kernels.batched.linear_attention import DECODE_GRAPHS, _initial, _written
+from dayzero.kernels.batched.linear_attention import DECODE_GRAPHS, _written, conv_step
 from dayzero.kernels.reference import ngram as reference
 from dayzero.kernels.registry import Capabilities, register
 
@@ -68,14 +67,4 @@ def dilated_conv(
     checkpoint) keeps the last (K - 1) d inputs."""
     if not (meta.decode and meta.slots is not None):
         return reference.dilated_conv(x, weight, dilation, state, meta)
-    steps, w = meta.steps, weight[:, 0, :]  # [C, K]
-    hist, ys = _initial(state, meta).to(x.dtype), []
-    for t in range(steps):
-        seq = torch.cat((hist, x[t::steps, :, None]), dim=2)  # [R, C, (K - 1) d + 1]
-        y = seq[:, :, 0].to(w.dtype) * w[:, 0]
-        for i in range(1, w.shape[1]):
-            y += seq[:, :, i * dilation].to(w.dtype) * w[:, i]
-        hist = seq[:, :, 1:]
-        state.index_copy_(0, _written(meta, t), hist.to(state.dtype))
-        ys.append(F.silu(y).to(x.dtype))
-    return ys[0] if steps == 1 else torch.stack(ys, dim=1).view(x.shape)
+    return conv_step(x, weight, state, meta, dilation)

@@ -68,17 +68,18 @@ def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
         yield from revert_weight_conversion(model, groups.pop(key)).items()
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy, bytes read + written per second (median of 20)."""
+def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
+    """Device-to-device copy of nbytes (default 2 GiB on a GPU, 256 MiB on the host, past any
+    cache), bytes read + written per second (median of 20)."""
     if device.type == "cpu":  # memory-to-memory, timed on the host
-        src = torch.randint(0, 255, (nbytes // 8,), dtype=torch.uint8)
+        src = torch.randint(0, 255, (nbytes or 256 << 20,), dtype=torch.uint8)
         dst, times = torch.empty_like(src), []
         for _ in range(25):
             t0 = time.perf_counter()
             dst.copy_(src)
             times.append(time.perf_counter() - t0)
         return 2 * src.numel() / float(np.median(times[5:]))
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    src = torch.randint(0, 255, (nbytes or 2 << 30,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     times = []
     for i in range(25):
@@ -451,7 +452,12 @@ def checkpoint_model(args: argparse.Namespace, spec: SpeculativeConfig | None, d
     print(f"kernels: {ops.chosen()}")
     load_weights(model, ckpt, head=head)
     tok = load_tokenizer(ckpt.path, ckpt.format)
-    return fam, cfg, model, ops, [chat_ids(tok, f"Tell me about {t}.") for t in BENCH_TOPICS]
+    return fam, cfg, model, ops, bench_prompts(tok)
+
+
+def bench_prompts(tok) -> list[list[int]]:
+    """A checkpoint's timed prompts: `Tell me about X.` on BENCH_TOPICS, as chat ids."""
+    return [chat_ids(tok, f"Tell me about {t}.") for t in BENCH_TOPICS]
 
 
 def main(args: argparse.Namespace) -> int:

@@ -28,16 +28,15 @@ from torch.profiler import ProfilerActivity, profile
 from dayzero.sdk.api import LLM
 from dayzero.sdk.bench.agentic import random_model
 from dayzero.sdk.bench.decode import (
-    BENCH_TOPICS,
     CPU_KV_BYTES,
     KV_BYTES,
+    bench_prompts,
     bytes_per_step,
     copy_bandwidth,
     time_ours,
 )
 from dayzero.sdk.engine.config import EngineConfig
 from dayzero.sdk.engine.engine import Engine, SamplingParams
-from dayzero.sdk.loader.tokenizer import chat_ids
 
 
 def main(args: argparse.Namespace) -> int:
@@ -85,16 +84,10 @@ def _refused(args: argparse.Namespace, dev: torch.device) -> str | None:
         return f"needs {args.tensor_parallel_size} GPUs; {torch.cuda.device_count()} visible"
     if dev.type == "cpu" and not args.model:
         return "on the CPU it times a checkpoint (--model PATH), not a GPU-sized config"
-    unsupported = [
-        flag
-        for flag, given in (
-            ("--quantization", args.quantization),
-            ("--speculative-config", args.speculative_config),
+    if args.quantization or args.speculative_config:
+        return (
+            "--quantization and --speculative-config run on one rank only (leave out --tensor-parallel-size)"
         )
-        if given
-    ]
-    if unsupported:
-        return f"{', '.join(unsupported)} run on one rank only (leave out --tensor-parallel-size)"
     return None
 
 
@@ -103,8 +96,8 @@ def _time(llm: LLM, args: argparse.Namespace, batches: list[int], dev: torch.dev
     layout = "expert" if args.enable_expert_parallel else "tensor"
     print(f"{size} ranks ({layout} parallel MoE) on {'GPUs, NCCL' if dev.type == 'cuda' else 'CPUs, gloo'}")
     print("not run on this path: transformers' rate, the prefill timing (bench decode without the flag)")
-    bw = copy_bandwidth(dev, (2 << 30) if dev.type == "cuda" else (256 << 20))
-    prompts = [chat_ids(llm.tokenizer, f"Tell me about {t}.") for t in BENCH_TOPICS] if args.model else None
+    bw = copy_bandwidth(dev)
+    prompts = bench_prompts(llm.tokenizer) if args.model else None
     rows = []
     for b in batches:
         tps, step_ms = time_ours(llm.engine, b, args.prompt_len, args.new_tokens, vocab, prompts)

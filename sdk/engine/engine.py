@@ -202,12 +202,13 @@ class Engine:
             return None
         # speculative: verify steps and the head's observe passes, each token a row
         # (speculative.flat_plan): up to k + 1 rows a request (`steps` = k + 1: exactly)
-        per = 1 if self.spec is None else self.spec.num_speculative_tokens + 1
-        top = self.config.max_batch_size * per
-        sizes = (*(s for s in DEFAULT_SIZES if s < top), min(top, DEFAULT_SIZES[-1]))
         if steps > 1:  # buckets of whole requests, as many as the state checkpoints hold
             b = min(self.config.max_batch_size, DEFAULT_SIZES[-1], self.pool.checkpoints // steps)
             sizes = tuple(s * steps for s in (*(s for s in DEFAULT_SIZES if s < b), b))
+        else:
+            per = 1 if self.spec is None else self.spec.num_speculative_tokens + 1
+            top = self.config.max_batch_size * per
+            sizes = (*(s for s in DEFAULT_SIZES if s < top), min(top, DEFAULT_SIZES[-1]))
         max_blocks = -(-self.max_model_len // self.config.block_size)
         capture, block = self.config.decode_graphs == "auto", self.config.block_size
         return DecodeGraphs(

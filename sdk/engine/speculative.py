@@ -171,8 +171,9 @@ def flat_plan(plan, inputs: np.ndarray) -> SimpleNamespace:
     """A pass's rows as single-token decode rows (`DecodeGraphs`): token t of row r at position
     p_t reads r's block table, attends to its first p_t + 1 keys and is sampled. Its attention
     equals the row's causal attention over the pass (every key of the pass is written before
-    any is read); only for layers without recurrent state, whose tokens of one row would share
-    a state slot. (A verify step with no prefill row; the MTP head's observe and draft passes.)"""
+    any is read). Recurrent state stays by row of `plan` (state_slots): graphs of `steps` tokens
+    a state row run those rows' tokens in order. (A verify step with no prefill row; the MTP
+    head's observe and draft passes.)"""
     n = np.asarray(plan.num_tokens)
     row_of = np.repeat(np.arange(len(n)), n)
     positions = np.asarray(plan.positions, dtype=np.int64)
@@ -227,14 +228,14 @@ def verify_forward(engine, plan, inputs: np.ndarray, index: np.ndarray, hidden: 
 class SavedStates:
     """The decode rows' recurrent states around a verify pass (`roll_back`): the pass's inputs
     [T] (the device drafts written in once read back), the decode rows [D], their state slots
-    (host [D] and device), and a copy of those slots from before the pass [D, bytes], or None
-    where the pass kept each token's state in the pool's checkpoint slots (the verify graphs:
-    plan token i's at checkpoint i)."""
+    (host [D], and on the device with a copy of those slots from before the pass [D, bytes]), or
+    no copy (slots and before None) where the pass kept each token's state in the pool's
+    checkpoint slots (the verify graphs: plan token i's at checkpoint i)."""
 
     inputs: np.ndarray
     decode: np.ndarray
     slots_host: np.ndarray
-    slots: torch.Tensor
+    slots: torch.Tensor | None
     before: torch.Tensor | None
 
 
@@ -246,9 +247,10 @@ def save_states(
     if not engine.pool.state_bytes:
         return None
     host = np.asarray(plan.state_slots, dtype=np.int64)[decode]
+    if checkpointed:
+        return SavedStates(inputs, decode, host, None, None)
     slots = upload(host, engine.device)
-    before = None if checkpointed else engine.pool.slots[slots]  # index_select: a copy
-    return SavedStates(inputs, decode, host, slots, before)
+    return SavedStates(inputs, decode, host, slots, engine.pool.slots[slots])  # index_select: a copy
 
 
 def roll_back(engine, plan, saved: SavedStates, kept: np.ndarray) -> None:

@@ -21,6 +21,7 @@ from dayzero.sdk.loader.mapping import Mapping, Split, StrictWriter
 from dayzero.sdk.quant.config import QuantConfig, read_quant_config
 from dayzero.sdk.quant.packing import Packing, find_packing
 from dayzero.sdk.spec.assemble import layer_plan
+from dayzero.sdk.spec.reference import merge
 from dayzero.sdk.spec.resolver import Resolver
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ def open_mtp_head(path: str | Path, base: Checkpoint) -> Checkpoint:
         raise CheckpointError(f"{p}: an MTP head's folder needs a config.json (and its safetensors)")
     head = json.loads((p / "config.json").read_text())
     _check_head(head, base.hf, _mtp_fields(base.family), p, base.path)
-    return Checkpoint(p, "safetensors", _merged(base.hf, head), base.family)
+    return Checkpoint(p, "safetensors", merge(base.hf, head), base.family)
 
 
 def _check_head(head: dict, hf: dict, own: set[str], path: Path, base: Path, prefix: str = "") -> None:
@@ -201,15 +202,6 @@ def _check_head(head: dict, hf: dict, own: set[str], path: Path, base: Path, pre
                 f"{path}: config.json sets {name}, which {base}'s config does not; a head's config "
                 f"adds only the MTP layer count ({', '.join(sorted(own)) or 'none in this spec'})"
             )
-
-
-def _merged(hf: dict, head: dict) -> dict:
-    """hf with the head's fields on top, nested configs merged field by field."""
-    out = dict(hf)
-    for key, value in head.items():
-        nested = isinstance(value, dict) and isinstance(hf.get(key), dict)
-        out[key] = _merged(hf[key], value) if nested else value
-    return out
 
 
 def _mtp_fields(family: Family) -> set[str]:
