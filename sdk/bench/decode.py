@@ -4,7 +4,9 @@ The config is the reference config class's defaults (the real model's widths and
 with the spec's `bench` overrides (fewer layers and experts, so it fits one GPU), plus `--set`.
 Random bf16 weights are made once, in the reference class on the GPU, and handed to dayzero
 through the spec's weight rules (under their checkpoint names), so both run the same weights in
-the same process. Each batch decodes after a prompt of --prompt-len random tokens.
+the same process. transformers is timed first and then parked in host memory before dayzero's
+copy is built, so the two copies never share the GPU (Beam's 20B bench config fits an 80 GB
+card). Each batch decodes after a prompt of --prompt-len random tokens.
 Roofline: bytes a decode step must read (every weight except the embedding table and the
 experts no token of the batch uses, plus each request's cache: KV rows and latent / index keys
 it attends to, recurrent state read and written) over the device-to-device copy bandwidth
@@ -399,10 +401,15 @@ def bench_model(args: argparse.Namespace, mtp: bool, dev: torch.device, dtype: t
     fmt = args.quantization and FORMATS.get(args.quantization).name  # unknown: fails listing the known
     ckpt = Checkpoint(fam.spec.folder / "<in-memory>", "safetensors", hf, fam)
     ref, packing = None, None
+    theirs: dict[int, float] = {}
+    theirs_prefill = float("nan")
     if cls is not None:
         with born_as(dev, dtype):
             ref = cls(cls.config_class(**hf)).eval()
         shapes = {n: (t.dtype, tuple(t.shape)) for n, t in checkpoint_tensors(ref)}
+        theirs, theirs_prefill = time_reference(ref, args, cfg)
+        ref.to("cpu")  # parked: dayzero's copy is built from it, one tensor at a time
+        torch.cuda.empty_cache()
     if fmt:
         with born_as(torch.device("meta"), dtype):  # which parameters to pack: names only
             targets = packable(
@@ -416,7 +423,7 @@ def bench_model(args: argparse.Namespace, mtp: bool, dev: torch.device, dtype: t
     model, ops = build(fam, cfg, hf, dev, dtype, packed if fmt else None)
     print(f"kernels: {ops.chosen()}")
     if ref is not None:
-        stream = checkpoint_tensors(ref)
+        stream = ((name, t.to(dev)) for name, t in checkpoint_tensors(ref))
         if packing is not None:
             stream = quantized_stream(stream, ckpt.mapping, targets, fmt)
         n = (
@@ -435,7 +442,36 @@ def bench_model(args: argparse.Namespace, mtp: bool, dev: torch.device, dtype: t
             for p in model.parameters():
                 p.normal_(0, 0.02)
         random_packed(model)
-    return fam, cfg, model, ops, ref, fmt
+    return fam, cfg, model, ops, fmt, theirs, theirs_prefill
+
+
+def prefill_tokens(cfg, args: argparse.Namespace) -> tuple[int, int]:
+    """(the prefill's tokens, its chunk): --prefill-len cut to the config's positions (room for
+    the one new token), in chunks of --prefill-chunk."""
+    n = min(args.prefill_len, (cfg.max_position or args.prefill_len + 1) - 1)
+    return n, min(n, args.prefill_chunk) or args.prefill_chunk
+
+
+def time_reference(ref: torch.nn.Module, args: argparse.Namespace, cfg) -> tuple[dict[int, float], float]:
+    """transformers' decode rate at each of --batches and its prefill seconds (nan where it runs
+    out of GPU memory)."""
+    vocab, theirs, prefill = cfg.embedding.vocab, {}, float("nan")
+    for b in (int(x) for x in args.batches.split(",")):
+        try:
+            theirs[b] = time_transformers(ref, b, args.prompt_len, args.new_tokens, vocab)
+        except torch.cuda.OutOfMemoryError:
+            print(f"batch {b}: transformers ran out of GPU memory (reported as nan)")
+            theirs[b] = float("nan")
+            torch.cuda.empty_cache()
+        print(f"batch {b}: transformers {theirs[b]:.1f} tok/s")
+    n = prefill_tokens(cfg, args)[0]
+    if args.prefill_len:
+        try:
+            prefill = time_prefill_transformers(ref, n, vocab)
+        except torch.cuda.OutOfMemoryError:
+            print(f"prefill {n}: transformers ran out of GPU memory (reported as nan)")
+            torch.cuda.empty_cache()
+    return theirs, prefill
 
 
 def checkpoint_model(args: argparse.Namespace, spec: SpeculativeConfig | None, dev, dtype):
@@ -483,11 +519,11 @@ def main(args: argparse.Namespace) -> int:
     mtp = speculative is not None and speculative.method == "mtp"
     if args.model:
         fam, cfg, model, ops, prompts = checkpoint_model(args, speculative, dev, dtype)
-        ref, fmt = None, None
+        fmt, theirs, theirs_prefill = None, {}, float("nan")
     else:
         if speculative is not None and speculative.model:
             raise ValueError("--speculative-config 'model' (an MTP head's folder) goes with --model")
-        fam, cfg, model, ops, ref, fmt = bench_model(args, mtp, dev, dtype)
+        fam, cfg, model, ops, fmt, theirs, theirs_prefill = bench_model(args, mtp, dev, dtype)
         prompts = None
     resident = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     where, stored = ("the GPU" if dev.type == "cuda" else "the CPU"), fmt or str(dtype).removeprefix("torch.")
@@ -523,24 +559,14 @@ def main(args: argparse.Namespace) -> int:
         if speculative is not None:
             drafting = time_drafting(model, cfg, ops, engine_cfg, speculative, b, args, prompts)
             drafted.append((b, ours, step_ms, *drafting))
-        theirs = float("nan")
-        if ref is not None:
-            try:
-                theirs = time_transformers(ref, b, args.prompt_len, args.new_tokens, cfg.embedding.vocab)
-            except torch.cuda.OutOfMemoryError:
-                print(f"batch {b}: transformers ran out of GPU memory (reported as nan)")
-                torch.cuda.empty_cache()
-        rows.append((b, ours, theirs))
-        print(
-            f"batch {b}: dayzero {ours:.1f} tok/s ({step_ms:.2f} ms a step), transformers {theirs:.1f} tok/s"
-        )
+        rows.append((b, ours, theirs.get(b, float("nan"))))
+        print(f"batch {b}: dayzero {ours:.1f} tok/s ({step_ms:.2f} ms a step)")
     prefill = None
-    n = min(args.prefill_len, (cfg.max_position or args.prefill_len + 1) - 1)  # room for the token
-    chunk = min(n, args.prefill_chunk) or args.prefill_chunk
+    n, chunk = prefill_tokens(cfg, args)
     if args.prefill_len and dev.type == "cpu":
         print("prefill: timed on CUDA only (--device cpu times decode)")
     if args.prefill_len and dev.type == "cuda":
-        base = torch.cuda.memory_allocated()  # the weights (and transformers' copy, when it runs)
+        base = torch.cuda.memory_allocated()  # the weights (transformers' copy is parked on the host)
         eng = Engine(
             model, cfg, ops,
             EngineConfig(kv_cache_bytes=KV_BYTES, host_cache_bytes=0, block_size=64, max_batch_size=1,
@@ -554,14 +580,7 @@ def main(args: argparse.Namespace) -> int:
         )
         del eng
         torch.cuda.empty_cache()
-        theirs_s = float("nan")
-        if ref is not None:
-            try:
-                theirs_s = time_prefill_transformers(ref, n, cfg.embedding.vocab)
-            except torch.cuda.OutOfMemoryError:
-                print(f"prefill {n}: transformers ran out of GPU memory (reported as nan)")
-                torch.cuda.empty_cache()
-        prefill = (n, ours_s, theirs_s)
+        prefill = (n, ours_s, theirs_prefill)
     if args.profile:  # each batch of --batches; the prefill once, after the first
         for i, b in enumerate(int(x) for x in args.batches.split(",")):
             vocab = cfg.embedding.vocab
