@@ -15,13 +15,9 @@ import torch
 from safetensors import safe_open
 
 from dayzero.sdk.bench.agentic import random_model
-from dayzero.sdk.bench.decode import (
-    bytes_per_step,
-    checkpoint_tensors,
-    print_drafting,
-    profile_decode,
-    time_drafting,
-)
+from dayzero.sdk.bench.decode import checkpoint_tensors
+from dayzero.sdk.bench.roofline import bytes_per_step
+from dayzero.sdk.bench.timing import print_drafting, profile_decode, time_drafting
 from dayzero.sdk.engine.drafters import SpeculativeConfig
 from dayzero.sdk.engine.engine import EngineConfig
 from dayzero.sdk.families import build

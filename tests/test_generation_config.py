@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from dayzero.sdk.api import generation_defaults
-from dayzero.sdk.server.app import sampling_params
 from dayzero.sdk.server.protocol import CompletionRequest
+from dayzero.sdk.server.validate import sampling_params
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ import torch
 
 from dayzero.kernels.selection import OpTable
 from dayzero.sdk.api import embedded_default, resolve_model
-from dayzero.sdk.bench.decode import bytes_per_step, copy_bandwidth
+from dayzero.sdk.bench.roofline import bytes_per_step, copy_bandwidth
 from dayzero.sdk.families import FAMILIES, born_as, kernel_needs
 from dayzero.sdk.loader import Checkpoint, open_checkpoint
 from dayzero.sdk.loader.tokenizer import load_tokenizer

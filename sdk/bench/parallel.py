@@ -27,14 +27,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from dayzero.sdk.api import LLM
 from dayzero.sdk.bench.agentic import random_model
-from dayzero.sdk.bench.decode import (
-    CPU_KV_BYTES,
-    KV_BYTES,
-    bench_prompts,
-    bytes_per_step,
-    copy_bandwidth,
-    time_ours,
-)
+from dayzero.sdk.bench.decode import bench_prompts
+from dayzero.sdk.bench.roofline import bytes_per_step, copy_bandwidth
+from dayzero.sdk.bench.timing import CPU_KV_BYTES, KV_BYTES, time_ours
 from dayzero.sdk.engine.config import EngineConfig
 from dayzero.sdk.engine.engine import Engine, SamplingParams
 

@@ -27,7 +27,7 @@ from dayzero.sdk.server.workers import DEFAULT_QUEUE, DEFAULT_WORKERS, WorkPool,
 if TYPE_CHECKING:
     import uvicorn
 
-    from dayzero.sdk.server.app import ServerState
+    from dayzero.sdk.server.state import ServerState
 
 log = logging.getLogger("dayzero.server")
 
@@ -94,9 +94,9 @@ def load(args: argparse.Namespace, template: str | None = None, launch=None):
     refuse_unsupported_flags(args)
     from dayzero.sdk.api import LLM, default_device
     from dayzero.sdk.loader.tokenizer import fill_word_cache
-    from dayzero.sdk.server.app import ServerState
     from dayzero.sdk.server.async_engine import AsyncEngine
     from dayzero.sdk.server.metrics import Metrics
+    from dayzero.sdk.server.state import ServerState
 
     device = args.device or default_device()
 
