@@ -76,11 +76,17 @@ declare -A MEDIUM=(
    "attn_res_block_size": 2, "linear_attn_config": {"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8],
    "num_heads": 8, "head_dim": 64, "short_conv_kernel_size": 4, "use_full_rank_gate": true, "gate_lower_bound": -5.0}}}'
 )
-# each parity or bench command under a time limit, so that one hang leaves the call's other parts
-T="timeout -s ABRT ${PART_TIMEOUT:-300}"
+# each parity or bench command under a time limit, so that one hang leaves the call's other parts:
+# SIGABRT first (faulthandler prints the stacks), SIGKILL 20 s later if that did not end it (a test
+# stuck on the GPU on 2026-12-05 outlived its SIGABRT and the call's whole limit); no core files
+# (a CUDA process's core dump writes its whole address space)
+ulimit -c 0
+T="timeout -k 20 -s ABRT ${PART_TIMEOUT:-300}"
 for t in ${TESTS-}; do
   echo "[${SECONDS}s] == pytest $t"
-  $T python3 -m pytest -q -rfE --tb=short -p no:cacheprovider $t >>"$OUT/tests.log" 2>&1; tail -25 "$OUT/tests.log"
+  # -v: each test's name is in the log before it runs (a hang names itself)
+  $T python3 -m pytest -v -rfE --tb=short -p no:cacheprovider $t >>"$OUT/tests.log" 2>&1
+  grep -E "FAILED|ERROR|passed|failed|Timeout|Fatal" "$OUT/tests.log" | tail -25
 done
 # the checkpoint on N GPUs (TP, and EP when asked) against one, fp32 (parity's own checks first)
 ranks() {
@@ -151,6 +157,6 @@ done
 if [ -n "${FLA-}" ] && [ -d .fla ]; then
   echo "[${SECONDS}s] == pytest tests/test_fla_bindings.py (fla-core)"
   fla
-  PYTHONPATH=/tmp/site:/tmp/fla timeout -s ABRT "${FLA_TIMEOUT:-300}" python3 -X faulthandler -m pytest -q -x \
+  PYTHONPATH=/tmp/site:/tmp/fla timeout -k 20 -s ABRT "${FLA_TIMEOUT:-300}" python3 -X faulthandler -m pytest -q -x \
     -p no:cacheprovider tests/test_fla_bindings.py >>"$OUT/fla.log" 2>&1; tail -40 "$OUT/fla.log"
 fi
