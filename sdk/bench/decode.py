@@ -77,8 +77,9 @@ def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
 
 
 def bench_model(args: argparse.Namespace, mtp: bool, dev: torch.device, dtype: torch.dtype):
-    """(family, config, model, ops, the transformers reference or None, the weight format): the
-    family's bench config with random weights, made in the reference class when it runs."""
+    """(family, config, model, ops, the weight format, transformers' tok/s by batch, its prefill
+    seconds): the family's bench config with random weights, made in the reference class when it
+    runs (timed there first, then parked on the host and copied into dayzero's model)."""
     fam = FAMILIES.get(args.family)
     spec = fam.spec.spec
     overrides = merge(dict(spec.bench), json.loads(args.set) if args.set else {})
