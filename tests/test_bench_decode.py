@@ -111,6 +111,51 @@ def test_kimi_k3_bench_config_keeps_the_release_layer_rule() -> None:
     assert cfg.layers[3].attn == release.layers[3].attn and cfg.layers[1].mlp.top_k == 16
 
 
+TINY_BEAM = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "layer_types": None,
+    "mlp_layer_types": None, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
+    "topk_group": 1, "vocab_size": 256, "max_position_embeddings": 128,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bench_model_times_the_reference_first_then_loads_its_weights(seed: int) -> None:
+    """`bench decode --family beam` (here on the CPU, a tiny Beam by --set): transformers' rate at
+    each batch and its prefill are timed before dayzero's copy exists; dayzero's copy, loaded from
+    the reference afterwards (parked on the host on a GPU), gives the reference's logits (fp32,
+    within 1e-4 of max|logit|) on random prompts; the reference is rebuilt here from the bench's
+    own seed."""
+    from dayzero.sdk.bench.decode import bench_model
+    from dayzero.sdk.engine.engine import Engine
+    from dayzero.sdk.families import born_as
+    from dayzero.sdk.spec.reference import spec_config
+
+    args = SimpleNamespace(
+        family="beam", set=json.dumps(TINY_BEAM), reference=True, quantization=None, batches="1,2",
+        prompt_len=8, new_tokens=4, prefill_len=32, prefill_chunk=8192,
+    )  # fmt: skip
+    cpu = torch.device("cpu")
+    fam, cfg, model, ops, fmt, theirs, prefill = bench_model(args, False, cpu, torch.float32)
+    assert fmt is None and set(theirs) == {1, 2} and all(r > 0 for r in theirs.values())
+    assert prefill > 0
+    hf = spec_config(fam.spec.spec, {**dict(fam.spec.spec.bench), **TINY_BEAM})
+    cls = reference_class(fam.spec.spec.reference)
+    torch.manual_seed(0)  # bench_model's seed: the same random weights
+    with born_as(cpu, torch.float32):
+        ref = cls(cls.config_class(**hf)).eval()
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 256, (n,), generator=g) for n in (9, 21)]
+    eng = Engine(model, cfg, ops, EngineConfig(decode_graphs="off"))
+    ours = eng.prompt_logits([p.tolist() for p in prompts])
+    with torch.no_grad():
+        want = [ref(p[None]).logits[0].float() for p in prompts]
+    scale = max(w.abs().max().item() for w in want)
+    err = max((a - b).abs().max().item() for a, b in zip(ours, want, strict=True))
+    print(f"err {err:.2e} of {scale:.3f}")
+    assert err <= 1e-4 * scale, (err, scale)
+
+
 def _drafting_llama(folder, seed: int):
     """(model, config, ops) of a tiny Llama built with a random NextN head, dummy weights."""
     ckpt = open_checkpoint(write_tiny("llama", folder, seed=seed))

@@ -149,7 +149,7 @@ def time_prefill_transformers(ref: torch.nn.Module, n: int, vocab: int, runs: in
     """Seconds of transformers' generate for one n-token prompt and one new token (median)."""
     g, times = torch.Generator().manual_seed(n), []
     for _ in range(runs + 1):
-        ids = torch.randint(0, vocab, (1, n), generator=g).cuda()
+        ids = torch.randint(0, vocab, (1, n), generator=g).to(ref.device)
         _sync()
         t0 = time.perf_counter()
         ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
@@ -163,7 +163,7 @@ def time_transformers(
     ref: torch.nn.Module, batch: int, prompt_len: int, new_tokens: int, vocab: int
 ) -> float:
     g = torch.Generator().manual_seed(batch)
-    ids = torch.randint(0, vocab, (batch, prompt_len), generator=g).cuda()
+    ids = torch.randint(0, vocab, (batch, prompt_len), generator=g).to(ref.device)
 
     def run(n: int) -> float:
         _sync()
