@@ -121,11 +121,11 @@ TINY_BEAM = {
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_bench_model_times_the_reference_first_then_loads_its_weights(seed: int) -> None:
-    """`bench decode --family beam` (here on the CPU, a tiny Beam by --set): transformers' rate at
-    each batch and its prefill are timed before dayzero's copy exists; dayzero's copy, loaded from
-    the reference afterwards (parked on the host on a GPU), gives the reference's logits (fp32,
-    within 1e-4 of max|logit|) on random prompts; the reference is rebuilt here from the bench's
-    own seed."""
+    """`bench decode --family beam`'s model (here on the CPU, a tiny Beam by --set): bench_model
+    reports transformers' rate at each batch and its prefill time, and dayzero's copy, loaded
+    from the reference after that timing, gives the reference's logits (fp32, within 1e-4 of
+    max|logit|) on random prompts; the reference is rebuilt here from the bench's own seed.
+    (Parking the reference on the host between the two is a move on the CPU: GPU-only.)"""
     from dayzero.sdk.bench.decode import bench_model
     from dayzero.sdk.engine.engine import Engine
     from dayzero.sdk.families import born_as
@@ -274,8 +274,9 @@ def test_random_model_takes_the_bench_or_the_release_shapes(tmp_path) -> None:
 
 
 def test_bench_flags_that_would_be_ignored_are_refused() -> None:
-    """The ranks' flags outside `bench decode`, expert parallelism without ranks, a non-bf16
-    dtype on CUDA and --release on the one-rank path: exit 2, said why."""
+    """The ranks' flags outside `bench decode`, expert parallelism without ranks and --release
+    on the one-rank path: exit 2, said why. (A non-bf16 dtype on CUDA is refused after the GPU
+    check: not reachable here.)"""
     for argv, said in (
         (["agentic", "--tensor-parallel-size", "2"], "are decode's (agentic: --serve-flags)"),
         (["decode", "--enable-expert-parallel"], "--enable-expert-parallel needs --tensor-parallel-size"),

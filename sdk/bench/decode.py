@@ -5,8 +5,9 @@ with the spec's `bench` overrides (fewer layers and experts, so it fits one GPU)
 Random bf16 weights are made once, in the reference class on the GPU, and handed to dayzero
 through the spec's weight rules (under their checkpoint names), so both run the same weights in
 the same process. transformers is timed first and then parked in host memory before dayzero's
-copy is built, so the two copies never share the GPU (Beam's 20B bench config fits an 80 GB
-card). Each batch decodes after a prompt of --prompt-len random tokens.
+copy is built, so the two copies never share the GPU (Beam's 20B bench config: 41 GB of bf16
+weights at a time instead of both copies' 82 GB). Each batch decodes after a prompt of
+--prompt-len random tokens.
 Roofline: bytes a decode step must read (every weight except the embedding table and the
 experts no token of the batch uses, plus each request's cache: KV rows and latent / index keys
 it attends to, recurrent state read and written) over the device-to-device copy bandwidth

@@ -29,7 +29,7 @@ from dayzero.sdk.api import LLM
 from dayzero.sdk.bench.agentic import random_model
 from dayzero.sdk.bench.decode import bench_prompts
 from dayzero.sdk.bench.roofline import bytes_per_step, copy_bandwidth
-from dayzero.sdk.bench.timing import CPU_KV_BYTES, KV_BYTES, time_ours
+from dayzero.sdk.bench.timing import CPU_KV_BYTES, KV_BYTES, end_rows, time_ours, warm_rows
 from dayzero.sdk.engine.config import EngineConfig
 from dayzero.sdk.engine.engine import Engine, SamplingParams
 
@@ -121,9 +121,7 @@ def collectives_ms(
     steps of `batch` of the prompts on rank 0: its NCCL kernels' device time on CUDA, its gloo
     collectives' time on the CPU (the plan's broadcast to the other ranks included)."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    ids = [eng.add(prompts[i % len(prompts)], params) for i in range(batch)]
-    while any(len(eng.requests[i].token_ids) < 3 for i in ids):
-        eng.step()  # prefill + two warm-up decodes
+    ids = warm_rows(eng, [prompts[i % len(prompts)] for i in range(batch)], params)
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -139,8 +137,5 @@ def collectives_ms(
         us = sum(e.device_time_total for e in events if "nccl" in e.key.lower())
     else:
         us = sum(e.cpu_time_total for e in events if e.key.startswith("gloo:"))
-    for i in ids:
-        eng.abort(i)
-    while eng.has_work():
-        eng.step()
+    end_rows(eng, ids)
     return wall, us / 1e3 / steps

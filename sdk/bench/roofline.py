@@ -17,27 +17,25 @@ from dayzero.sdk.blocks.mlp import MoE
 
 def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     """Device-to-device copy of nbytes (default 2 GiB on a GPU, 256 MiB on the host, past any
-    cache), bytes read + written per second (median of 20)."""
-    if device.type == "cpu":  # memory-to-memory, timed on the host
-        src = torch.randint(0, 255, (nbytes or 256 << 20,), dtype=torch.uint8)
-        dst, times = torch.empty_like(src), []
-        for _ in range(25):
+    cache), bytes read + written per second (median of 20 after 5 warm-ups)."""
+    n = nbytes or (256 << 20 if device.type == "cpu" else 2 << 30)
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
+    dst, times = torch.empty_like(src), []
+    for i in range(25):
+        if device.type == "cpu":  # memory-to-memory, timed on the host
             t0 = time.perf_counter()
             dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-        return 2 * src.numel() / float(np.median(times[5:]))
-    src = torch.randint(0, 255, (nbytes or 2 << 30,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(25):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+        else:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src)
+            b.record()
+            torch.cuda.synchronize()
+            dt = a.elapsed_time(b) / 1e3
         if i >= 5:
-            times.append(a.elapsed_time(b) / 1e3)
-    return 2 * src.numel() / float(np.median(times))
+            times.append(dt)
+    return 2 * n / float(np.median(times))
 
 
 def bytes_per_step(

@@ -18,6 +18,22 @@ KV_BYTES = 8 << 30  # the engines' KV pool: the budget a long prefill runs withi
 CPU_KV_BYTES = 1 << 30  # on the CPU (--device cpu: a checkpoint's decode, no long prefill)
 
 
+def warm_rows(eng: Engine, prompts: list[list[int]], params: SamplingParams) -> list[int]:
+    """Submit the prompts and step until each has its prefill and two decoded tokens (or ended)."""
+    ids = [eng.add(p, params) for p in prompts]
+    while any(len(eng.requests[i].token_ids) < 3 and not eng.requests[i].finished for i in ids):
+        eng.step()
+    return ids
+
+
+def end_rows(eng: Engine, ids: list[int]) -> None:
+    """Abort the requests and step until the engine is idle (their blocks released)."""
+    for i in ids:
+        eng.abort(i)
+    while eng.has_work():
+        eng.step()
+
+
 def time_ours(
     eng: Engine,
     batch: int,
@@ -31,12 +47,11 @@ def time_ours(
     rng = np.random.default_rng(batch)
     k = eng.spec.num_speculative_tokens if eng.spec else 0
     params = SamplingParams(max_tokens=(new_tokens + 64) * (k + 1), temperature=0, ignore_eos=prompts is None)
-    ids = [
-        eng.add(prompts[i % len(prompts)] if prompts else rng.integers(0, vocab, prompt_len).tolist(), params)
+    rows = [
+        prompts[i % len(prompts)] if prompts else rng.integers(0, vocab, prompt_len).tolist()
         for i in range(batch)
     ]
-    while any(len(eng.requests[i].token_ids) < 3 and not eng.requests[i].finished for i in ids):
-        eng.step()  # prefill + two warm-up decodes
+    ids = warm_rows(eng, rows, params)
     _sync()
     t0, steps, before = time.perf_counter(), 0, sum(len(eng.requests[i].token_ids) for i in ids)
     while steps < new_tokens - 1 and all(not eng.requests[i].finished for i in ids):
@@ -45,10 +60,7 @@ def time_ours(
     _sync()
     dt = time.perf_counter() - t0
     tokens = sum(len(eng.requests[i].token_ids) for i in ids) - before
-    for i in ids:
-        eng.abort(i)
-    while eng.has_work():
-        eng.step()
+    end_rows(eng, ids)
     return tokens / dt, 1e3 * dt / max(steps, 1)
 
 
@@ -99,12 +111,8 @@ def gpu_step_ms(eng: Engine, prompt_len: int, vocab: int, steps: int = 16) -> fl
     the bucket-1 graph's replay on the last step's inputs (it rewrites that step's key with the
     same values), or, without graphs, around the eager forward of each step (then the span
     includes the GPU's idle time while the host launches)."""
-    rid = eng.add(
-        np.random.default_rng(0).integers(0, vocab, prompt_len).tolist(),
-        SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True),
-    )
-    while len(eng.requests[rid].token_ids) < 3:
-        eng.step()
+    prompt = np.random.default_rng(0).integers(0, vocab, prompt_len).tolist()
+    ids = warm_rows(eng, [prompt], SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True))
     times = []
     if eng.graphs is not None:
         times = eng.graphs.replay_ms(1, steps)
@@ -124,9 +132,7 @@ def gpu_step_ms(eng: Engine, prompt_len: int, vocab: int, steps: int = 16) -> fl
             eng.model.forward = forward
             _sync()
             times.append(a.elapsed_time(b))
-    eng.abort(rid)
-    while eng.has_work():
-        eng.step()
+    end_rows(eng, ids)
     return float(np.median(times))
 
 
@@ -252,15 +258,8 @@ def profile_decode(
         ),
     )
     rng = np.random.default_rng(0)
-    rids = [
-        eng.add(
-            rng.integers(0, vocab, prompt_len).tolist(),
-            SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True),
-        )
-        for _ in range(batch)
-    ]
-    while min(len(eng.requests[r].token_ids) for r in rids) < 3:
-        eng.step()
+    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
+    rids = warm_rows(eng, [rng.integers(0, vocab, prompt_len).tolist() for _ in range(batch)], params)
     _sync()
     drafting = ""
     if speculative is not None:
@@ -288,10 +287,7 @@ def profile_decode(
     print(avg.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
     print(f"the most frequent ops and kernels ({steps} steps):")
     print(avg.table(sort_by="count", row_limit=60, max_name_column_width=70))
-    for r in rids:
-        eng.abort(r)
-    while eng.has_work():
-        eng.step()
+    end_rows(eng, rids)
     if prefill_len:
         eng.add(
             np.random.default_rng(1).integers(0, vocab, prefill_len).tolist(), SamplingParams(max_tokens=1)
