@@ -23,7 +23,9 @@
 #   chunked KDA / Gated DeltaNet for prefill); SPEC: "family:k ..." drafting benches (method mtp
 #   with k tokens, the bench config's head on random weights: the cost side and the break-even
 #   acceptance; SPEC_BATCHES, default 1,8; SPEC_FLAGS more flags); empty skips a part.
-# Wheels for packages the machine lacks (transformers 5.23, pydantic) travel in .whl/.
+# Wheels for packages the machine lacks (transformers 5.23, pydantic; for AGENTIC the H100 image
+# also lacks openai, fastapi and uvicorn: `pip download openai fastapi uvicorn` with their
+# dependencies, the ones already in .whl/ left out) travel in .whl/.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off (the device's KINDS.md: it can take the host's GPUs out of service)

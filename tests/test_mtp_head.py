@@ -34,7 +34,7 @@ from dayzero.sdk.errors import CheckpointError, SpecError, WeightError
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import load_weights, open_checkpoint, open_mtp_head
 from dayzero.sdk.loader.tokenizer import chat_ids
-from dayzero.sdk.parity.runner import Tolerance
+from dayzero.sdk.parity.criteria import Tolerance
 from dayzero.sdk.parity.tiny import write_tiny
 
 from one_row import nextn_logits  # isort: skip

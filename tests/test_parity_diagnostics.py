@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from dayzero.kernels.registry import KERNELS, Capabilities, Kernel
@@ -25,6 +27,9 @@ def test_a_wrong_kernel_fails_parity_and_the_diff_names_its_block(tmp_path, monk
     assert not report.ok
     text = report.table()
     assert "prefill logits" in text and "FAIL" in text and text.endswith("parity FAILED")
+    # past the fixed bound, the fp64 second opinion: dayzero far outside fp32's own rounding
+    ours, ref = map(float, re.search(r"dayzero (\S+), reference fp32 (\S+)", report.rows[0].note).groups())
+    assert not report.rows[0].ok and ours > 100 * ref, report.rows[0].note
     assert "first divergence: layer 0 mlp (swiglu block)" in text
     assert "layer   0 attention (gqa)" in text  # the attention before it matched
 

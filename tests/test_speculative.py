@@ -24,7 +24,8 @@ from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.engine.memory import checkpoint_slots
 from dayzero.sdk.engine.speculative import accepted
 from dayzero.sdk.loader import open_checkpoint
-from dayzero.sdk.parity.runner import RETRACTION, Ours, Tolerance, retraction_budget
+from dayzero.sdk.parity.criteria import Tolerance
+from dayzero.sdk.parity.runner import RETRACTION, Ours, retraction_budget
 from dayzero.sdk.parity.tiny import write_tiny
 
 K = 3

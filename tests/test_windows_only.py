@@ -14,7 +14,8 @@ from dayzero.sdk.engine.engine import EngineConfig, SamplingParams
 from dayzero.sdk.engine.memory import kv_capacity
 from dayzero.sdk.families import FAMILIES
 from dayzero.sdk.loader import open_checkpoint
-from dayzero.sdk.parity.runner import Ours, Reference, Tolerance
+from dayzero.sdk.parity.criteria import Tolerance
+from dayzero.sdk.parity.runner import Ours, Reference
 from dayzero.sdk.parity.tiny import write_tiny
 from dayzero.sdk.spec.reference import reference_class
 
