@@ -86,8 +86,10 @@ ulimit -c 0
 T="timeout -k 20 -s ABRT ${PART_TIMEOUT:-300}"
 for t in ${TESTS-}; do
   echo "[${SECONDS}s] == pytest $t"
-  # -v: each test's name is in the log before it runs (a hang names itself)
-  $T python3 -m pytest -v -rfE --tb=short -p no:cacheprovider $t >>"$OUT/tests.log" 2>&1
+  # -v: each test's name is in the log before it runs (a hang names itself); a test still running
+  # after TEST_STACKS_S seconds has every thread's stack dumped (faulthandler) and goes on
+  $T python3 -m pytest -v -rfE --tb=short -p no:cacheprovider -o faulthandler_timeout="${TEST_STACKS_S:-120}" \
+    $t >>"$OUT/tests.log" 2>&1
   grep -E "FAILED|ERROR|passed|failed|Timeout|Fatal" "$OUT/tests.log" | tail -25
 done
 # the checkpoint on N GPUs (TP, and EP when asked) against one, fp32 (parity's own checks first)
