@@ -28,7 +28,15 @@ import triton.language as tl
 
 from dayzero.kernels.batched import mla as batched
 from dayzero.kernels.ops import PagedMeta
-from dayzero.kernels.triton.attention import MIN_SPLIT_TILES, _finish, _merge, _splits, _start, _tile
+from dayzero.kernels.triton.attention import (
+    MIN_SPLIT_TILES,
+    _finish,
+    _merge,
+    _splits,
+    _start,
+    _tile,
+    token_rows,
+)
 
 
 # the block table's row stride changes with an eager step's rows: not specialised on (no
@@ -145,15 +153,16 @@ def _latent(
     meta: PagedMeta,
     scale: float,
     toks: torch.Tensor,
+    rows: torch.Tensor,
     select: torch.Tensor | None,
     splits: int | None,
     min_split_tiles: int,
 ) -> torch.Tensor:
-    """The latent output sum_j softmax_j(s) c_j [n, H, L] of the tokens `toks` [n]."""
+    """The latent output sum_j softmax_j(s) c_j [n, H, L] of the tokens `toks` [n] (of the
+    rows `rows` [n])."""
     n, h, lat, dr = toks.shape[0], q_nope.shape[1], w_k.shape[-1], q_rope.shape[-1]
     q_lat = torch.einsum("thd,hdl->thl", q_nope, w_k)  # [T, H, L]
     q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
-    rows = torch.searchsorted(meta.query_start, toks, right=True) - 1  # [n]
     bl = triton.next_power_of_2(lat)
     bh = max(16, min(32 if bl >= 256 else 64, triton.next_power_of_2(h)))  # [BH, BL] fp32 accumulator
     groups = triton.cdiv(h, bh)
@@ -195,15 +204,19 @@ def mla_attention(
         return q_nope.new_zeros(t, h, w_v.shape[1])
     args = (q_nope, q_rope, cache, w_k, meta, scale)
     decode = all(b - a <= 1 for a, b in itertools.pairwise(meta.query_start_cpu))
-    if select is not None or decode:  # every token one program
-        toks = torch.arange(t, device=q_nope.device)
-        o = _latent(*args, toks, select, splits, min_split_tiles)
+    if select is not None or decode:  # every token one program; [T] and their rows once a step
+        toks = meta.memo.get(("tokens", t))
+        if toks is None:
+            toks = meta.memo[("tokens", t)] = torch.arange(t, device=q_nope.device)
+        o = _latent(*args, toks, token_rows(meta, t), select, splits, min_split_tiles)
         return torch.einsum("thl,hvl->thv", o, w_v)
     out = q_nope.new_zeros(t, h, w_v.shape[1])
     layout = batched.dense_layout(meta)  # a dense step with prefill rows: those through SDPA
     if layout["dec"] is not None:
         toks = layout["dec"][0]
-        out[toks] = torch.einsum("thl,hvl->thv", _latent(*args, toks, None, splits, min_split_tiles), w_v)
+        rows = torch.searchsorted(meta.query_start, toks, right=True) - 1
+        o = _latent(*args, toks, rows, None, splits, min_split_tiles)
+        out[toks] = torch.einsum("thl,hvl->thv", o, w_v)
     if layout["pre"] is not None:
         tok, o = batched.expanded(q_nope, q_rope, cache, w_k, w_v, layout["pre"], scale)
         out[tok] = o
