@@ -42,6 +42,8 @@ Sequence = tuple[list[int], list[float]]
 
 @dataclass(frozen=True)
 class Tolerance:
+    """The bounds above; `exact`: fp32 (else judged against fp32, as low precision is)."""
+
     logits: float = 1e-4
     logprobs: float = 1e-4
     ratio: float = 2.0

@@ -131,7 +131,8 @@ class Reference:
     @torch.inference_mode()
     def logits(self, prompt: list[int]) -> torch.Tensor:
         ids = torch.tensor([prompt], device=self.device)
-        return self.model(ids).logits[0].float()  # [L, V]
+        out = self.model(ids).logits[0]  # [L, V] fp32 (fp64 kept: `widened`)
+        return out if out.dtype == torch.float64 else out.float()
 
     def greedy(self, prompt: list[int], n: int) -> Sequence:
         return self.greedy_top(prompt, n)[0]
