@@ -192,6 +192,9 @@ def test_a_drafting_profile_names_its_phases(tmp_path, capsys) -> None:
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith("dayzero.")}
     assert {"dayzero.draft", "dayzero.verify", "dayzero.observe"} <= set(rows), out[:2000]
     assert int(rows["dayzero.verify"][0]) == 4 and float(rows["dayzero.verify"][1]) > 0
+    # then the GPU kernels by kind (sdk/bench/kernel_groups.py): none on the CPU, the sum says so
+    assert "where a decode step's device time goes" in out
+    assert re.search(r"^all +0\.000 +0\.0$", out, re.M), out[-1500:]
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from dayzero.sdk.bench import kernel_groups
 from dayzero.sdk.engine.drafters import SpeculativeConfig
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 
@@ -287,6 +288,8 @@ def profile_decode(
     print(avg.table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
     print(f"the most frequent ops and kernels ({steps} steps):")
     print(avg.table(sort_by="count", row_limit=60, max_name_column_width=70))
+    print(f"where a decode step's device time goes (the GPU kernels by kind, {steps} steps):")
+    print(kernel_groups.table(kernel_groups.from_profile(avg, steps)))
     end_rows(eng, rids)
     if prefill_len:
         eng.add(
@@ -298,3 +301,4 @@ def profile_decode(
             _sync()
         print(f"prefill of {prefill_len} tokens:")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+        print(kernel_groups.table(kernel_groups.from_profile(prof.key_averages(), 1)))
