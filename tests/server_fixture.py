@@ -38,7 +38,8 @@ class Server:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             text=True,
-            env=None if env is None else os.environ | env,
+            # a fatal signal (an abort at shutdown) prints every Python thread's stack in the log
+            env=os.environ | {"PYTHONFAULTHANDLER": "1"} | (env or {}),
         )
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:

@@ -90,7 +90,12 @@ def test_two_hosts_by_flags_and_torchrun_answer_as_one_and_stop_on_sigterm(check
     cmd = [sys.executable, "-m", "dayzero.sdk.cli", "serve", str(checkpoint), "--device", "cpu", *FLAGS]
     hosts = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(port)]
     log = (tmp_path / "host1.log").open("w+")
-    host1 = subprocess.Popen([*cmd, *hosts, "--node-rank", "1"], stdout=log, stderr=subprocess.STDOUT)
+    host1 = subprocess.Popen(
+        [*cmd, *hosts, "--node-rank", "1"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=os.environ | {"PYTHONFAULTHANDLER": "1"},  # an abort prints the Python stacks
+    )
     try:
         host0 = Server(str(checkpoint), *FLAGS, *hosts, "--node-rank", "0")
         try:
@@ -111,6 +116,7 @@ def test_two_hosts_by_flags_and_torchrun_answer_as_one_and_stop_on_sigterm(check
         [run, "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "dayzero.sdk.cli", "serve",
          str(checkpoint), "--device", "cpu", *FLAGS, "--tensor-parallel-size", "2", "--port", str(http)],
         stdout=(tmp_path / "torchrun.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        env=os.environ | {"PYTHONFAULTHANDLER": "1"},
     )  # fmt: skip
     try:
         server = SimpleNamespace(url=f"http://127.0.0.1:{http}")
