@@ -4,10 +4,12 @@ our Triton kernels under the module that defines them, the rest by name; ms and 
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
+from torch.autograd import DeviceType
 
-from dayzero.sdk.bench.kernel_groups import group_kernels, group_of, table, triton_owners
+from dayzero.sdk.bench.kernel_groups import from_profile, group_kernels, group_of, table, triton_owners
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
@@ -65,3 +67,24 @@ def test_names_outside_ours_fall_to_their_pattern_or_other() -> None:
     assert group_of("Memset (Device)", {}) == "copies"
     assert group_of("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", {}) == "other"
     assert group_of("_down", {"_down": "triton moe"}) == "triton moe"
+
+
+def test_a_profile_gives_its_gpu_kernels_only() -> None:
+    """From torch.profiler's key averages: the CUDA events (kernels, copies), not the host ops
+    that launched them (their device time would count each kernel twice)."""
+    avg = [
+        SimpleNamespace(key="aten::mm", self_device_time_total=0.0, count=4, device_type=DeviceType.CPU),
+        SimpleNamespace(
+            key="cudaLaunchKernel", self_device_time_total=0.0, count=6, device_type=DeviceType.CPU
+        ),
+        SimpleNamespace(
+            key="nvjet_tst_64x8", self_device_time_total=400.0, count=4, device_type=DeviceType.CUDA
+        ),
+        SimpleNamespace(
+            key="Memset (Device)", self_device_time_total=20.0, count=2, device_type=DeviceType.CUDA
+        ),
+    ]
+    groups = {g.name: g for g in from_profile(avg, 2)}
+    assert set(groups) == {"cuBLAS", "copies"}
+    assert groups["cuBLAS"].ms == pytest.approx(0.2) and groups["cuBLAS"].launches == 2
+    assert groups["copies"].launches == 1

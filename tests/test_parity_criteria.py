@@ -91,7 +91,7 @@ def test_fp32_past_its_bound_is_judged_against_fp64(tmp_path) -> None:
         assert row.logit_err > 1e-12 and "vs fp64: dayzero" in row.note, row.note
         ours, ref = map(float, re.search(r"dayzero (\S+), reference fp32 (\S+)", row.note).groups())
         assert 0 < ours < 1e-5 and 0 < ref < 1e-5, row.note  # fp32 rounding, not a difference in math
-        assert row.ok == (ours <= 2 * ref) and row.ok, row.note
+        assert row.ok and ours <= 2 * ref, row.note  # the second opinion's bound, as measured
 
 
 @pytest.mark.parametrize("seed", [0, 3])

@@ -170,16 +170,22 @@ def _paged_attention(
     _finish(o_ptr, lse_ptr, row, d, acc, m_i, l_i, valid, dm, D)
 
 
+def token_ids(meta: PagedMeta, t: int) -> torch.Tensor:
+    """[T] 0..T-1 on the device; once a step (meta.memo)."""
+    ids = meta.memo.get(("tokens", t))
+    if ids is None:
+        ids = meta.memo[("tokens", t)] = torch.arange(t, device=meta.query_start.device)
+    return ids
+
+
 def token_rows(meta: PagedMeta, t: int) -> torch.Tensor:
     """[T] each token's row, from query_start on the device; once a step for every layer of the
     group that asks (meta.memo)."""
     rows = meta.memo.get(("token_rows", t))
     if rows is None:
-        rows = (
-            torch.searchsorted(meta.query_start, torch.arange(t, device=meta.query_start.device), right=True)
-            - 1
+        rows = meta.memo[("token_rows", t)] = (
+            torch.searchsorted(meta.query_start, token_ids(meta, t), right=True) - 1
         )
-        meta.memo[("token_rows", t)] = rows
     return rows
 
 

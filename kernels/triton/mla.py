@@ -35,6 +35,7 @@ from dayzero.kernels.triton.attention import (
     _splits,
     _start,
     _tile,
+    token_ids,
     token_rows,
 )
 
@@ -205,10 +206,7 @@ def mla_attention(
     args = (q_nope, q_rope, cache, w_k, meta, scale)
     decode = all(b - a <= 1 for a, b in itertools.pairwise(meta.query_start_cpu))
     if select is not None or decode:  # every token one program; [T] and their rows once a step
-        toks = meta.memo.get(("tokens", t))
-        if toks is None:
-            toks = meta.memo[("tokens", t)] = torch.arange(t, device=q_nope.device)
-        o = _latent(*args, toks, token_rows(meta, t), select, splits, min_split_tiles)
+        o = _latent(*args, token_ids(meta, t), token_rows(meta, t), select, splits, min_split_tiles)
         return torch.einsum("thl,hvl->thv", o, w_v)
     out = q_nope.new_zeros(t, h, w_v.shape[1])
     layout = batched.dense_layout(meta)  # a dense step with prefill rows: those through SDPA

@@ -62,7 +62,8 @@ def group_kernels(kernels: list[tuple[str, float, int]], steps: int) -> list[Gro
     owners = triton_owners()
     groups: dict[str, Group] = {}
     for name, us, count in kernels:
-        g = groups.setdefault(group_of(name, owners), Group(group_of(name, owners)))
+        kind = group_of(name, owners)
+        g = groups.setdefault(kind, Group(kind))
         ms = us / 1e3 / steps
         g.ms += ms
         g.launches += count / steps

@@ -135,11 +135,23 @@ class Reference:
         return out if out.dtype == torch.float64 else out.float()
 
     def greedy(self, prompt: list[int], n: int) -> Sequence:
-        return self.greedy_top(prompt, n)[0]
+        """n greedy tokens and their logprobs."""
+        toks, logp = self._generate(prompt, n)
+        return toks, _chosen(logp, toks)
+
+    def greedy_top(self, prompt: list[int], n: int) -> tuple[Sequence, list[dict[int, float]]]:
+        """`greedy`, and each position's TOP likeliest tokens -> logprob (the gap's candidates)."""
+        toks, logp = self._generate(prompt, n)
+        best = logp.topk(min(TOP, logp.shape[-1]), dim=-1)
+        top = [
+            dict(zip(i, v, strict=True))
+            for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)
+        ]
+        return (toks, _chosen(logp, toks)), top
 
     @torch.inference_mode()
-    def greedy_top(self, prompt: list[int], n: int) -> tuple[Sequence, list[dict[int, float]]]:
-        """n greedy tokens, their logprobs, and each position's TOP likeliest tokens -> logprob."""
+    def _generate(self, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+        """n greedy tokens and the log-softmax of the logits each was chosen from [n, V] fp32."""
         ids = torch.tensor([prompt], device=self.device)
         out = self.model.generate(
             ids,
@@ -153,14 +165,12 @@ class Reference:
             pad_token_id=0,
         )
         toks = out.sequences[0, len(prompt) :].tolist()
-        logp = torch.log_softmax(torch.stack([lg[0] for lg in out.logits]).float(), -1)  # [n, V]
-        lps = logp.gather(1, torch.tensor(toks, device=logp.device)[:, None])[:, 0].tolist()
-        best = logp.topk(min(TOP, logp.shape[-1]), dim=-1)
-        top = [
-            dict(zip(i, v, strict=True))
-            for i, v in zip(best.indices.tolist(), best.values.tolist(), strict=True)
-        ]
-        return (toks, lps), top
+        return toks, torch.log_softmax(torch.stack([lg[0] for lg in out.logits]).float(), -1)
+
+
+def _chosen(logp: torch.Tensor, toks: list[int]) -> list[float]:
+    """logp [n, V] at each position's token."""
+    return logp.gather(1, torch.tensor(toks, device=logp.device)[:, None])[:, 0].tolist()
 
 
 class Ours:
