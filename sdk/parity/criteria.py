@@ -14,9 +14,12 @@ Greedy tokens, two measures against the fp32 sequence:
   gap        at each sequence's first different token i, how far the token taken is from the
              fp32 choice under the fp32 model, lp32_i(fp32 token) - lp32_i(token taken) >= 0
              (the worst over the sequences; a token outside fp32's `TOP` likeliest: infinite).
-A check passes on either: agreement at least half the reference's, or a worst gap within
-`ratio` x the reference's worst gap + `gap_slack` (the reference's finite: where it takes a token
-outside fp32's TOP, as a medium Kimi K3 in bf16 does, the gap measures nothing). On random
+A check passes on either: agreement at least half the reference's, or a finite worst gap within
+`ratio` x the reference's worst gap + `gap_slack`. A finite gap is vLLM's rule for low-precision
+greedy outputs (at the first different token, the token taken is among the other side's likeliest);
+the reference's own gap tightens it where the reference keeps to fp32's TOP itself. Where it does not
+(a medium Qwen3.8 or Kimi K3 in bf16 on an H200 takes a token outside fp32's 20 likeliest), the bound
+is that rule alone: dayzero's every first different token ranked by fp32. On random
 weights the logits are nearly flat and the reference itself leaves the fp32 sequence within its
 first few tokens (agreement 0.035 on a Qwen3.8 config of width 1,024, bf16): agreement then
 counts a handful of tokens, and one token more or less decides it; the gap still tells a
@@ -119,9 +122,9 @@ def compare(outs: list, exp: Expected, tol: Tolerance, name: str, note: str = ""
     if tol.exact:
         return Row(name, a == 1.0 and lp_err <= tol.logprobs, logprob_err=lp_err, agreement=a, note=note)
     gap = divergence_gap(outs, exp.tokens, exp.top)
-    ref_gap = exp.reference_gap  # infinite: the reference takes tokens fp32 does not rank, no measure
+    # the reference's gap infinite (it takes a token fp32 does not rank): the bound is finiteness alone
     ok = a >= 0.5 * exp.reference_agreement or (
-        math.isfinite(ref_gap) and gap <= tol.ratio * ref_gap + tol.gap_slack
+        math.isfinite(gap) and gap <= tol.ratio * exp.reference_gap + tol.gap_slack
     )
     said = (
         f"vs fp32; reference {exp.reference_agreement:.3f}, gap {gap:.3f} (reference {exp.reference_gap:.3f})"
