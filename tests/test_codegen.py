@@ -72,3 +72,32 @@ def test_beam_release_needs_match_its_name() -> None:
     card = (MODELS_DIR / "beam" / "README.md").read_text()
     assert "dayzero serve reflection/Beam-1.0-501B-A23B --quantization nvfp4 --tensor-parallel-size 4" in card
     assert "dayzero tiny beam /tmp/beam-tiny && dayzero serve /tmp/beam-tiny" in card
+
+
+def test_the_spec_reference_documents_every_type_it_links() -> None:
+    """docs/spec-reference.md: each `[Type](#type)` in a field table lands on that type's section
+    (every model the schema reaches from Spec gets one, Release and the layer rules included)."""
+    import re
+
+    from dayzero.sdk.codegen.spec_doc import render
+
+    doc = render()
+    anchors = {h.strip().lower().replace(" ", "-").strip("`") for h in re.findall(r"^#+ (.*)$", doc, re.M)}
+    links = set(re.findall(r"\]\(#([a-z0-9_-]+)\)", doc))
+    assert {"release", "ruleindices", "ngramopts", "mtplayernames"} <= links
+    assert links <= anchors, sorted(links - anchors)
+    assert "| `label` |" in doc  # Release's fields are in the table
+
+
+def test_a_release_label_heads_its_launch_line_in_place_of_the_default() -> None:
+    """A release that is not the family's own names itself (Qwen3.8 serves the Qwen3.5
+    architecture's checkpoint); one without a label keeps "The release checkpoint"."""
+    qwen = codegen.render(FAMILIES.get("qwen38"))["README.md"]
+    label = "The Qwen3.5 architecture's checkpoint"
+    assert (
+        f"{label} (transformers' default Qwen3_5MoeConfig" in qwen
+        and "dayzero serve Qwen/Qwen3.5-35B-A3B" in qwen
+    )
+    assert "The release checkpoint" not in qwen.split("## Launch")[1].split("A tiny random")[0]
+    glm = codegen.render(FAMILIES.get("glm53"))["README.md"]
+    assert "The release checkpoint:\n\n```bash\ndayzero serve zai-org/GLM-5.3" in glm

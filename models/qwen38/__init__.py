@@ -1,2 +1,2 @@
-# generated from spec.yaml@113323a48f37, do not edit
+# generated from spec.yaml@618a2e0e07e1, do not edit
 """Qwen3.8 (generated; the source of truth is spec.yaml)."""

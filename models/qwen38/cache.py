@@ -1,4 +1,4 @@
-# generated from spec.yaml@113323a48f37, do not edit
+# generated from spec.yaml@618a2e0e07e1, do not edit
 """Qwen3.8: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@113323a48f37, do not edit
+# generated from spec.yaml@618a2e0e07e1, do not edit
 """Qwen3.8: the execution-plane model, composed from the block library.
 
 Each layer: x + attn(norm(x)), then x + mlp(norm(x)).

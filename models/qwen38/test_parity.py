@@ -1,4 +1,4 @@
-# generated from spec.yaml@113323a48f37, do not edit
+# generated from spec.yaml@618a2e0e07e1, do not edit
 """Qwen3.8: parity against transformers.Qwen3_5MoeForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) writes a checkpoint

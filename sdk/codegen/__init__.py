@@ -113,7 +113,13 @@ def _release(fam: Family, rel, groups: list[dict], model_source: str) -> dict:
         if rel.packed
         else ""
     )
-    return {"checkpoint": rel.checkpoint, "command": command, "needs": line, "status": status}
+    return {
+        "checkpoint": rel.checkpoint,
+        "label": rel.label,
+        "command": command,
+        "needs": line,
+        "status": status,
+    }
 
 
 def _mtp_line(fam: Family, spec) -> str:

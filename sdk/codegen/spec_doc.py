@@ -56,25 +56,7 @@ def _doc(model: type) -> list[str]:
 def render() -> str:
     lines = [HEADER, "# Spec reference", ""]
     lines += [inspect.getdoc(schema) or "", ""]
-    models = [
-        schema.Spec,
-        schema.ReferenceModules,
-        schema.Symbol,
-        schema.Layers,
-        schema.RuleAll,
-        schema.RuleField,
-        schema.RuleEvery,
-        schema.RuleFirst,
-        schema.Residual,
-        schema.Norm,
-        schema.Embedding,
-        schema.Head,
-        schema.WeightFormat,
-        schema.WeightRule,
-        schema.Transform,
-        schema.Parity,
-        schema.Mtp,
-    ]
+    models = _reachable(schema.Spec)
     for m in models:
         lines += [f"## {m.__name__}", "", *_doc(m), *_table(m), ""]
     lines += _transforms()
@@ -120,6 +102,16 @@ def _transforms() -> list[str]:
             "",
         ]
     return lines
+
+
+def _reachable(root: type[BaseModel]) -> list[type[BaseModel]]:
+    """root and every model its fields name, transitively, in the order first met (breadth first):
+    each gets its section, so every type link in the tables resolves."""
+    seen: list[type[BaseModel]] = [root]
+    for m in seen:  # grows as it goes
+        for f in m.model_fields.values():
+            seen += sorted(_flatten(f.annotation) - set(seen), key=lambda c: c.__name__)
+    return seen
 
 
 def _flatten(t: object) -> set[type]:

@@ -320,6 +320,9 @@ class Release(Strict):
     parameter names -> format; empty: every matrix but the embedding in `format`)."""
 
     checkpoint: str
+    # the card's heading for it where it is not the family's own release (e.g. the architecture's
+    # checkpoint that the reference config's defaults describe); else "The release checkpoint"
+    label: str | None = None
     config: dict[str, Any] = {}
     format: Literal["bf16", "fp8_block", "mxfp4", "nvfp4"] = "bf16"
     packed: dict[str, Literal["fp8_block", "mxfp4", "nvfp4"]] = {}
