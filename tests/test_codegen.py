@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 from dayzero.sdk import codegen
 from dayzero.sdk.codegen.hardware import needs
+from dayzero.sdk.codegen.spec_doc import render as render_doc
 from dayzero.sdk.families import FAMILIES, MODELS_DIR, Family
 from dayzero.sdk.spec.reference import reference_config
 
@@ -77,11 +79,7 @@ def test_beam_release_needs_match_its_name() -> None:
 def test_the_spec_reference_documents_every_type_it_links() -> None:
     """docs/spec-reference.md: each `[Type](#type)` in a field table lands on that type's section
     (every model the schema reaches from Spec gets one, Release and the layer rules included)."""
-    import re
-
-    from dayzero.sdk.codegen.spec_doc import render
-
-    doc = render()
+    doc = render_doc()
     anchors = {h.strip().lower().replace(" ", "-").strip("`") for h in re.findall(r"^#+ (.*)$", doc, re.M)}
     links = set(re.findall(r"\]\(#([a-z0-9_-]+)\)", doc))
     assert {"release", "ruleindices", "ngramopts", "mtplayernames"} <= links

@@ -15,11 +15,11 @@ Greedy tokens, two measures against the fp32 sequence:
              fp32 choice under the fp32 model, lp32_i(fp32 token) - lp32_i(token taken) >= 0
              (the worst over the sequences; a token outside fp32's `TOP` likeliest: infinite).
 A check passes on either: agreement at least half the reference's, or a finite worst gap within
-`ratio` x the reference's worst gap + `gap_slack`. A finite gap is vLLM's rule for low-precision
-greedy outputs (at the first different token, the token taken is among the other side's likeliest);
-the reference's own gap tightens it where the reference keeps to fp32's TOP itself. Where it does not
-(a medium Qwen3.8 or Kimi K3 in bf16 on an H200 takes a token outside fp32's 20 likeliest), the bound
-is that rule alone: dayzero's every first different token ranked by fp32. On random
+`ratio` x the reference's worst gap + `gap_slack`. A finite gap is dayzero's half of vLLM's rule
+for low-precision greedy outputs (at the first different token, each side's token is among the
+other's likeliest; here dayzero's among fp32's); the reference's own gap tightens it where the
+reference keeps to fp32's TOP itself. Where it does not (a medium Qwen3.8 or Kimi K3 in bf16 on
+an H200 takes a token outside fp32's 20 likeliest), the bound is that rule alone. On random
 weights the logits are nearly flat and the reference itself leaves the fp32 sequence within its
 first few tokens (agreement 0.035 on a Qwen3.8 config of width 1,024, bf16): agreement then
 counts a handful of tokens, and one token more or less decides it; the gap still tells a
