@@ -1,2 +1,2 @@
-# generated from spec.yaml@99b3aef5976e, do not edit
+# generated from spec.yaml@220216eebc82, do not edit
 """Qwen3.8-Flash-Next (generated; the source of truth is spec.yaml)."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@99b3aef5976e, do not edit
+# generated from spec.yaml@220216eebc82, do not edit
 """Qwen3.8-Flash-Next: the cache geometry handed to the scheduler, one group per distinct cache kind.
 
 Sizes (per-token row, window) are resolved from the HF config when a model is built."""

@@ -1,4 +1,4 @@
-# generated from spec.yaml@99b3aef5976e, do not edit
+# generated from spec.yaml@220216eebc82, do not edit
 """Qwen3.8-Flash-Next: the execution-plane model, composed from the block library.
 
 Each layer: N residual streams mixed by hyper-connections around attn, then the MLP.

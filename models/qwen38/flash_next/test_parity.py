@@ -1,4 +1,4 @@
-# generated from spec.yaml@99b3aef5976e, do not edit
+# generated from spec.yaml@220216eebc82, do not edit
 """Qwen3.8-Flash-Next: parity against transformers.Qwen4ExpForCausalLM on tiny random checkpoints.
 
 Each shape (the spec's tiny config, then with each of its `shapes` overrides) writes a checkpoint
