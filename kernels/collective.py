@@ -32,6 +32,11 @@ class TpGroup:
             raise ValueError(f"tensor-parallel rank {rank} out of size {size}")
         self.size, self.rank, self.group, self.store = size, rank, group, store
 
+    def release(self) -> None:
+        """Drop the group and store handles, the process group destroyed (`end_group` in
+        sdk/engine/parallel.py); a collective after it fails (no group)."""
+        self.group = self.store = None
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """sum over ranks of x (in place; x as it is on one rank)."""
         if self.size > 1:

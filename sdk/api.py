@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from dayzero.kernels.collective import TpGroup
 from dayzero.sdk.config.model import ModelConfig, Parallel
@@ -33,6 +32,7 @@ from dayzero.sdk.engine.parallel import (
     Launch,
     RankError,
     control_group,
+    end_group,
     free_port,
     init_group,
     report_failure,
@@ -338,7 +338,7 @@ class LLM:
             if self.followers is not None:
                 self.followers.terminate()
             self.followers, self.ctrl = None, None
-            dist.destroy_process_group()
+            end_group(self.tp)
             if named is None:
                 raise
             raise RankError(named) from e
@@ -391,7 +391,7 @@ class LLM:
         finally:
             if followers is not None:
                 followers.terminate()
-            dist.destroy_process_group()
+            end_group(self.tp, *([self.engine.leader] if self.engine.leader is not None else []))
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:

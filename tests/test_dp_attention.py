@@ -18,14 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dayzero.kernels.collective import TpGroup
 from dayzero.sdk.api import LLM
 from dayzero.sdk.config.model import Parallel
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.engine.geometry import scheduler_groups
-from dayzero.sdk.engine.parallel import init_group, run_ranks
+from dayzero.sdk.engine.parallel import end_group, init_group, run_ranks
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import load_weights, open_checkpoint
 from dayzero.sdk.parity.parallel import check_prompts, compare_ranks
@@ -66,7 +65,7 @@ def outputs(rank: int, size: int, port: int, cases: list[tuple[str, list[list[in
             torch.save(got, out)
     finally:
         if size > 1:
-            dist.destroy_process_group()
+            end_group(tp)
 
 
 def scatter_rows(tp: TpGroup) -> None:

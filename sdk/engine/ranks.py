@@ -206,6 +206,11 @@ class Leader:
             self.stopped = True
             self._broadcast(encode(STOP))
 
+    def release(self) -> None:
+        """Drop the control group's handle once stopped and the group destroyed (`end_group`)."""
+        self.group = None
+        self.tp.release()
+
 
 def from_leader(obj, group):
     """Rank 0's `obj` (picklable), on every rank of `group`."""

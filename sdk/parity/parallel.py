@@ -15,13 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from dayzero.kernels.collective import TpGroup
 from dayzero.sdk.config.model import Parallel
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.engine.geometry import scheduler_groups
-from dayzero.sdk.engine.parallel import init_group, run_ranks
+from dayzero.sdk.engine.parallel import end_group, init_group, run_ranks
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import load_weights, open_checkpoint
 
@@ -85,7 +84,7 @@ def rank_outputs(
             )
     finally:
         if size > 1:
-            dist.destroy_process_group()
+            end_group(tp)
 
 
 # the engine of the check: 16-token prefill chunks, a KV pool of 128 tokens (too few for the
