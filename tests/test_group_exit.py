@@ -1,8 +1,8 @@
 """A tensor-parallel rank's exit (sdk/engine/parallel.py `end_group`): the process groups are
 destroyed and their handles dropped while the interpreter runs, so that no rank aborts at exit.
 Two gloo ranks that kept the handles aborted in 20 of 60 processes ("terminate called without an
-active exception"); here 6 runs of two ranks must all exit 0 (with the old exit, the chance that
-all 12 processes survive is about (2/3)^6, 9%)."""
+active exception"); here 6 runs of two ranks must all exit 0 (with the old exit, 3 of the 6
+runs failed in each of two tries)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from dayzero.kernels.collective import TpGroup
 from dayzero.sdk.engine.parallel import free_port
 
 RANK = """
@@ -42,13 +40,3 @@ def test_two_gloo_ranks_exit_cleanly_after_end_group(run: int) -> None:
     for p in ranks:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0 and "terminate called" not in err, (p.returncode, err[-2000:])
-
-
-def test_released_handles_make_a_later_collective_fail_loudly() -> None:
-    """After release, a group of two has no process group: a collective raises, never runs on
-    a stale handle."""
-    tp = TpGroup(2, 0, group=object(), store=object())  # handles as init_group leaves them
-    tp.release()
-    assert tp.group is None and tp.store is None
-    with pytest.raises((RuntimeError, ValueError)):
-        tp.all_reduce(torch.ones(2))

@@ -212,8 +212,7 @@ def mla_attention(
     layout = batched.dense_layout(meta)  # a dense step with prefill rows: those through SDPA
     if layout["dec"] is not None:
         toks = layout["dec"][0]
-        rows = torch.searchsorted(meta.query_start, toks, right=True) - 1
-        o = _latent(*args, toks, rows, None, splits, min_split_tiles)
+        o = _latent(*args, toks, token_rows(meta, t)[toks], None, splits, min_split_tiles)
         out[toks] = torch.einsum("thl,hvl->thv", o, w_v)
     if layout["pre"] is not None:
         tok, o = batched.expanded(q_nope, q_rope, cache, w_k, w_v, layout["pre"], scale)

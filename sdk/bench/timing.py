@@ -299,6 +299,7 @@ def profile_decode(
             while eng.has_work():
                 eng.step()
             _sync()
+        pre = prof.key_averages()
         print(f"prefill of {prefill_len} tokens:")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
-        print(kernel_groups.table(kernel_groups.from_profile(prof.key_averages(), 1)))
+        print(pre.table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+        print(kernel_groups.table(kernel_groups.from_profile(pre, 1)))
