@@ -41,10 +41,10 @@ from one_row import nextn_logits  # isort: skip
 from two_ranks import assert_drafting_on_two_ranks_answers_as_one  # isort: skip
 
 SHIPPED = Path(__file__).parent / "data" / "smollm2_nextn"
-# the gate: the acceptance length measured when the head was trained, less a margin for the
-# CPU's rounding (greedy ties) and library versions; a head or drafting path that breaks falls
-# to about 1.0 (nothing accepted)
-ACCEPTANCE_FLOOR = 1.15
+# the gate: the acceptance length measured when the head was trained (1.318 on the GPU in bf16;
+# 1.370 with this test's fp32 CPU path), less a margin for rounding (greedy ties) and library
+# versions; a head or drafting path that breaks falls to about 1.0 (nothing accepted)
+ACCEPTANCE_FLOOR = 1.25
 T = 17
 
 
