@@ -8,8 +8,10 @@
 #           bash scripts/gpu_embedded_default.sh run            # carry [".gg3", ".whl"]
 # `run` joins the parts (checking the sha256 recorded by `split`), puts the GGUF where
 # embedded_default() finds it, then times batch-1 decode with the shipped NextN head (1 draft,
-# three runs of `dayzero bench decode --model`), trains a head on the GPU
-# (scripts/train_nextn.py, into $OUT/head) and times it the same way.
+# three runs of `dayzero bench decode --model`) and profiles one drafting step by phase
+# (`--profile`: host and GPU time of draft, verify, sample, readback, observe). TRAIN=1 also trains
+# a head on the GPU (scripts/train_nextn.py, into $OUT/head) and times it the same way (the
+# shipped head was trained so on 2026-12-06).
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 PARTS=(1 2 3)
@@ -44,6 +46,12 @@ run)
       tr '\r' '\n' | grep -E "^ +1 |speculative_|decode_llama|captured" | tee -a "$OUT/embedded.log"
   }
   for r in 1 2 3; do echo "== shipped head, 1 draft, run $r"; bench 1 tests/data/smollm2_nextn; done
+  echo "== shipped head, 1 draft, one profiled run"
+  timeout 200 python3 -m dayzero.sdk.cli bench decode --model "$gguf" --batches 1 --new-tokens 64 \
+    --prefill-len 0 --no-reference --profile \
+    --speculative-config '{"method": "mtp", "num_speculative_tokens": 1, "model": "tests/data/smollm2_nextn"}' 2>&1 |
+    tr '\r' '\n' | grep -E "^profile:|ms a step|^phase|^dayzero\.|^all " | tee -a "$OUT/embedded.log"
+  [ "${TRAIN:-0}" = 1 ] || exit 0
   echo "== training a head on the GPU"
   timeout 400 python3 scripts/train_nextn.py "$OUT/head" --prompts 960 --new-tokens 256 --epochs 8 2>&1 |
     tee "$OUT/train.log" | grep -E "epoch [0-9]+:|training on|acceptance"
