@@ -39,21 +39,19 @@ run)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
   python3 -m pip install -q --no-build-isolation --no-deps -e . >/dev/null
   export PYTHONPATH=/tmp/site:/tmp/smol PYTHONUNBUFFERED=1
-  bench() {  # $1 drafts, $2 head folder
+  bench() {  # $1 drafts, $2 head folder, then more flags (--profile)
     timeout 200 python3 -m dayzero.sdk.cli bench decode --model "$gguf" --batches 1 --new-tokens 64 \
-      --prefill-len 0 --no-reference \
+      --prefill-len 0 --no-reference "${@:3}" \
       --speculative-config "{\"method\": \"mtp\", \"num_speculative_tokens\": $1, \"model\": \"$2\"}" 2>&1 |
-      tr '\r' '\n' | grep -E "^ +1 |speculative_|decode_llama|captured" | tee -a "$OUT/embedded.log"
+      tr '\r' '\n' | grep -E "^ +1 |speculative_|decode_llama|captured|^profile:|under the profiler|^phase|^dayzero\.|^all " |
+      tee -a "$OUT/embedded.log"
   }
   for r in 1 2 3; do echo "== shipped head, 1 draft, run $r"; bench 1 tests/data/smollm2_nextn; done
   echo "== shipped head, 1 draft, one profiled run"
-  timeout 200 python3 -m dayzero.sdk.cli bench decode --model "$gguf" --batches 1 --new-tokens 64 \
-    --prefill-len 0 --no-reference --profile \
-    --speculative-config '{"method": "mtp", "num_speculative_tokens": 1, "model": "tests/data/smollm2_nextn"}' 2>&1 |
-    tr '\r' '\n' | grep -E "^profile:|ms a step|^phase|^dayzero\.|^all " | tee -a "$OUT/embedded.log"
+  bench 1 tests/data/smollm2_nextn --profile
   [ "${TRAIN:-0}" = 1 ] || exit 0
   echo "== training a head on the GPU"
-  timeout 400 python3 scripts/train_nextn.py "$OUT/head" --prompts 960 --new-tokens 256 --epochs 8 2>&1 |
+  timeout 400 python3 scripts/train_nextn.py "$OUT/head" 2>&1 |
     tee "$OUT/train.log" | grep -E "epoch [0-9]+:|training on|acceptance"
   for r in 1 2 3; do echo "== GPU-trained head, 1 draft, run $r"; bench 1 "$OUT/head"; done ;;
 *)

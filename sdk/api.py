@@ -391,7 +391,7 @@ class LLM:
         finally:
             if followers is not None:
                 followers.terminate()
-            end_group(self.tp, *([self.engine.leader] if self.engine.leader is not None else []))
+            end_group(self.tp, self.engine.leader)
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:

@@ -207,9 +207,9 @@ class Leader:
             self._broadcast(encode(STOP))
 
     def release(self) -> None:
-        """Drop the control group's handle once stopped and the group destroyed (`end_group`)."""
+        """Drop the control group's handle once stopped and the group destroyed (`end_group`;
+        its TpGroup is released there by its owner)."""
         self.group = None
-        self.tp.release()
 
 
 def from_leader(obj, group):
