@@ -8,7 +8,8 @@
 #           bash scripts/gpu_embedded_default.sh run            # carry [".gg3", ".whl"]
 # `run` joins the parts (checking the sha256 recorded by `split`), puts the GGUF where
 # embedded_default() finds it, then times batch-1 decode with the shipped NextN head (1 draft,
-# three runs of `dayzero bench decode --model`) and profiles one drafting step by phase
+# three runs of `dayzero bench decode --model`, then three without overlap) and profiles one
+# drafting step by phase
 # (`--profile`: host and GPU time of draft, verify, sample, readback, observe). TRAIN=1 also trains
 # a head on the GPU (scripts/train_nextn.py, into $OUT/head) and times it the same way (the
 # shipped head was trained so on 2026-12-06).
@@ -47,6 +48,10 @@ run)
       tee -a "$OUT/embedded.log"
   }
   for r in 1 2 3; do echo "== shipped head, 1 draft, run $r"; bench 1 tests/data/smollm2_nextn; done
+  for r in 1 2 3; do  # the same without overlap (drafting steps and plain ones): the A/B on one card
+    echo "== shipped head, 1 draft, no overlap, run $r"
+    bench 1 tests/data/smollm2_nextn --disable-overlap-schedule
+  done
   echo "== shipped head, 1 draft, one profiled run"
   bench 1 tests/data/smollm2_nextn --profile
   [ "${TRAIN:-0}" = 1 ] || exit 0

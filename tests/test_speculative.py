@@ -232,11 +232,6 @@ def test_bad_speculative_configs_are_refused_by_name(value: str, match: str) -> 
         SpeculativeConfig.parse(value)
 
 
-def test_speculative_decoding_refuses_overlap() -> None:
-    with pytest.raises(ValueError, match="without overlap"):
-        EngineConfig(speculative=SpeculativeConfig("ngram", 2), overlap="on")
-
-
 def test_oracle_covers_every_acceptance_length() -> None:
     """The oracle's drafts for 'first j right' confirm exactly j (the test drafter's own check)."""
     prompts = [[1, 2]]

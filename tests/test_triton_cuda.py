@@ -1,8 +1,8 @@
 """On a CUDA GPU (scripts/gpu_bringup.sh runs it; skipped elsewhere): the Triton paged attention and
 bf16 expert GEMVs at Beam's real widths against the reference backend, and decode steps replayed
 from CUDA graphs against the same static buffers run eagerly (bit-identical) and against the
-plain eager path (fp32, the graphs with overlap: the same tokens, logprobs within 1e-4), and the
-fused small ops and routing in bf16.
+plain eager path (fp32, the graphs with overlap: the same tokens, logprobs within 1e-4), drafting
+steps with overlap moving their rows on the device, and the fused small ops and routing in bf16.
 
 bf16 tolerance: the kernel's error against the fp32 reference is at most twice the reference's
 own bf16 error plus 1e-3 (relative to the output's largest value)."""
@@ -14,6 +14,7 @@ import torch
 from paged_meta import paged_meta
 from test_mtp import KITS, record_drafts  # the tiny checkpoints with a NextN layer
 from test_speculative import Oracle
+from test_speculative_overlap import DeviceOracle
 
 from dayzero.kernels.reference.attention import gqa_attention as reference_attention
 from dayzero.kernels.reference.moe import moe_experts as reference_moe
@@ -278,7 +279,9 @@ def test_mtp_head_graphs_draft_as_the_eager_head(tmp_path, family: str) -> None:
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     outs, stats, drafts = {}, {}, {}
     for mode in ("off", "auto"):
-        cfg = EngineConfig(block_size=16, kv_cache_bytes=256 << 20, max_batch_size=8, decode_graphs=mode)
+        cfg = EngineConfig(
+            block_size=16, kv_cache_bytes=256 << 20, max_batch_size=8, decode_graphs=mode, overlap="off"
+        )
         llm = LLM(
             kit.path, device="cuda", dtype="float32", progress=False, engine=cfg, speculative_config=spec
         )
@@ -293,3 +296,40 @@ def test_mtp_head_graphs_draft_as_the_eager_head(tmp_path, family: str) -> None:
     for a, b in zip(outs["off"], outs["auto"], strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "head"])
+def test_drafting_steps_overlap_in_the_captured_graphs(tmp_path, drafter: str) -> None:
+    """MTP drafting with overlap on CUDA (GLM-5.3's NextN over MLA + DSA, fp32, graphs captured):
+    each step's rows, planned before the step in flight is read back, move back on the device by
+    its rejected drafts. A device oracle (3 drafts, the first right) and the model's own head (2
+    drafts): the tokens of a run without drafts; the head's tokens and logprobs also those of
+    overlap off."""
+    kit = KITS["glm53"](tmp_path, 0)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, kit.vocab, (n,), generator=g).tolist() for n in (7, 40, 23)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = LLM(kit.path, device="cuda", dtype="float32", progress=False)
+    base = plain.engine.generate(prompts, [params] * len(prompts))
+    k = 3 if drafter == "oracle" else 2
+    outs, stats = {}, {}
+    for overlap in ("off", "on"):
+        cfg = EngineConfig(block_size=16, kv_cache_bytes=256 << 20, max_batch_size=8, overlap=overlap)
+        spec = {"method": "mtp", "num_speculative_tokens": k}
+        llm = LLM(
+            kit.path, device="cuda", dtype="float32", progress=False, engine=cfg, speculative_config=spec
+        )
+        graphs = llm.engine.graphs
+        assert all(b.graph is not None for b in graphs.buckets.values()), graphs.report
+        if drafter == "oracle":
+            llm.engine.drafter = DeviceOracle(prompts, base, 1)
+        outs[overlap] = llm.engine.generate(prompts, [params] * len(prompts))
+        stats[overlap] = dict(llm.engine.stats)
+    assert stats["on"]["rows_moved_on_device"] > 0 and stats["off"]["rows_moved_on_device"] == 0
+    for a, b, want in zip(outs["off"], outs["on"], base, strict=True):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+        if drafter == "oracle":
+            assert b.token_ids == want.token_ids
+    if drafter == "oracle":
+        assert stats["on"]["accepted_at"][0] > 0 and stats["on"]["accepted_at"][1] == 0

@@ -19,8 +19,6 @@ void validate(const SchedulerConfig& cfg) {
   if (cfg.spec_tokens < 0) bad_config("spec_tokens must be >= 0");
   if (cfg.snapshot_slots < 0) bad_config("snapshot_slots must be >= 0");
   if (cfg.host_bytes < 0) bad_config("host_bytes must be >= 0");
-  if (cfg.overlap && cfg.spec_tokens > 0)
-    bad_config("overlap and speculative decoding cannot be combined (drafts need the accepted count)");
   std::set<std::string> names;
   bool paged = false;
   for (const auto& g : cfg.groups) {

@@ -224,9 +224,13 @@ void Scheduler::schedule_decodes(Plan& p, Budget& b) {
     auto* d = std::get_if<Decoding>(&phase(slot));
     if (!d || d->inflight >= max_inflight) continue;
     if (b.rows == 0 || b.tokens < need) break;
+    // Behind a speculative row in flight the start is optimistic: that row's drafts all
+    // accepted. The engine moves the row back by the drafts rejected, on the device, so its
+    // first query may lie up to spec_tokens earlier (a window's oldest block stays).
     const std::int32_t start = d->kv_len;
-    bool grown = d->grow(kv_, start + need, start);
-    while (!grown && make_room(slot)) grown = d->grow(kv_, start + need, start);
+    const std::int32_t first_query = start - (d->inflight > 0 ? cfg_.spec_tokens : 0);
+    bool grown = d->grow(kv_, start + need, first_query);
+    while (!grown && make_room(slot)) grown = d->grow(kv_, start + need, first_query);
     if (!grown) continue;
     add_row(p, slot, d->info, d->kv(), start, need, false, true);
     d->kv_len = start + need;
@@ -449,7 +453,8 @@ void Scheduler::feed(std::span<const ReqId> ids, std::span<const std::int32_t> c
       --d->inflight;
       d->info.tokens.insert(d->info.tokens.end(), got.begin(), got.end());
       if (cfg_.spec_tokens > 0) {  // drafts past the accepted ones are rolled back
-        d->kv_len = d->info.len() - 1;
+        // (a row still in flight, planned behind this one: its KV ends 1 + k further on)
+        d->kv_len = d->info.len() - 1 + d->inflight * (1 + cfg_.spec_tokens);
         d->rollback(kv_, d->kv_len);
       }
       after_token(r.slot, static_cast<std::int32_t>(got.size()));

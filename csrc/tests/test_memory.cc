@@ -54,10 +54,6 @@ TEST(Layout, RejectsBadConfigsWithAReason) {
   c = test::paged(10);
   c.groups = {{"s", GroupKind::State, 0, 0, 8}};
   expect_error(c, "paged");
-  c = test::paged(10);
-  c.overlap = true;
-  c.spec_tokens = 2;
-  expect_error(c, "cannot be combined");
 }
 
 TEST(GroupAllocator, SubBlocksShareAPageAndReturnItWhole) {

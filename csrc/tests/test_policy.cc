@@ -110,6 +110,36 @@ TEST(Speculative, ReservesDraftSlotsAndRollsBackRejectedOnes) {
   s.check_invariants();
 }
 
+TEST(Speculative, WithOverlapTheNextRowIsPlannedAsIfEveryDraftWereAccepted) {
+  auto cfg = test::paged(16);
+  cfg.spec_tokens = 2;
+  cfg.overlap = true;
+  Scheduler s(cfg);
+  s.submit(1, seq(7), {.max_new_tokens = 20});
+  answer(s, *s.step(), 40);
+  auto p1 = s.step();  // x_p = 40 at position 7, drafts at 8, 9
+  auto p2 = s.step();  // before p1's result: from position 10 (both drafts accepted)
+  ASSERT_EQ(p2->rows(), 1);
+  EXPECT_EQ(p1->positions, (std::vector<std::int32_t>{7, 8, 9}));
+  EXPECT_EQ(p2->positions, (std::vector<std::int32_t>{10, 11, 12}));
+  EXPECT_EQ(p2->input_ids, (std::vector<TokenId>{kDeviceToken, kDeviceToken, kDeviceToken}));
+  EXPECT_EQ(p2->kv_lens[0], 13);
+  EXPECT_EQ(s.block_table(1).size(), 4u);  // 13 tokens
+  // p1 keeps 1 token: p2's row (moved back by 2 on the device) runs at 8..10, its KV ends at 11
+  s.feed(p1->req_ids, std::vector<std::int32_t>{1}, std::vector<TokenId>{41});
+  EXPECT_EQ(s.block_table(1).size(), 3u);
+  auto p3 = s.step();  // behind p2 in flight: from 11, as if p2 kept all 3
+  EXPECT_EQ(p3->positions.front(), 11);
+  s.feed(p2->req_ids, std::vector<std::int32_t>{3}, std::vector<TokenId>{42, 43, 44});
+  EXPECT_EQ(s.tokens_of(1).size(), 12u);  // 7 + 40, 41 + 42, 43, 44
+  s.feed(p3->req_ids, std::vector<std::int32_t>{2}, std::vector<TokenId>{45, 46});
+  auto p4 = s.step();  // nothing in flight: exact again, x_p = 46 at position 13
+  EXPECT_EQ(p4->positions.front(), 13);
+  EXPECT_EQ(p4->input_ids.front(), 46);
+  EXPECT_EQ(s.block_table(1).size(), 4u);  // 16 tokens
+  s.check_invariants();
+}
+
 TEST(Disaggregation, RemoteFillThenDecode) {
   Scheduler s(test::paged(16));
   s.submit(1, seq(9), {.max_new_tokens = 3, .remote = true});

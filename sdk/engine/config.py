@@ -28,7 +28,8 @@ class EngineConfig:
     # graphs' static buffers run eagerly (any device: what the CPU tests check)
     decode_graphs: str = "auto"
     # plan step N+1 and launch it before reading step N's tokens back (the scheduler's overlap;
-    # a decode row's input token is filled in on the device): auto = on CUDA
+    # a decode row's input token is filled in on the device): auto = on CUDA (speculative: with
+    # the MTP head's drafts, no recurrent state, one rank; sdk/engine/speculative.py)
     overlap: str = "auto"
     # speculative decoding (sdk/engine/speculative.py; vLLM's --speculative-config): drafted
     # tokens verified a step; None: off
@@ -39,10 +40,6 @@ class EngineConfig:
             raise ValueError(f"decode_graphs {self.decode_graphs!r}; known: {', '.join(GRAPH_MODES)}")
         if self.overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap {self.overlap!r}; known: {', '.join(OVERLAP_MODES)}")
-        if self.speculative is not None and self.overlap == "on":
-            raise ValueError(
-                "speculative decoding runs without overlap (a step's drafts need its accepted tokens)"
-            )
 
 
 DEFAULTS = EngineConfig()

@@ -13,21 +13,32 @@ import numpy as np
 import torch
 
 from dayzero.kernels.registry import Registry, UnknownKeyError
-from dayzero.sdk.engine.context import upload
-from dayzero.sdk.engine.speculative import DRAFT, OBSERVE, DeviceDrafts, flat_plan, kept_rows
+from dayzero.sdk.engine.context import fill_tokens, upload
+from dayzero.sdk.engine.speculative import (
+    DRAFT,
+    OBSERVE,
+    Behind,
+    DeviceDrafts,
+    VerifyRows,
+    flat_plan,
+    kept_rows,
+)
 
 
 class Drafter(Protocol):
     """What proposes drafts: for the plan's rows `rows` (decode rows of drafting requests) up to
-    k tokens each, as host lists or `DeviceDrafts`; `observe` sees each step's new tokens (and
-    the target's final hidden states when `hidden` asks for them) before the scheduler does;
-    `drop` forgets a finished request."""
+    k tokens each, as host lists or `DeviceDrafts` (behind: rows planned behind a verify row in
+    flight, moved back on the device); `hidden`: it reads the target's final hidden states and
+    `observe`s each verify step as soon as its tokens are sampled, on the device (its VerifyRows:
+    z, the sampled tokens, the drafts kept); `drop` forgets a finished request."""
 
     hidden: bool
 
-    def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]] | DeviceDrafts: ...
+    def draft(
+        self, engine, plan, rows: list[int], k: int, behind: Behind | None = None
+    ) -> list[list[int]] | DeviceDrafts: ...
 
-    def observe(self, engine, plan, z, news: list[list[int]]) -> None: ...
+    def observe(self, engine, plan, verify: VerifyRows) -> None: ...
 
     def drop(self, rid: int) -> None: ...
 
@@ -40,14 +51,14 @@ class TokenDrafter:
     def __init__(self, propose: Callable[[list[int], int], list[int]]) -> None:
         self.propose = propose
 
-    def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]]:
+    def draft(self, engine, plan, rows: list[int], k: int, behind: Behind | None = None) -> list[list[int]]:
         out = []
         for r in rows:
             req = engine.requests[int(plan.req_ids[r])]
             out.append(self.propose(req.prompt_ids + req.token_ids, k)[:k])
         return out
 
-    def observe(self, engine, plan, z, news: list[list[int]]) -> None:
+    def observe(self, engine, plan, verify: VerifyRows) -> None:
         return None
 
     def drop(self, rid: int) -> None:
@@ -143,12 +154,15 @@ class MtpDrafter:
     """Greedy drafts from the model's NextN layer (sdk/blocks/decoder.py NextN; the model built
     with it: ModelConfig.mtp).
 
-    `observe`, after each step: the layer runs over every position i of the step whose next
-    token is now known, with the target's final hidden z_i and that token t_{i+1} (a prefill
-    chunk: all its positions, the last one's next token the prompt's, or the one just sampled; a
-    decode row: x_p .. x_{p+a}, the kept inputs), writing its KV at i; its output at a row's last
-    such position q gives d_1 = argmax of its logits and y_q. `draft` chains the rest at the next
-    verify row's positions p' = q + 1, .., p' + k - 2:
+    `observe`, as soon as a step's tokens are sampled (before the host reads them): the layer
+    runs over every position i of the step whose next token is known or sampled, with the
+    target's final hidden z_i and that token t_{i+1} (a prefill chunk: all its positions, the
+    last one's next token the prompt's, or the one just sampled; a decode row: x_p, d_1, .., d_k
+    with next tokens y_0, .., y_k), writing its KV at i. Its output at a row's last kept position
+    q = p + a (a: `accept_on_device`) gives d_1 = argmax of its logits and y_q. Positions past q
+    hold outputs of rejected drafts: no later pass reads them before the next observe (or chain)
+    writes them again. `draft` chains the rest at the next verify row's positions
+    p' = q + 1, .., p' + k - 2:
         d_{j+1} = argmax head(rmsnorm_s(y_{p'+j-1})),  y_{p'+j-1} = layer(W_eh [e(d_j) ; h(y_{p'+j-2})])
     (the previous output fed back as the hidden, as DeepSeek's and TokenSpeed's NextN chain).
     The chain's KV at p'.. is rewritten by the next observe from the target's z. The drafts stay
@@ -160,28 +174,21 @@ class MtpDrafter:
         self.next: Heads = {}
         self.dropped: list[int] = []  # finished since the last observe (the other ranks' copies go)
 
-    def observe(self, engine, plan, z, news: list[list[int]]) -> None:
-        qs, kv = np.asarray(plan.query_start), np.asarray(plan.kv_lens)
-        prefill, ids = np.asarray(plan.is_prefill, dtype=bool), np.asarray(plan.input_ids).copy()
-        keep = np.zeros(len(kv), dtype=np.int64)
-        for r, rid in enumerate(np.asarray(plan.req_ids).tolist()):
-            if rid not in engine.params:  # finished or aborted: nothing more to draft
-                continue
-            if prefill[r]:  # each position's next token: the prompt's, after the last the sampled one
-                req = engine.requests[rid]
-                known = req.prompt_ids + req.token_ids
-                ids[qs[r] : qs[r + 1] - 1] = ids[qs[r] + 1 : qs[r + 1]]
-                ids[qs[r + 1] - 1] = known[kv[r]] if kv[r] < len(known) else (news[r] or [-1])[0]
-                keep[r] = qs[r + 1] - qs[r] if ids[qs[r + 1] - 1] >= 0 else 0
-            elif news[r]:  # a decode row: its kept inputs' next tokens are its new tokens
-                ids[qs[r] : qs[r] + len(news[r])] = news[r]
-                keep[r] = len(news[r])
+    def observe(self, engine, plan, verify: VerifyRows) -> None:
+        ids, keep, src = observe_inputs(engine, plan, verify)
+        rows = np.asarray(verify.device.rows if verify.device is not None else [], dtype=np.int64)
         if engine.leader is not None:  # every rank runs the pass on its shard (ranks.py)
-            engine.leader.pass_(OBSERVE, ids, keep, np.asarray(self.dropped, dtype=np.int64))
+            dropped = np.asarray(self.dropped, dtype=np.int64)
+            engine.leader.pass_(OBSERVE, ids, keep, src, verify.first, rows, dropped)
+            if len(verify.sampled):
+                engine.leader.share(verify.sampled)
         self.dropped = []
-        remember(self.next, observe_pass(engine, plan, z, ids, keep))
+        v = verify
+        remember(self.next, observe_pass(engine, plan, v.z, v.sampled, v.a, ids, keep, src, rows, v.behind))
 
-    def draft(self, engine, plan, rows: list[int], k: int) -> list[list[int]] | DeviceDrafts:
+    def draft(
+        self, engine, plan, rows: list[int], k: int, behind: Behind | None = None
+    ) -> list[list[int]] | DeviceDrafts:
         have = [r for r in rows if int(plan.req_ids[r]) in self.next]
         if not have:
             return [[] for _ in rows]
@@ -192,7 +199,7 @@ class MtpDrafter:
         for j in range(1, k):  # d_{j+1} from position p' + j - 1
             if engine.leader is not None:
                 engine.leader.pass_(DRAFT, ids, keep, np.asarray([j - 1], dtype=np.int64))
-            hidden = chain(engine, plan, ids, keep, j - 1, hidden, drafts)
+            hidden = chain(engine, plan, ids, keep, j - 1, hidden, drafts, behind)
         out = DeviceDrafts(have, torch.stack(drafts, dim=1))  # [R', k]
         out.copy_to_host()
         return out
@@ -207,10 +214,10 @@ Heads = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 def remember(heads: Heads, out) -> None:
-    """An `observe_pass` result into `heads` (copies: views would pin the pass's [T', Dm])."""
+    """An `observe_pass` result into `heads`."""
     if out is not None:
-        y, rids, last, d1 = out
-        heads.update((rid, (y[int(last[j])].clone(), d1[j : j + 1].clone())) for j, rid in enumerate(rids))
+        y, rids, d1 = out
+        heads.update((rid, (y[j], d1[j : j + 1])) for j, rid in enumerate(rids))
 
 
 def chain_start(heads: Heads, plan, keep: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -220,50 +227,101 @@ def chain_start(heads: Heads, plan, keep: np.ndarray) -> tuple[torch.Tensor, lis
 
 
 def chain(
-    engine, plan, ids, keep: np.ndarray, start: int, hidden: torch.Tensor, drafts: list
+    engine, plan, ids, keep: np.ndarray, start: int, hidden: torch.Tensor, drafts: list, behind=None
 ) -> torch.Tensor:
     """One chained draft (`draft_pass` from drafts[-1]): its argmax appended to `drafts`, its
     output [R', Dm] returned (the next pass's hidden)."""
-    logits, hidden = draft_pass(engine, plan, ids, keep, start, hidden, drafts[-1])
+    logits, hidden = draft_pass(engine, plan, ids, keep, start, hidden, drafts[-1], behind)
     drafts.append(logits.argmax(-1))
     return hidden
 
 
-def observe_pass(engine, plan, z: torch.Tensor, ids: np.ndarray, keep: np.ndarray):
+def observe_inputs(engine, plan, verify: VerifyRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The observe pass's host arrays: (each plan token's next token ids [T] (-1: sampled, on
+    the device), the tokens each row keeps keep [R] (0: none, its request gone), the index in
+    the step's sampled tokens of each -1 of ids src [T] (-1 elsewhere))."""
+    qs, kv = np.asarray(plan.query_start), np.asarray(plan.kv_lens)
+    prefill, ids = np.asarray(plan.is_prefill, dtype=bool), np.asarray(plan.input_ids, dtype=np.int64).copy()
+    keep = np.zeros(len(kv), dtype=np.int64)
+    src = np.full(len(ids), -1, dtype=np.int64)
+    for r, rid in enumerate(np.asarray(plan.req_ids).tolist()):
+        a, b, c = qs[r], qs[r + 1], int(verify.count[r])
+        if rid not in engine.params:  # finished or aborted: nothing more to draft
+            continue
+        if prefill[r]:  # each position's next token: the prompt's, after the last the sampled one
+            req = engine.requests[rid]
+            known = req.prompt_ids + req.token_ids
+            ids[a : b - 1] = ids[a + 1 : b]
+            if kv[r] < len(known):
+                ids[b - 1] = known[kv[r]]
+            elif c:
+                ids[b - 1], src[b - 1] = -1, verify.first[r]
+            else:
+                continue
+            keep[r] = b - a
+        elif c:  # a decode row: the next tokens of x_p, d_1, .. are its samples y_0, ..
+            ids[a : a + c] = -1
+            src[a : a + c] = verify.first[r] + np.arange(c)
+            keep[r] = c
+    return ids, keep, src
+
+
+def observe_pass(
+    engine, plan, z, sampled, a, ids: np.ndarray, keep: np.ndarray, src: np.ndarray, drafted, behind=None
+):
     """The NextN layer over the plan's rows with keep[r] > 0, their first keep[r] tokens with
-    next tokens ids [T] and the target's z [T, Dm]: (y [T', Dm], the rows' request ids, each
-    row's last index in y, d_1 [R'] = the argmax of the logits at each row's last kept token, on
-    the device); None: no row. In the engine's head graphs, each kept token a row (`flat_plan`),
-    when they fit."""
+    next tokens ids [T] (-1: sampled[src[t]], on the device) and the target's z [T, Dm]: (y at
+    each row's last kept token [R', Dm], the rows' request ids, d_1 [R'] = the argmax of the
+    logits there); a row of `drafted` ends at its token a[r] (on the device), another at its
+    last. None: no row. In the engine's head graphs, each kept token a row (`flat_plan`), when
+    they fit (behind: rows moved back on the device, always in graphs)."""
     if not keep.any():
         return None
     sub = kept_rows(plan, ids, keep)
-    last = np.cumsum(sub.num_tokens) - 1
-    index = upload(np.stack((sub.token, np.pad(last, (0, len(sub.token) - len(last))))), z.device)
-    zs = z[index[0]]  # [T', Dm]
+    rows = np.flatnonzero(keep > 0)
+    n = keep[rows]
+    base = np.cumsum(n) - np.where(np.isin(rows, drafted), n, 1)  # a drafted row's first token
+    index = upload(np.concatenate((sub.token, base, rows)), z.device)
+    t = len(sub.token)
+    last = index[t : t + len(rows)] + a[index[t + len(rows) :]]  # [R']
+    dst = np.flatnonzero(sub.input_ids < 0)
+    fill = (dst, src[sub.token[dst]], sampled) if dst.size else None
+    zs = z[index[:t]]  # [T', Dm]
     m, graphs = engine.model, engine.head_graphs
     if graphs is not None and graphs.fits(flat := flat_plan(sub, sub.input_ids)):
         engine.stats["head_graph_passes"] += 1
-        logits, y = graphs.run(flat, feed=zs)  # [T', V], [T', Dm]
-        logits = logits[index[1, : len(last)]]
+        shift = behind.per_token(rows, n) if behind is not None else None
+        logits, y = graphs.run(flat, fill, feed=zs, shift=shift)  # [T', V], [T', Dm]
+        logits = logits[last]
     else:
         ctx = engine.context(sub)
-        ctx.sample_index = index[1, : len(last)]
+        if fill is not None:
+            fill_tokens(ctx.input_ids, *fill)
+        ctx.sample_index = last
         logits, y = m.mtp(ctx.input_ids, zs, ctx, m.embed, m.head)
-    return y, sub.req_ids.tolist(), last, logits.argmax(-1)
+    return y[last], sub.req_ids.tolist(), logits.argmax(-1)
 
 
 def draft_pass(
-    engine, plan, ids: np.ndarray, keep: np.ndarray, start: int, hidden: torch.Tensor, tokens: torch.Tensor
+    engine,
+    plan,
+    ids: np.ndarray,
+    keep: np.ndarray,
+    start: int,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    behind: Behind | None = None,
 ):
     """A chained draft: the NextN layer at token `start` of each row with keep[r] > 0, its input
     the previous draft tokens [R'] (on the device) and the previous output `hidden` [R', Dm] ->
-    (logits [R', V], its output [R', Dm]); in the engine's head graphs when they fit."""
+    (logits [R', V], its output [R', Dm]); in the engine's head graphs when they fit (behind:
+    rows moved back on the device, always in graphs)."""
     sub = kept_rows(plan, ids, keep, np.full(len(keep), start, dtype=np.int64))
     m, graphs, rows = engine.model, engine.head_graphs, np.arange(len(sub.num_tokens), dtype=np.int64)
     if graphs is not None and graphs.fits(flat := flat_plan(sub, sub.input_ids)):
         engine.stats["head_graph_passes"] += 1
-        return graphs.run(flat, (rows, rows, tokens), feed=hidden)
+        shift = behind.per_token(np.flatnonzero(keep > 0), sub.num_tokens) if behind is not None else None
+        return graphs.run(flat, (rows, rows, tokens), feed=hidden, shift=shift)
     ctx = engine.context(sub)
     ctx.input_ids.copy_(tokens)
     ctx.sample_index = torch.arange(len(sub.num_tokens), device=hidden.device)

@@ -18,7 +18,7 @@ from torch.profiler import record_function
 
 from dayzero.sdk.config.model import ModelConfig
 from dayzero.sdk.engine.config import DEFAULTS, EngineConfig
-from dayzero.sdk.engine.context import StepContext, build_context, device_fill, fill_tokens
+from dayzero.sdk.engine.context import StepContext, build_context, device_fill, fill_tokens, upload
 from dayzero.sdk.engine.dp import DpScheduler, dp_context
 from dayzero.sdk.engine.drafters import check_parallel
 from dayzero.sdk.engine.geometry import scheduler_groups
@@ -34,7 +34,13 @@ from dayzero.sdk.engine.speculative import (
     VERIFY,
     SavedStates,
     VerifyRows,
+    accept_on_device,
+    behind,
+    behind_rows,
+    first_inputs,
+    moved_back,
     roll_back,
+    runs_in_graphs,
     save_states,
     verify_forward,
     verify_graph_plan,
@@ -81,6 +87,7 @@ class _Launched:
     pending: Pending
     verify: VerifyRows | None = None  # speculative: which sampled rows are whose, and the drafts
     saved: SavedStates | None = None  # speculative, with recurrent state: for the rollback
+    last: torch.Tensor | None = None  # speculative, MTP: y_a of each row [R] (the next row's x_p)
 
 
 _ENDED = SamplingParams(max_tokens=1, temperature=0)  # a row whose request ended after its plan
@@ -113,7 +120,15 @@ class Engine:
                     f"speculative method {self.spec.method} drafts with the model's MTP layer, which this "
                     "model was built without (LLM builds it when speculative_config asks for mtp)"
                 )
-        auto = config.overlap == "auto" and self.device.type == "cuda" and not self.dp and self.spec is None
+        auto = config.overlap == "auto" and self.device.type == "cuda" and not self.dp
+        if self.spec is not None:  # drafting steps overlap where the device moves their rows back
+            state = any(g.kind == "state" for g in cfg.cache_groups)  # rolled back from the host
+            auto = auto and self.drafter.hidden and not state and par.size == 1
+            if config.overlap == "on" and par.size > 1:
+                raise ValueError(
+                    f"speculative decoding ({self.spec.method}) runs without overlap on {par.size} "
+                    "ranks (yet)"
+                )
         self.overlap = fields["overlap"] = config.overlap == "on" or auto
         # the prefix cache's key chain starts from a secret of this engine (see SchedulerConfig)
         fields["cache_salt_hi"], fields["cache_salt_lo"] = secrets.randbits(64), secrets.randbits(64)
@@ -143,6 +158,9 @@ class Engine:
         self.stats["accepted_at"] = [0] * k  # drafts accepted at each draft position
         self.stats["verify_rows"] = 0  # decode rows that verified drafts
         self.stats["head_graph_passes"] = 0  # the MTP head's passes run in its graphs (or their buffers)
+        # overlap: decode rows planned behind a verify row in flight, moved back on the device, or
+        # on the host after waiting for that row's readback (speculative.py)
+        self.stats["rows_moved_on_device"] = self.stats["rows_moved_on_host"] = 0
         self.failures = 0  # failed steps in a row (the server's health turns 503 at a few)
         self.graphs = self._decode_graphs()
         self.head_graphs = self._head_graphs()  # the MTP head's observe and draft passes
@@ -351,8 +369,11 @@ class Engine:
         with self._lockstep():
             self.pool.apply(plan.copies)  # a plan may carry copies (restores) and no rows
         prev = self._inflight if self.overlap else None
-        if prev is not None and self.matchers and self.matchers.constrains(_sampled(plan)):
-            touched |= self._collect(prev)  # a grammar's next mask needs the token just drawn
+        if prev is not None and (
+            (self.matchers and self.matchers.constrains(_sampled(plan)))  # a mask needs the token drawn
+            or (self.spec is not None and self._waits(plan))
+        ):
+            touched |= self._collect(prev)
             self._inflight = None
         launched = self._launch(plan, prev, graph) if plan.rows else None
         self.pool.apply_after(plan.copies)
@@ -387,7 +408,7 @@ class Engine:
         in flight or just collected, whose device tokens fill the plan's -1 inputs; graph: the
         plan runs in a decode graph's bucket)."""
         if self.spec is not None:
-            return self._launch_verify(plan)
+            return self._launch_verify(plan, prev)
         fill = self._device_inputs(plan, prev)
         if graph:
             with self._lockstep():
@@ -409,22 +430,55 @@ class Engine:
         prefill = int(np.asarray(plan.num_tokens)[np.asarray(plan.is_prefill, dtype=bool)].sum())
         return _Launched(plan, req_ids, sample, sample_ids, prefill, pending)
 
-    def _launch_verify(self, plan) -> _Launched:
+    def _waits(self, plan) -> bool:
+        """Whether a speculative plan must wait for the step in flight to be read back: it has rows
+        placed behind that step's verify rows and cannot move them on the device (speculative.py)."""
+        if not behind_rows(plan, self.spec.num_speculative_tokens).size:
+            return False
+        on_device = self.drafter.hidden and self.head_graphs is not None and not self.pool.state_bytes
+        return not (on_device and runs_in_graphs(self, plan))
+
+    def _behind(self, plan, prev: _Launched | None):
+        """(the plan, its rows behind the step in flight or None): moved back on the host when
+        that step was read back (`_waits`), else `Behind` for the device."""
+        k = self.spec.num_speculative_tokens
+        rows = behind_rows(plan, k)
+        if not rows.size:
+            return plan, None
+        if prev is not None and self._inflight is prev:  # still in flight: the device moves them
+            self.stats["rows_moved_on_device"] += len(rows)
+            return plan, behind(plan, rows, prev.req_ids, prev.verify.a, k)
+        self.stats["rows_moved_on_host"] += len(rows)
+        at = np.asarray(plan.positions, dtype=np.int64)[np.asarray(plan.query_start)[rows]]
+        start, first = at.copy(), np.zeros(len(rows), dtype=np.int64)
+        for i, rid in enumerate(np.asarray(plan.req_ids)[rows].tolist()):
+            if rid in self.params:  # (a request just finished: its row runs where it was put, unread)
+                out = self.requests[rid]
+                start[i], first[i] = len(out.prompt_ids) + len(out.token_ids) - 1, out.token_ids[-1]
+        return moved_back(plan, rows, at - start, first), None
+
+    def _launch_verify(self, plan, prev: _Launched | None) -> _Launched:
         """Queue a speculative step (sdk/engine/speculative.py): each drafted decode row's -1
         inputs get its request's drafts (a row that is not drafted: its last token again), the
         model gives logits at all k + 1 positions of a drafted row and at the last token of every
-        other sampling row, and each is sampled under its request's parameters."""
+        other sampling row, and each is sampled under its request's parameters; a drafter that
+        reads the hidden states observes the step right away, on the device."""
         k = self.spec.num_speculative_tokens
+        plan, late = self._behind(plan, prev)
         verify, index = verify_rows(plan, k, self._drafts)
+        verify.behind = late
         n, prefill = np.asarray(plan.num_tokens), np.asarray(plan.is_prefill, dtype=bool)
         decode = np.flatnonzero((n == k + 1) & ~prefill)  # x_p and k draft slots (-1)
         drafted = [r for r in decode.tolist() if verify.count[r] > 1]
         # (record_function: the phases a profile of drafting steps names, `bench decode --profile`)
         with self._lockstep(), record_function("dayzero.draft"):  # the head's passes on every rank
-            proposed = self.drafter.draft(self, plan, drafted, k) if drafted else []
+            proposed = self.drafter.draft(self, plan, drafted, k, late) if drafted else []
         if isinstance(proposed, list):
             proposed = dict(zip(drafted, proposed, strict=True))
         inputs, fill = verify_inputs(plan, k, decode, proposed, verify)
+        if late is not None:  # each moved row's x_p: y_a of its row in flight
+            qs = np.asarray(plan.query_start)
+            fill = first_inputs(fill, qs[late.rows], late.prev, prev.last)
         flat = verify_graph_plan(self, plan, inputs)  # None: a varlen step
         saved = save_states(self, plan, inputs, decode, checkpointed=flat is not None)
         if self.leader is not None:  # (the other ranks fill in the device drafts of their own chain)
@@ -433,21 +487,35 @@ class Engine:
             self.leader.pass_(
                 VERIFY, inputs, index, decode, np.asarray([int(self.drafter.hidden)]), *on_device
             )
+        shift = late.per_token(np.arange(len(n)), n) if late is not None else None
         with self._lockstep(), record_function("dayzero.verify"):  # the MTP head reads z of every token
-            logits, verify.z = verify_forward(self, plan, inputs, index, self.drafter.hidden, fill, flat)
+            hidden = self.drafter.hidden
+            logits, verify.z = verify_forward(self, plan, inputs, index, hidden, fill, flat, shift)
         req_ids = np.asarray(plan.req_ids).copy()
         sample_ids = np.repeat(req_ids, verify.count).tolist()
         with record_function("dayzero.sample"):
             pending = self._sample(logits, sample_ids)
         sample = np.asarray(plan.sample, dtype=np.int32).copy()
-        return _Launched(plan, req_ids, sample, sample_ids, int(n[prefill].sum()), pending, verify, saved)
+        done = _Launched(plan, req_ids, sample, sample_ids, int(n[prefill].sum()), pending, verify, saved)
+        if self.drafter.hidden:  # the drafts kept, and the MTP head over the step, on the device
+            verify.sampled = pending.tokens
+            dev = verify.device
+            rows, drafts = (dev.rows, dev.tokens) if dev is not None else ([], None)
+            verify.a = accept_on_device(verify.first, rows, drafts, pending.tokens)
+            s = len(pending.tokens)  # (a row that samples nothing: any token, never read)
+            at = (upload(verify.first, self.device) + verify.a).clamp(max=max(s - 1, 0))
+            done.last = pending.tokens[at] if s else verify.a  # y_a [R]
+            with self._lockstep(), record_function("dayzero.observe"):
+                self.drafter.observe(self, plan, verify)
+        return done
 
     def _roll_back_states(self, done: _Launched, rows: list[tuple[int, list[int]]]) -> None:
         """Each decode row's state at its last kept token (speculative.roll_back)."""
         saved, k, dev = done.saved, self.spec.num_speculative_tokens, done.verify.device
         kept = np.zeros(len(rows), dtype=np.int64)
-        for r in saved.decode.tolist():
-            kept[r] = len(rows[r][1])
+        ids = done.req_ids
+        for r in saved.decode.tolist():  # (a request gone: its slot and blocks may be another's by now)
+            kept[r] = len(rows[r][1]) if int(ids[r]) in self.params else 0
         if saved.before is not None and dev is not None:  # a recompute reads the drafts, now known
             qs = np.asarray(done.plan.query_start)
             for r in dev.rows:
@@ -505,11 +573,8 @@ class Engine:
         if done.verify is not None:
             done.verify.read_drafts()  # copied before the sampling the readback waited for
         rows = self._new_tokens(done, tokens) if done.verify is not None else None
-        if rows is not None:
-            if done.saved is not None:
-                self._roll_back_states(done, rows)
-            with self._lockstep(), record_function("dayzero.observe"):
-                self.drafter.observe(self, done.plan, done.verify.z, [t for _, t in rows])
+        if rows is not None and done.saved is not None:
+            self._roll_back_states(done, rows)
         if rows is None:
             self.scheduler.feed(done.req_ids, done.sample, tokens.astype(np.int32))
         else:
@@ -553,7 +618,7 @@ class Engine:
         sampled = sampled.astype(np.int64)
         for r, rid in enumerate(done.req_ids.tolist()):
             toks = v.tokens(r, sampled) if v.count[r] else []
-            if len(v.drafts[r]):
+            if len(v.drafts[r]) and rid in self.params:  # (not a row planned past its request's end)
                 self.stats["verify_rows"] += 1
                 self.stats["drafted"] += len(v.drafts[r])
                 for i in range(len(toks) - 1):

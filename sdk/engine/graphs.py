@@ -207,22 +207,39 @@ class DecodeGraphs:
     def _feed(self, size: int) -> torch.Tensor | None:
         return None if self.feed is None else self.feed[:size]
 
+    def _move_back(self, r: int, shift: torch.Tensor) -> None:
+        """Rows 0..r-1 moved back by shift [r] positions on the device (speculative.Behind): their
+        positions, KV lengths and new-token slots (from the block tables) in the buffers."""
+        pos, kv, bs = self._field(1, r), self._field(2, r), self.block_size
+        pos -= shift
+        kv -= shift
+        col = (pos // bs)[:, None]
+        for j in range(len(self.groups)):
+            blocks = self.tables[j][:r].gather(1, col)[:, 0].to(torch.int64)  # [r]
+            self._field(3 + j, r).copy_(blocks * bs + pos % bs)
+
     @torch.inference_mode()
-    def run(self, plan, fill=None, feed: torch.Tensor | None = None):
+    def run(self, plan, fill=None, feed: torch.Tensor | None = None, shift: torch.Tensor | None = None):
         """The forward's outputs for the R rows of a decode-only plan that `fits`: logits [R, V]
         fp32 (and hidden states); fill: the inputs the device fills in (overlap; see
-        `fill_tokens`); feed: the rows of the fed input [R, ...] (graphs built with `feed`)."""
+        `fill_tokens`); feed: the rows of the fed input [R, ...] (graphs built with `feed`);
+        shift [R]: positions each row moves back on the device (`_move_back`)."""
         size = next(s for s in self.sizes if s >= plan.rows)
         bucket = self.buckets[size]
         self._fill(plan, size)
         if fill is not None:
             fill_tokens(self._field(0, size), *fill)
         r = plan.rows
+        if shift is not None:
+            self._move_back(r, shift)
         if self.feed is not None:
             self.feed[:r].copy_(feed)  # padding rows keep what they held: their outputs are not read
         out = bucket.out
         if bucket.graph is None:  # eager over the same buffers (CPU, or capture off)
-            lens = tuple(int(x) for x in plan.kv_lens) + (0,) * (size - r)
+            lens = np.asarray(plan.kv_lens, dtype=np.int64)
+            if shift is not None:  # the host copies the eager kernels read (a sync off the CPU)
+                lens = lens - shift.cpu().numpy()
+            lens = tuple(int(x) for x in lens) + (0,) * (size - r)
             out = self.forward(self._context(size, lens, plan), self._feed(size))
         else:
             bucket.graph.replay()

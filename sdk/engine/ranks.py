@@ -18,12 +18,14 @@ drafts, then which of them were kept), so the plan is followed by messages
   [PASS, mode, number of arrays, (ndim, dims...) per array, the arrays' values...]
 in rank 0's order: DRAFT (a chained pass of the MTP head: the inputs, the rows, the token), VERIFY
 (the inputs with the host's drafts, the sampled token index, the decode rows, whether the
-drafter reads the hidden states, the input slots of the device drafts and their rows), ROLLBACK
-(the tokens each row keeps, the inputs with the drafts read back), OBSERVE (the MTP head over
-the tokens whose next token became known: their next tokens, the rows, the requests finished
-since), then END; each rank runs rank 0's pass (speculative.py) on its shard and keeps its own
-copy of the MTP head's last outputs and first drafts by request: the head's logits are whole on
-every rank, so each chains the drafts rank 0 does, on its device.
+drafter reads the hidden states, the input slots of the device drafts and their rows), OBSERVE
+(the MTP head over the step's tokens once sampled: their next tokens, -1 where sampled, the
+tokens each row keeps, the sampled row of each -1, each row's first sampled row, the rows with
+device drafts, the requests finished since; the sampled tokens follow over the model's group),
+ROLLBACK (the tokens each row keeps, the inputs with the drafts read back), then END; each rank
+runs rank 0's pass (speculative.py) on its shard and keeps its own copy of the MTP head's last
+outputs and first drafts by request: the head's logits are whole on every rank, so each chains
+the drafts rank 0 does, and counts the drafts kept, on its device.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from dayzero.sdk.engine.speculative import (
     OBSERVE,
     ROLLBACK,
     VERIFY,
+    accept_on_device,
     roll_back,
     save_states,
     verify_forward,
@@ -263,7 +266,7 @@ def follow(engine, group, tp: TpGroup | None = None) -> int:
             mine = plan.parts[rank] if hasattr(plan, "parts") else plan  # data-parallel attention
             engine.pool.apply(mine.copies)
             if plan.flags & PASSES:  # speculative: rank 0's passes, the step's end copies after verify
-                _passes(engine, plan, group, heads)
+                _passes(engine, plan, group, heads, tp)
                 steps += 1
                 continue
             if plan.rows:  # every rank runs a step with rows somewhere (the MLPs gather them all)
@@ -281,14 +284,15 @@ def follow(engine, group, tp: TpGroup | None = None) -> int:
         steps += 1
 
 
-def _passes(engine, plan, group, heads: Heads) -> None:
+def _passes(engine, plan, group, heads: Heads, tp: TpGroup) -> None:
     """A speculative step's passes as rank 0 runs them (sdk/engine/speculative.py): the MTP
     head's chained drafts, the verify pass on the inputs with the drafts (the decode rows' states
-    saved first; the step's end copies after it, as on rank 0), a rollback of the rows that keep
-    fewer tokens, the MTP head over the step's known tokens (`heads`: its output and d_1 by
-    request). The head's drafts never leave the device: each rank chains its own (the head's
-    logits are every rank's, whole), as rank 0 does."""
-    saved, z, hidden, drafts = None, None, None, []
+    saved first; the step's end copies after it, as on rank 0), the MTP head over the step's
+    tokens with the sampled ones rank 0 broadcasts over `tp` (`heads`: its output and d_1 by
+    request), a rollback of the rows that keep fewer tokens. The head's drafts never leave the
+    device: each rank chains its own (the head's logits are every rank's, whole) and counts
+    the drafts kept from them, as rank 0 does."""
+    saved, z, hidden, drafts, sampled = None, None, None, [], 0
     while True:
         mode, arrays = decode_pass(_words(group))
         if mode == END:
@@ -308,6 +312,7 @@ def _passes(engine, plan, group, heads: Heads) -> None:
                     drafts = chain_start(heads, plan, keep)[1]
                 tokens = torch.stack(drafts, dim=1).reshape(-1)
                 fill = (on_device, np.arange(len(on_device), dtype=np.int64), tokens)
+            sampled = len(index)
             flat = verify_graph_plan(engine, plan, inputs)
             saved = save_states(engine, plan, inputs, decode_rows, checkpointed=flat is not None)
             _, z = verify_forward(engine, plan, inputs, index, bool(reads_hidden[0]), fill, flat)
@@ -318,10 +323,14 @@ def _passes(engine, plan, group, heads: Heads) -> None:
             kept, inputs = arrays  # the inputs with the drafts rank 0 read back
             roll_back(engine, plan, replace(saved, inputs=inputs), kept)
         elif mode == OBSERVE:
-            ids, keep, dropped = arrays
+            ids, keep, src, first, rows, dropped = arrays
             for rid in dropped.tolist():
                 heads.pop(rid, None)
-            remember(heads, observe_pass(engine, plan, z, ids, keep))
+            tokens = torch.empty(sampled, dtype=torch.int64, device=engine.device)
+            if sampled:
+                tp.broadcast(tokens)
+            a = accept_on_device(first, rows.tolist(), torch.stack(drafts, 1) if rows.size else None, tokens)
+            remember(heads, observe_pass(engine, plan, z, tokens, a, ids, keep, src, rows))
         else:
             raise RuntimeError(f"unknown speculative pass mode {mode}")
 

@@ -25,6 +25,14 @@ the kept token's is copied to the row's slot. Otherwise the state has advanced t
 k + 1 inputs by the end of the pass: each decode row's slot is copied before it, and a row that
 keeps fewer than k + 1 tokens gets the copy back and its kept inputs x_p, d_1, .., d_a run once
 more (`kept_rows`: KV and index caches of those positions are written again, same values).
+
+With overlap the scheduler plans step N+1 before step N's tokens are read back: a request's row
+in N+1 is placed as if N's row kept all its drafts (at p + k + 1). The device knows better:
+a = the leading matches of N's samples and drafts (`accept_on_device`), so the row moves back by
+k - a positions there (`Behind`: positions, KV lengths and new-token slots rewritten in the
+graphs' buffers, `DecodeGraphs.run`) and takes y_a as its x_p. A step that cannot run so (a
+prefill row in it, rows past the graphs, recurrent state to roll back, host drafts) first reads
+N back and moves its rows on the host (`moved_back`).
 """
 
 from __future__ import annotations
@@ -80,6 +88,9 @@ class VerifyRows:
     drafts: list[list[int]]
     z: object = None  # the target's final hidden states [T, Dm], for a drafter that reads them
     device: DeviceDrafts | None = None  # drafts still on the device (their rows' `drafts`: -1s)
+    sampled: torch.Tensor | None = None  # the step's sampled tokens [S] int64, on the device
+    a: torch.Tensor | None = None  # [R] int64 drafts kept by each row, on the device (accept_on_device)
+    behind: Behind | None = None  # rows planned behind a verify row in flight
 
     def read_drafts(self) -> None:
         """The device drafts' values into `drafts` (after the step's readback: their copy is done)."""
@@ -91,6 +102,80 @@ class VerifyRows:
         """Plan row r's new tokens from the step's sampled tokens [S]: y_0..y_a."""
         ys = sampled[self.first[r] : self.first[r] + self.count[r]].tolist()
         return ys[: accepted(self.drafts[r], ys) + 1] if self.drafts[r] else ys[:1]
+
+
+def accept_on_device(
+    first: np.ndarray, rows: list[int], drafts: torch.Tensor | None, sampled: torch.Tensor
+) -> torch.Tensor:
+    """a [R] int64 on the device (R = len(first)): the leading drafts drafts [R', k] of plan rows
+    `rows` that the samples sampled[first[r] ..] confirm (`accepted`, on the device); 0 for every
+    other row."""
+    a = torch.zeros(len(first), dtype=torch.int64, device=sampled.device)
+    if rows:
+        n, k = drafts.shape
+        idx = upload(np.concatenate((rows, (first[rows][:, None] + np.arange(k)).ravel())), sampled.device)
+        same = sampled[idx[n:]].view(n, k) == drafts  # y_{i-1} == d_i
+        a[idx[:n]] = same.cumprod(-1).sum(-1)
+    return a
+
+
+@dataclass
+class Behind:
+    """The decode rows of a plan placed behind a verify row still in flight (overlap): rows [n]
+    (plan rows) and their rows `prev` [n] in the step in flight. On the device each moves back
+    by k - a of its row in flight (`shift` [R], 0 for the plan's other rows) and takes y_a as
+    its x_p (`first_inputs`: a `fill_tokens` over the plan's tokens)."""
+
+    rows: np.ndarray
+    prev: np.ndarray
+    shift: torch.Tensor
+
+    def per_token(self, rows: np.ndarray, counts: np.ndarray) -> torch.Tensor:
+        """The shift [sum(counts)] of a pass over plan rows `rows`, counts[i] tokens each."""
+        return self.shift[upload(np.repeat(rows, counts).astype(np.int64), self.shift.device)]
+
+
+def behind_rows(plan, k: int) -> np.ndarray:
+    """The plan's decode rows whose x_p is left to the device: planned behind a row in flight."""
+    n, qs = np.asarray(plan.num_tokens), np.asarray(plan.query_start)
+    decode = np.flatnonzero((n == k + 1) & ~np.asarray(plan.is_prefill, dtype=bool))
+    return decode[np.asarray(plan.input_ids)[qs[decode]] < 0] if decode.size else decode
+
+
+def behind(plan, rows: np.ndarray, prev_ids: np.ndarray, a: torch.Tensor, k: int) -> Behind:
+    """`Behind` of plan rows `rows`, the step in flight's rows being requests prev_ids [R'] that
+    kept a [R'] drafts (on the device)."""
+    where = {int(rid): j for j, rid in enumerate(prev_ids.tolist())}
+    prev = np.asarray([where[int(rid)] for rid in np.asarray(plan.req_ids)[rows]], dtype=np.int64)
+    idx = upload(np.concatenate((rows, prev)).astype(np.int64), a.device)
+    shift = torch.zeros(len(plan.num_tokens), dtype=torch.int64, device=a.device)
+    shift[idx[: len(rows)]] = k - a[idx[len(rows) :]]
+    return Behind(rows, prev, shift)
+
+
+def first_inputs(fill, dst: np.ndarray, prev: np.ndarray, last: torch.Tensor):
+    """`verify_inputs`' device fill (or None) with the moved rows' x_p: token dst[i] gets
+    last[prev[i]] (y_a of its row in flight)."""
+    if fill is None:
+        return dst.astype(np.int64), prev, last
+    d, s, t = fill
+    return np.concatenate((d, dst)), np.concatenate((s, prev + len(t))), torch.cat((t, last))
+
+
+def moved_back(plan, rows: np.ndarray, shift: np.ndarray, first: np.ndarray) -> SimpleNamespace:
+    """The plan with rows `rows` moved back by shift [n] positions (their KV lengths with them)
+    and x_p = first [n]: `Behind` done on the host, once the step in flight is read back."""
+    qs = np.asarray(plan.query_start)
+    n = np.asarray(plan.num_tokens)
+    pos, kv, ids = (np.array(x, dtype=np.int64) for x in (plan.positions, plan.kv_lens, plan.input_ids))
+    pos -= np.repeat(np.bincount(rows, weights=shift, minlength=len(n)).astype(np.int64), n)
+    kv[rows] -= shift
+    ids[qs[rows]] = first
+    fields = ("num_tokens", "query_start", "sample", "state_slots", "req_ids", "is_prefill", "block_tables")
+    out = SimpleNamespace(**{f: getattr(plan, f) for f in fields})
+    out.positions, out.kv_lens, out.input_ids, out.rows = pos, kv, ids, plan.rows
+    out.num_input_tokens, out.copies = plan.num_input_tokens, plan.copies
+    return out
 
 
 def verify_rows(plan, k: int, drafted: Callable[[int], bool]) -> tuple[VerifyRows, np.ndarray]:
@@ -194,25 +279,32 @@ def verify_graph_plan(engine, plan, inputs: np.ndarray) -> SimpleNamespace | Non
     """The verify step as the flat rows the engine's verify graphs run, or None where it runs as
     a varlen step: a prefill row, too many rows, or (a stateful model's graphs, `steps` = k + 1
     tokens a state row) a row of another length. Every rank decides the same."""
+    return flat_plan(plan, inputs) if runs_in_graphs(engine, plan) else None
+
+
+def runs_in_graphs(engine, plan) -> bool:
+    """Whether the plan's verify step runs in the engine's verify graphs (`verify_graph_plan`)."""
     graphs = engine.graphs
     n = np.asarray(plan.num_tokens)
     if graphs is None or np.asarray(plan.is_prefill, dtype=bool).any():
-        return None
+        return False
     if graphs.steps > 1 and not (n == graphs.steps).all():
-        return None
-    flat = flat_plan(plan, inputs)
-    return flat if graphs.fits(flat) else None
+        return False
+    t = int(n.sum())
+    return 0 < t <= graphs.sizes[-1] and t % graphs.steps == 0
 
 
-def verify_forward(engine, plan, inputs: np.ndarray, index: np.ndarray, hidden: bool, fill=None, flat=None):
+def verify_forward(
+    engine, plan, inputs: np.ndarray, index: np.ndarray, hidden: bool, fill=None, flat=None, shift=None
+):
     """The verify pass over `inputs` [T] (the plan's inputs with the drafts; fill: the device
     drafts, `verify_inputs`): (logits [S, V] fp32 at the tokens `index`, the final hidden states
-    of every token or None). In the engine's verify graphs over `flat` (`verify_graph_plan`),
-    else as a varlen step."""
+    of every token or None). In the engine's verify graphs over `flat` (`verify_graph_plan`;
+    shift [T]: each token moved back, `Behind`), else as a varlen step."""
     sel = upload(index, engine.device)
     if flat is not None:
         engine.stats["graph_steps"] += 1
-        out = engine.graphs.run(flat, fill)  # flat rows keep the plan's token order
+        out = engine.graphs.run(flat, fill, shift=shift)  # flat rows keep the plan's token order
         return (out[0][sel], out[1]) if hidden else (out[sel], None)
     ctx = engine.context(plan)
     ctx.input_ids.copy_(torch.from_numpy(inputs))
