@@ -213,6 +213,8 @@ class Engine:
     def _graphs(
         self, what: str, forward, why: list[str] | None, feed=None, state: bool = True, steps: int = 1
     ) -> DecodeGraphs | None:
+        """Graphs of `forward` unless `why` (None: off); with overlap, a drafting engine's graphs
+        move rows planned behind a verify row in flight (speculative.Behind)."""
         if why is None:
             return None
         if why:
@@ -228,9 +230,10 @@ class Engine:
             top = self.config.max_batch_size * per
             sizes = (*(s for s in DEFAULT_SIZES if s < top), min(top, DEFAULT_SIZES[-1]))
         max_blocks = -(-self.max_model_len // self.config.block_size)
-        capture, block = self.config.decode_graphs == "auto", self.config.block_size
+        capture, block, dev = self.config.decode_graphs == "auto", self.config.block_size, self.device
+        movable = self.overlap and self.spec is not None and self.drafter.hidden
         return DecodeGraphs(
-            forward, self.pool, block, max_blocks, sizes, self.device, capture, feed, what, state, steps
+            forward, self.pool, block, max_blocks, sizes, dev, capture, feed, what, state, steps, movable
         )
 
     def _decode_graphs(self) -> DecodeGraphs | None:
@@ -435,7 +438,8 @@ class Engine:
         placed behind that step's verify rows and cannot move them on the device (speculative.py)."""
         if not behind_rows(plan, self.spec.num_speculative_tokens).size:
             return False
-        on_device = self.drafter.hidden and self.head_graphs is not None and not self.pool.state_bytes
+        heads = self.head_graphs
+        on_device = self.drafter.hidden and heads is not None and heads.movable and not self.pool.state_bytes
         return not (on_device and runs_in_graphs(self, plan))
 
     def _behind(self, plan, prev: _Launched | None):
@@ -497,17 +501,24 @@ class Engine:
             pending = self._sample(logits, sample_ids)
         sample = np.asarray(plan.sample, dtype=np.int32).copy()
         done = _Launched(plan, req_ids, sample, sample_ids, int(n[prefill].sum()), pending, verify, saved)
-        if self.drafter.hidden:  # the drafts kept, and the MTP head over the step, on the device
+        if self.drafter.hidden:  # the drafts kept, on the device
             verify.sampled = pending.tokens
             dev = verify.device
             rows, drafts = (dev.rows, dev.tokens) if dev is not None else ([], None)
             verify.a = accept_on_device(verify.first, rows, drafts, pending.tokens)
-            s = len(pending.tokens)  # (a row that samples nothing: any token, never read)
-            at = (upload(verify.first, self.device) + verify.a).clamp(max=max(s - 1, 0))
-            done.last = pending.tokens[at] if s else verify.a  # y_a [R]
-            with self._lockstep(), record_function("dayzero.observe"):
-                self.drafter.observe(self, plan, verify)
+            if self.overlap:  # the next step's rows move by them, its drafts start from the head's pass
+                s = len(pending.tokens)  # (a row that samples nothing: any token, never read)
+                at = (upload(verify.first, self.device) + verify.a).clamp(max=max(s - 1, 0))
+                done.last = pending.tokens[at] if s else verify.a  # y_a [R]
+                self._observe(done)
         return done
+
+    def _observe(self, done: _Launched) -> None:
+        """The MTP head over a verify step, from its samples on the device: at its launch with
+        overlap (the next step drafts before this one is read back), else once it is read back
+        (its device time then runs under the next step's host work, as without the head)."""
+        with self._lockstep(), record_function("dayzero.observe"):
+            self.drafter.observe(self, done.plan, done.verify)
 
     def _roll_back_states(self, done: _Launched, rows: list[tuple[int, list[int]]]) -> None:
         """Each decode row's state at its last kept token (speculative.roll_back)."""
@@ -575,6 +586,8 @@ class Engine:
         rows = self._new_tokens(done, tokens) if done.verify is not None else None
         if rows is not None and done.saved is not None:
             self._roll_back_states(done, rows)
+        if rows is not None and done.verify.a is not None and not self.overlap:
+            self._observe(done)
         if rows is None:
             self.scheduler.feed(done.req_ids, done.sample, tokens.astype(np.int32))
         else:

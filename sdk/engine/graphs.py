@@ -79,6 +79,7 @@ class DecodeGraphs:
         name: str = "decode",
         state: bool = True,
         steps: int = 1,
+        movable: bool = False,
     ) -> None:
         """max_blocks: the widest block table a request can have (max model length / block size);
         feed: (the shape of a row, dtype) of the input `forward` reads beside the tokens (the MTP
@@ -86,7 +87,8 @@ class DecodeGraphs:
         whether the forward reads the pool's recurrent states (the MTP head's layer does not);
         steps: the tokens of a state row (a stateful model's verify steps: k + 1, each token a
         row of its own for attention, each request a state row whose state after each token goes
-        to the pool's checkpoint slots, flat row i's to checkpoint i; sizes are multiples)."""
+        to the pool's checkpoint slots, flat row i's to checkpoint i; sizes are multiples);
+        movable: rows may be moved back on the device (`run`'s shift), inside the graph."""
         self.forward, self.pool, self.block_size, self.device = forward, pool, block_size, device
         self.name = name
         self.sizes = tuple(sorted(set(sizes)))
@@ -100,10 +102,13 @@ class DecodeGraphs:
             assert all(s % steps == 0 for s in self.sizes) and pool.checkpoints >= b, (self.sizes, steps)
             self.checkpoints = torch.arange(b, device=device).view(-1, steps) + pool.checkpoint_slot(0)
         self.state_field = 3 + n  # its fields' index: [slots | fresh]
+        self.movable = movable
+        self.shift_field = 3 + n + 2 * self.state  # each row's index into shift_rows
+        self.shift_rows = torch.zeros(b + 1, dtype=torch.int64, device=device)  # [b]: always 0
         pin = device.type == "cuda"
-        # [ids | positions | kv_lens | slots of each paged group (| state slots | fresh)], B each;
-        # one copy a step
-        fields = 3 + n + 2 * self.state
+        # [ids | positions | kv_lens | slots of each paged group (| state slots | fresh)
+        # (| shift index)], B each; one copy a step
+        fields = 3 + n + 2 * self.state + movable
         self.staging = torch.zeros(fields * b, dtype=torch.int64, pin_memory=pin)
         self.vec = torch.zeros(fields * b, dtype=torch.int64, device=device)
         self.tables_host = [torch.zeros(b, w, dtype=torch.int32, pin_memory=pin) for _ in self.groups]
@@ -173,13 +178,19 @@ class DecodeGraphs:
     def fits(self, plan) -> bool:
         return plan.rows <= self.sizes[-1] and plan.rows % self.steps == 0 and decode_only(plan)
 
-    def _fill(self, plan, size: int) -> None:
-        """Stage the plan's rows (and padding up to `size`) and copy them to the device."""
+    def _fill(self, plan, size: int, moved: np.ndarray | None = None) -> None:
+        """Stage the plan's rows (and padding up to `size`) and copy them to the device; moved
+        [R]: each row's index into shift_rows (`run`)."""
         r, b = plan.rows, self.sizes[-1]
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers are free again
         s = self.staging.numpy()
         s[:] = 0
+        if self.movable:
+            f = self.shift_field * b
+            s[f : f + size] = b
+            if moved is not None:
+                s[f : f + r] = moved
         s[0:r] = np.maximum(plan.input_ids, 0)  # -1: filled in on the device
         s[b : b + r] = plan.positions
         s[2 * b : 2 * b + r] = plan.kv_lens
@@ -207,40 +218,50 @@ class DecodeGraphs:
     def _feed(self, size: int) -> torch.Tensor | None:
         return None if self.feed is None else self.feed[:size]
 
-    def _move_back(self, r: int, shift: torch.Tensor) -> None:
-        """Rows 0..r-1 moved back by shift [r] positions on the device (speculative.Behind): their
-        positions, KV lengths and new-token slots (from the block tables) in the buffers."""
-        pos, kv, bs = self._field(1, r), self._field(2, r), self.block_size
-        pos -= shift
-        kv -= shift
-        col = (pos // bs)[:, None]
+    def _move_back(self, size: int) -> None:
+        """The rows' positions and KV lengths less their shift (shift_rows at each row's index),
+        and a moved row's new-token slots from its block tables again: inside the graph."""
+        shift = self.shift_rows[self._field(self.shift_field, size)]  # [size]
+        pos, kv, bs = self._field(1, size), self._field(2, size), self.block_size
+        pos.sub_(shift)
+        kv.sub_(shift)
+        col, moved = (pos // bs)[:, None], shift != 0
         for j in range(len(self.groups)):
-            blocks = self.tables[j][:r].gather(1, col)[:, 0].to(torch.int64)  # [r]
-            self._field(3 + j, r).copy_(blocks * bs + pos % bs)
+            slots = self._field(3 + j, size)
+            blocks = self.tables[j][:size].gather(1, col)[:, 0].to(torch.int64)  # [size]
+            slots.copy_(torch.where(moved, blocks * bs + pos % bs, slots))
+
+    def _forward(self, ctx: StepContext, size: int):
+        if self.movable:
+            self._move_back(size)
+        return self.forward(ctx, self._feed(size))
 
     @torch.inference_mode()
-    def run(self, plan, fill=None, feed: torch.Tensor | None = None, shift: torch.Tensor | None = None):
+    def run(self, plan, fill=None, feed: torch.Tensor | None = None, shift=None):
         """The forward's outputs for the R rows of a decode-only plan that `fits`: logits [R, V]
         fp32 (and hidden states); fill: the inputs the device fills in (overlap; see
         `fill_tokens`); feed: the rows of the fed input [R, ...] (graphs built with `feed`);
-        shift [R]: positions each row moves back on the device (`_move_back`)."""
+        shift: (rows [R] on the host, by_row [R'] on the device): row i moves back by
+        by_row[rows[i]] positions (speculative.Behind; graphs built `movable`)."""
         size = next(s for s in self.sizes if s >= plan.rows)
         bucket = self.buckets[size]
-        self._fill(plan, size)
+        if shift is not None:
+            if not self.movable:
+                raise RuntimeError(f"{self.name} graphs were built without moving rows")
+            self.shift_rows[: len(shift[1])].copy_(shift[1])
+        self._fill(plan, size, None if shift is None else shift[0])
         if fill is not None:
             fill_tokens(self._field(0, size), *fill)
         r = plan.rows
-        if shift is not None:
-            self._move_back(r, shift)
         if self.feed is not None:
             self.feed[:r].copy_(feed)  # padding rows keep what they held: their outputs are not read
         out = bucket.out
         if bucket.graph is None:  # eager over the same buffers (CPU, or capture off)
             lens = np.asarray(plan.kv_lens, dtype=np.int64)
             if shift is not None:  # the host copies the eager kernels read (a sync off the CPU)
-                lens = lens - shift.cpu().numpy()
+                lens = lens - shift[1].cpu().numpy()[shift[0]]
             lens = tuple(int(x) for x in lens) + (0,) * (size - r)
-            out = self.forward(self._context(size, lens, plan), self._feed(size))
+            out = self._forward(self._context(size, lens, plan), size)
         else:
             bucket.graph.replay()
         return tuple(o[:r] for o in out) if isinstance(out, tuple) else out[:r]
@@ -290,11 +311,11 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile the Triton kernels, settle the allocator
-                self.forward(bucket.ctx, self._feed(bucket.size))
+                self._forward(bucket.ctx, bucket.size)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=stream):
-            bucket.out = self.forward(bucket.ctx, self._feed(bucket.size))
+            bucket.out = self._forward(bucket.ctx, bucket.size)
         bucket.graph = graph
 
     def _pad_all(self, size: int) -> None:
@@ -308,6 +329,8 @@ class DecodeGraphs:
             f, n = self.state_field * b, size // self.steps
             s[f : f + n] = self.pool.scratch_state_slot()
             s[f + b : f + b + n] = 1
+        if self.movable:
+            s[self.shift_field * b : self.shift_field * b + size] = b
         self.vec.copy_(self.staging)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from dayzero.kernels.ops import Penalties, SamplingBatch
+from dayzero.sdk.engine.context import upload
 
 MAX_TOP_LOGPROBS = 20
 
@@ -230,7 +231,7 @@ class Sampler:
         return host
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        return (host.pin_memory() if self.pin else host).to(self.device, non_blocking=self.pin)
+        return upload(host, self.device)
 
     def _index(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """Host int64 arrays -> device tensors, in one copy."""
@@ -239,8 +240,7 @@ class Sampler:
             if arrays
             else torch.zeros(0, dtype=torch.int64)
         )
-        dev = (flat.pin_memory() if self.pin else flat).to(self.device, non_blocking=self.pin)
-        return list(dev.split([len(a) for a in arrays]))
+        return list(upload(flat, self.device).split([len(a) for a in arrays]))
 
     def start(self, rids: list[int], prompts: list[list[int]]) -> None:
         """A `TokenCounts` slot for each request (holding none yet), its prompt marked."""
@@ -314,7 +314,7 @@ class Sampler:
              [p.frequency_penalty for p in params], [p.repetition_penalty for p in params]],
             dtype=torch.float32,
         )  # fmt: skip
-        dev = (host.pin_memory() if self.pin else host).to(self.device, non_blocking=self.pin)
+        dev = upload(host, self.device)
         n = len(params)
         pen = self.penalties(params, rids or [-1] * n, produced or [0] * n, stops or [()] * n, dev, allowed)
         batch = SamplingBatch(

@@ -130,9 +130,10 @@ class Behind:
     prev: np.ndarray
     shift: torch.Tensor
 
-    def per_token(self, rows: np.ndarray, counts: np.ndarray) -> torch.Tensor:
-        """The shift [sum(counts)] of a pass over plan rows `rows`, counts[i] tokens each."""
-        return self.shift[upload(np.repeat(rows, counts).astype(np.int64), self.shift.device)]
+    def per_token(self, rows: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+        """A pass over plan rows `rows`, counts[i] tokens each, as `DecodeGraphs.run` moves it:
+        (the plan row of each token, the shift by plan row)."""
+        return np.repeat(rows, counts).astype(np.int64), self.shift
 
 
 def behind_rows(plan, k: int) -> np.ndarray:
