@@ -71,7 +71,8 @@ def test_names_outside_ours_fall_to_their_pattern_or_other() -> None:
 
 def test_a_profile_gives_its_gpu_kernels_only() -> None:
     """From torch.profiler's key averages: the CUDA events (kernels, copies), not the host ops
-    that launched them (their device time would count each kernel twice)."""
+    that launched them nor the engine's ranges' spans on the GPU (their device time would count
+    each kernel twice)."""
     avg = [
         SimpleNamespace(key="aten::mm", self_device_time_total=0.0, count=4, device_type=DeviceType.CPU),
         SimpleNamespace(
@@ -82,6 +83,9 @@ def test_a_profile_gives_its_gpu_kernels_only() -> None:
         ),
         SimpleNamespace(
             key="Memset (Device)", self_device_time_total=20.0, count=2, device_type=DeviceType.CUDA
+        ),
+        SimpleNamespace(
+            key="dayzero.verify", self_device_time_total=900.0, count=2, device_type=DeviceType.CUDA
         ),
     ]
     groups = {g.name: g for g in from_profile(avg, 2)}

@@ -141,6 +141,26 @@ def test_rows_moved_on_the_device_decode_as_without_drafts(model, right: int) ->
     assert (host > 0, device > 0) == ((True, False) if _stateful(eng) else (False, True)), (host, device)
 
 
+def test_stops_and_rows_without_drafts_with_overlap(model) -> None:
+    """Overlap on, the device oracle (every draft right): a request whose stop token falls inside
+    a step's accepted drafts ends there (its row planned behind that step is dropped), and a
+    request with a presence penalty (its sampling reads its tokens: no drafts, a row that keeps
+    one token) decodes beside the drafting ones; each as in a run without drafts."""
+    m, cfg, ops = model
+    prompts = _prompts(cfg, 5)
+    free = Engine(m, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts[:1], GREEDY)
+    stop = SamplingParams(max_tokens=14, temperature=0, stop_token_ids=[free[0].token_ids[6]])
+    penalty = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, presence_penalty=0.7)
+    params = [stop, penalty, GREEDY, GREEDY]
+    base = Engine(m, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, params)
+    assert base[0].finish_reason == "stop" and len(base[0].token_ids) <= 7
+    config = EngineConfig(decode_graphs="buffers", overlap="on", speculative=SpeculativeConfig("mtp", K))
+    eng = Engine(m, cfg, ops, config)
+    eng.drafter = DeviceOracle(prompts, base, K)
+    _same(base, eng.generate(prompts, params))
+    assert eng.stats["accepted_at"][K - 1] > 0
+
+
 def test_the_mtp_head_drafts_the_same_with_overlap(model) -> None:
     """The model's MTP head (2 drafts; random weights, so mostly rejected): overlap on gives the
     tokens of a run without drafts and the very drafts of a run without overlap, in the graphs'

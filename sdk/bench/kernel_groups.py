@@ -71,10 +71,17 @@ def group_kernels(kernels: list[tuple[str, float, int]], steps: int) -> list[Gro
     return sorted(groups.values(), key=lambda g: -g.ms)
 
 
+# the engine's record_function ranges (dayzero.verify, ...): on the GPU a span over its kernels,
+# not a kernel
+RANGES = "dayzero."
+
+
 def from_profile(averages, steps: int) -> list[Group]:
     """The groups of a torch.profiler run's key averages (its GPU kernels)."""
     kernels = [
-        (e.key, e.self_device_time_total, e.count) for e in averages if e.device_type == DeviceType.CUDA
+        (e.key, e.self_device_time_total, e.count)
+        for e in averages
+        if e.device_type == DeviceType.CUDA and not e.key.startswith(RANGES)
     ]
     return group_kernels(kernels, steps)
 
