@@ -465,8 +465,8 @@ class Engine:
         """Queue a speculative step (sdk/engine/speculative.py): each drafted decode row's -1
         inputs get its request's drafts (a row that is not drafted: its last token again), the
         model gives logits at all k + 1 positions of a drafted row and at the last token of every
-        other sampling row, and each is sampled under its request's parameters; a drafter that
-        reads the hidden states observes the step right away, on the device."""
+        other sampling row, and each is sampled under its request's parameters; for a drafter
+        that reads the hidden states, the drafts kept are counted on the device (`_observe`)."""
         k = self.spec.num_speculative_tokens
         plan, late = self._behind(plan, prev)
         verify, index = verify_rows(plan, k, self._drafts)

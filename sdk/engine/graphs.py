@@ -23,7 +23,11 @@ row of its k + 1 tokens (`steps`), run in order, the state after each kept in a 
 of the pool; its forward also hands back the final hidden states the MTP head drafts from. The
 MTP head's passes run in graphs of their own (the same buffers, the head as the forward, the
 hidden states it reads fed in a static buffer `feed` [B, ...]): its observe pass over a step's
-kept tokens (flat rows again) and each chained draft.
+tokens (flat rows again) and each chained draft. With overlap a drafting engine's graphs are
+`movable`: a row planned behind a verify row in flight moves back by the drafts that row
+rejected, inside the graph (positions and KV lengths less a shift read from a static buffer by
+each row's staged index, new-token slots from the block tables again), so the host stages the
+plan as the scheduler made it.
 """
 
 from __future__ import annotations

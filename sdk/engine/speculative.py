@@ -301,7 +301,7 @@ def verify_forward(
     """The verify pass over `inputs` [T] (the plan's inputs with the drafts; fill: the device
     drafts, `verify_inputs`): (logits [S, V] fp32 at the tokens `index`, the final hidden states
     of every token or None). In the engine's verify graphs over `flat` (`verify_graph_plan`;
-    shift [T]: each token moved back, `Behind`), else as a varlen step."""
+    shift: `Behind.per_token` of its tokens, moved back in the graphs), else as a varlen step."""
     sel = upload(index, engine.device)
     if flat is not None:
         engine.stats["graph_steps"] += 1
