@@ -233,3 +233,43 @@ def test_overlap_with_drafts_is_refused_on_several_ranks_by_name(model) -> None:
     two = replace(cfg, parallel=replace(cfg.parallel, size=2))
     with pytest.raises(ValueError, match="without overlap on 2 ranks"):
         Engine(m, two, ops, EngineConfig(overlap="on", speculative=SpeculativeConfig("mtp", K)))
+
+
+def test_aborts_and_a_failed_step_with_overlap_lose_no_blocks(model) -> None:
+    """Overlap on, the device oracle: a request aborted while its row is in flight (and another
+    planned behind it) ends "abort"; a step whose forward raises aborts the requests of the two
+    plans in flight, with the error; the requests after it decode as without drafts; every KV
+    block is back once the engine idles."""
+    m, cfg, ops = model
+    prompts = _prompts(cfg, 6)
+    base = Engine(m, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, GREEDY)
+    config = EngineConfig(decode_graphs="buffers", overlap="on", speculative=SpeculativeConfig("mtp", K))
+    eng = Engine(m, cfg, ops, config)
+    eng.drafter = DeviceOracle(prompts, base, 1)
+    eng.scheduler.flush_prefix_cache()
+    free = [eng.scheduler.free_blocks(g) for g in range(len(eng.groups))]
+    ids = [eng.add(p, GREEDY) for p in prompts[:2]]
+    for _ in range(4):
+        eng.step()
+    assert eng._inflight is not None
+    eng.abort(ids[0])
+    run, calls = eng.graphs.run, []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return run(*a, **kw)
+
+    eng.graphs.run = failing
+    while eng.has_work():
+        eng.step()
+    assert eng.requests[ids[0]].finish_reason == "abort" and eng.requests[ids[0]].error is None
+    assert eng.requests[ids[1]].finish_reason == "abort" and "injected" in eng.requests[ids[1]].error
+    eng.graphs.run = run
+    rest = [eng.add(p, GREEDY) for p in prompts[2:]]
+    while eng.has_work():
+        eng.step()
+    _same(base[2:], [eng.release(i) for i in rest])
+    eng.scheduler.flush_prefix_cache()
+    assert [eng.scheduler.free_blocks(g) for g in range(len(eng.groups))] == free
