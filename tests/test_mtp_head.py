@@ -12,7 +12,8 @@ Tolerance: 1e-4 of the largest |logit| (parity's fp32 bound); 2 recorded seeds.
 The acceptance gate: the head trained for the embedded default (SmolLM2-135M) by
 scripts/train_nextn.py, shipped in tests/data/smollm2_nextn/, drafts 3 tokens a step on held-out
 prompts (topics not in its training prompts); its mean acceptance length must stay above a floor
-set below the value measured when it was trained (tests/data/smollm2_nextn/training.json).
+set below the value measured when it was trained (tests/data/smollm2_nextn/training.json); with
+overlap (each step observed from the device's samples) it drafts and accepts as without.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from dayzero.sdk.api import LLM
 from dayzero.sdk.bench.decode import BENCH_TOPICS
 from dayzero.sdk.engine.drafters import SpeculativeConfig
-from dayzero.sdk.engine.engine import SamplingParams
+from dayzero.sdk.engine.engine import EngineConfig, SamplingParams
 from dayzero.sdk.errors import CheckpointError, SpecError, WeightError
 from dayzero.sdk.families import build
 from dayzero.sdk.loader import load_weights, open_checkpoint, open_mtp_head
@@ -191,6 +192,27 @@ def test_the_trained_smollm2_head_keeps_its_acceptance_length() -> None:
     length = 1 + sum(st["accepted_at"]) / st["verify_rows"]
     assert sum(len(c.outputs[0].token_ids) for c in outs) > 4 * 32  # real answers, not an early stop
     assert length >= ACCEPTANCE_FLOOR, f"mean acceptance length {length:.3f} < {ACCEPTANCE_FLOOR}"
+
+
+def test_the_trained_head_drafts_the_same_with_overlap() -> None:
+    """The shipped head (2 drafts, greedy, 2 held-out prompts x 24 tokens) in the graphs'
+    buffers with overlap on: each step observed from the device's samples and acceptance counts
+    as soon as they are drawn, its next rows moved back on the device; the tokens and the drafts
+    accepted at each position are overlap off's (the head's outputs up to the last kept token do
+    not depend on the rejected positions it also ran over)."""
+    spec = {"method": "mtp", "model": str(SHIPPED), "num_speculative_tokens": 2}
+    got = {}
+    for overlap in ("off", "on"):
+        config = EngineConfig(decode_graphs="buffers", overlap=overlap)
+        llm = LLM(device="cpu", engine=config, speculative_config=spec, progress=False)
+        prompts = [
+            {"prompt_token_ids": chat_ids(llm.tokenizer, f"Tell me about {x}.")} for x in BENCH_TOPICS[4:6]
+        ]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+        got[overlap] = ([c.outputs[0].token_ids for c in outs], llm.engine.stats)
+    (on, on_stats), (off, off_stats) = got["on"], got["off"]
+    assert on == off and on_stats["accepted_at"] == off_stats["accepted_at"]
+    assert on_stats["accepted_at"][0] > 0 and on_stats["rows_moved_on_device"] > 0
 
 
 def test_drafting_with_the_head_on_two_ranks_answers_as_one_rank(tmp_path) -> None:

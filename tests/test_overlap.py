@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from conftest import SEEDS
 
 from dayzero.sdk.api import LLM
+from dayzero.sdk.engine.context import PinnedRing
 from dayzero.sdk.engine.engine import EngineConfig, SamplingParams
 from dayzero.sdk.parity.tiny import write_tiny
 
@@ -122,3 +124,34 @@ def test_penalties_see_the_token_still_on_the_device(checkpoint) -> None:
     last = outs["off"][3].token_ids
     assert len(last) == 6 and last[-1] == 17 and 17 not in last[:5]  # min_tokens held the stop back
     assert len(set(outs["off"][0].token_ids)) > 3  # the frequency penalty keeps it from repeating
+
+
+def test_the_pinned_ring_waits_for_a_half_before_writing_it_again(monkeypatch) -> None:
+    """context.PinnedRing (CUDA uploads through one pinned buffer, here unpinned on the CPU with
+    stand-in events): each upload gives its values; leaving a half records an event, and
+    re-entering a half waits for the event recorded when it was left (its copies done); an
+    upload larger than a quarter of a half takes a copy of its own."""
+    events = []
+
+    class Event:
+        def __init__(self) -> None:
+            self.waited = False
+            events.append(self)
+
+        def record(self, stream=None) -> None:
+            return None
+
+        def synchronize(self) -> None:
+            self.waited = True
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    ring = PinnedRing(torch.device("cpu"), nbytes=1024, pin=False)  # halves of 512 bytes
+    rng = np.random.default_rng(SEEDS[0])
+    for i in range(16):  # 96 bytes each: 5 a half, so halves 0, 1, 0, 1 from uploads 1, 6, 11, 16
+        want = torch.from_numpy(rng.integers(0, 1 << 40, 12))
+        assert torch.equal(ring.upload(want).clone(), want), i
+    assert [e.waited for e in events] == [True, True, False]
+    assert (ring.h, ring.at) == (1, 96)
+    big = torch.from_numpy(rng.integers(0, 1 << 40, 20))  # 160 bytes > 512 / 4
+    assert torch.equal(ring.upload(big), big) and (ring.h, ring.at) == (1, 96)

@@ -65,7 +65,7 @@ class DeviceOracle:
         out.copy_to_host()
         return out
 
-    def observe(self, engine, plan, verify) -> None:
+    def observe(self, engine, plan, verify, kept=None) -> None:
         assert verify.a is not None and verify.sampled is not None
 
     def drop(self, rid: int) -> None:
@@ -273,3 +273,24 @@ def test_aborts_and_a_failed_step_with_overlap_lose_no_blocks(model) -> None:
     _same(base[2:], [eng.release(i) for i in rest])
     eng.scheduler.flush_prefix_cache()
     assert [eng.scheduler.free_blocks(g) for g in range(len(eng.groups))] == free
+
+
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_requests_run_to_the_maximum_model_length(model, overlap: str) -> None:
+    """A request to the maximum model length: its last verify rows reach k past it, a row
+    planned behind them k + 1 more (the graphs' block tables are that much wider); its tokens
+    are a run's without drafts."""
+    m, cfg, ops = model
+    prompts = _prompts(cfg, 7)[:2]
+    params = [SamplingParams(max_tokens=16 - len(p), temperature=0, ignore_eos=True) for p in prompts[:1]]
+    params.append(SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    prompts[1] = prompts[1][:11]
+    fields = dict(block_size=4, max_model_len=16)
+    base = Engine(m, cfg, ops, EngineConfig(decode_graphs="off", **fields)).generate(prompts, params)
+    spec = SpeculativeConfig("mtp", K)
+    eng = Engine(
+        m, cfg, ops, EngineConfig(decode_graphs="buffers", overlap=overlap, speculative=spec, **fields)
+    )
+    eng.drafter = DeviceOracle(prompts, base, 1)
+    _same(base, eng.generate(prompts, params))
+    assert eng.stats["failed_steps"] == 0 and eng.stats["graph_steps"] > 0

@@ -131,21 +131,29 @@ def build_context(
 class PinnedRing:
     """Host-to-device copies through one pinned buffer, slice after slice (8-byte aligned): a
     `pin_memory()` a copy cost tens of microseconds of host time each (profiled on an H100 host:
-    a drafting step made ten). A slice is written again only after a lap: at the wrap the
-    stream is synchronized once (every `nbytes` of uploads), so no copy still reads it."""
+    a drafting step made ten). The buffer is two halves, filled in turn; leaving a half records
+    an event on the stream (every copy from it is queued before), and entering one waits for the
+    event recorded when it was left last, half a lap ago, so no copy still reads a slice written
+    again (and the wait is over long before, not a stall of the overlapped steps)."""
 
-    def __init__(self, device: torch.device, nbytes: int = 4 << 20) -> None:
-        self.device, self.at = device, 0
-        self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    def __init__(self, device: torch.device, nbytes: int = 4 << 20, pin: bool = True) -> None:
+        self.device, self.half, self.pin = device, nbytes // 2, pin  # (pin: off only in a CPU test)
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.h, self.at = 0, 0  # the half being filled, the next free byte in it
+        self.left: list[torch.cuda.Event | None] = [None, None]
 
     def upload(self, t: torch.Tensor) -> torch.Tensor:
         n = t.numel() * t.element_size()
-        if 4 * n > len(self.buf):  # a large one: a pinned copy of its own
-            return t.pin_memory().to(self.device, non_blocking=True)
-        if self.at + n > len(self.buf):
-            torch.cuda.current_stream(self.device).synchronize()
-            self.at = 0
-        dst = self.buf[self.at : self.at + n].view(t.dtype).view(t.shape)
+        if 4 * n > self.half:  # a large one: a pinned copy of its own
+            return (t.pin_memory() if self.pin else t).to(self.device, non_blocking=True)
+        if self.at + n > self.half:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self.left[self.h], self.h, self.at = event, 1 - self.h, 0
+            if self.left[self.h] is not None:
+                self.left[self.h].synchronize()
+        start = self.h * self.half + self.at
+        dst = self.buf[start : start + n].view(t.dtype).view(t.shape)
         self.at = -(-(self.at + n) // 8) * 8
         dst.copy_(t)
         return dst.to(self.device, non_blocking=True)

@@ -29,8 +29,9 @@ class Drafter(Protocol):
     """What proposes drafts: for the plan's rows `rows` (decode rows of drafting requests) up to
     k tokens each, as host lists or `DeviceDrafts` (behind: rows planned behind a verify row in
     flight, moved back on the device); `hidden`: it reads the target's final hidden states and
-    `observe`s each verify step as soon as its tokens are sampled, on the device (its VerifyRows:
-    z, the sampled tokens, the drafts kept); `drop` forgets a finished request."""
+    `observe`s each verify step from its VerifyRows (z, the sampled tokens and the drafts kept,
+    on the device): with overlap as soon as its tokens are sampled, else once they are read back
+    (kept: each row's new tokens, known on the host then); `drop` forgets a finished request."""
 
     hidden: bool
 
@@ -38,7 +39,7 @@ class Drafter(Protocol):
         self, engine, plan, rows: list[int], k: int, behind: Behind | None = None
     ) -> list[list[int]] | DeviceDrafts: ...
 
-    def observe(self, engine, plan, verify: VerifyRows) -> None: ...
+    def observe(self, engine, plan, verify: VerifyRows, kept: np.ndarray | None = None) -> None: ...
 
     def drop(self, rid: int) -> None: ...
 
@@ -58,7 +59,7 @@ class TokenDrafter:
             out.append(self.propose(req.prompt_ids + req.token_ids, k)[:k])
         return out
 
-    def observe(self, engine, plan, verify: VerifyRows) -> None:
+    def observe(self, engine, plan, verify: VerifyRows, kept: np.ndarray | None = None) -> None:
         return None
 
     def drop(self, rid: int) -> None:
@@ -154,15 +155,17 @@ class MtpDrafter:
     """Greedy drafts from the model's NextN layer (sdk/blocks/decoder.py NextN; the model built
     with it: ModelConfig.mtp).
 
-    `observe`, as soon as a step's tokens are sampled (before the host reads them): the layer
-    runs over every position i of the step whose next token is known or sampled, with the
-    target's final hidden z_i and that token t_{i+1} (a prefill chunk: all its positions, the
-    last one's next token the prompt's, or the one just sampled; a decode row: x_p, d_1, .., d_k
-    with next tokens y_0, .., y_k), writing its KV at i. Its output at a row's last kept position
-    q = p + a (a: `accept_on_device`) gives d_1 = argmax of its logits and y_q. Positions past q
-    hold outputs of rejected drafts: no later pass reads them before the next observe (or chain)
-    writes them again. `draft` chains the rest at the next verify row's positions
-    p' = q + 1, .., p' + k - 2:
+    `observe`, with overlap as soon as a step's tokens are sampled (before the host reads them),
+    else once they are read back: the layer runs over every position i of the step whose next
+    token is known or sampled, with the target's final hidden z_i and that token t_{i+1} (a
+    prefill chunk: all its positions, the last one's next token the prompt's, or the one just
+    sampled; a decode row: x_p, d_1, .., d_k with next tokens y_0, .., y_k, or, read back, its
+    kept inputs x_p, .., d_a only), writing its KV at i. Its output at a row's last kept
+    position q = p + a (a: `accept_on_device`) gives d_1 = argmax of its logits and y_q.
+    Positions past q hold outputs of rejected drafts: no later pass reads them before the next
+    observe (or chain) writes them again (a head layer with recurrent state would carry them:
+    such a head observes only once read back, `Engine._observe`). `draft` chains the rest at the
+    next verify row's positions p' = q + 1, .., p' + k - 2:
         d_{j+1} = argmax head(rmsnorm_s(y_{p'+j-1})),  y_{p'+j-1} = layer(W_eh [e(d_j) ; h(y_{p'+j-2})])
     (the previous output fed back as the hidden, as DeepSeek's and TokenSpeed's NextN chain).
     The chain's KV at p'.. is rewritten by the next observe from the target's z. The drafts stay
@@ -174,9 +177,10 @@ class MtpDrafter:
         self.next: Heads = {}
         self.dropped: list[int] = []  # finished since the last observe (the other ranks' copies go)
 
-    def observe(self, engine, plan, verify: VerifyRows) -> None:
-        ids, keep, src = observe_inputs(engine, plan, verify)
-        rows = np.asarray(verify.device.rows if verify.device is not None else [], dtype=np.int64)
+    def observe(self, engine, plan, verify: VerifyRows, kept: np.ndarray | None = None) -> None:
+        ids, keep, src = observe_inputs(engine, plan, verify, kept)
+        on_device = verify.device is not None and kept is None  # rows whose last token is a's
+        rows = np.asarray(verify.device.rows if on_device else [], dtype=np.int64)
         if engine.leader is not None:  # every rank runs the pass on its shard (ranks.py)
             dropped = np.asarray(self.dropped, dtype=np.int64)
             engine.leader.pass_(OBSERVE, ids, keep, src, verify.first, rows, dropped)
@@ -184,7 +188,8 @@ class MtpDrafter:
                 engine.leader.share(verify.sampled)
         self.dropped = []
         v = verify
-        remember(self.next, observe_pass(engine, plan, v.z, v.sampled, v.a, ids, keep, src, rows, v.behind))
+        a = v.a if on_device else None
+        remember(self.next, observe_pass(engine, plan, v.z, v.sampled, a, ids, keep, src, rows, v.behind))
 
     def draft(
         self, engine, plan, rows: list[int], k: int, behind: Behind | None = None
@@ -236,10 +241,13 @@ def chain(
     return hidden
 
 
-def observe_inputs(engine, plan, verify: VerifyRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def observe_inputs(
+    engine, plan, verify: VerifyRows, kept: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The observe pass's host arrays: (each plan token's next token ids [T] (-1: sampled, on
-    the device), the tokens each row keeps keep [R] (0: none, its request gone), the index in
-    the step's sampled tokens of each -1 of ids src [T] (-1 elsewhere))."""
+    the device), the tokens each row keeps keep [R] (0: none, its request gone; a decode row:
+    all it sampled, or kept[r] where known), the index in the step's sampled tokens of each -1
+    of ids src [T] (-1 elsewhere))."""
     qs, kv = np.asarray(plan.query_start), np.asarray(plan.kv_lens)
     prefill, ids = np.asarray(plan.is_prefill, dtype=bool), np.asarray(plan.input_ids, dtype=np.int64).copy()
     keep = np.zeros(len(kv), dtype=np.int64)
@@ -260,6 +268,7 @@ def observe_inputs(engine, plan, verify: VerifyRows) -> tuple[np.ndarray, np.nda
                 continue
             keep[r] = b - a
         elif c:  # a decode row: the next tokens of x_p, d_1, .. are its samples y_0, ..
+            c = c if kept is None else int(kept[r])
             ids[a : a + c] = -1
             src[a : a + c] = verify.first[r] + np.arange(c)
             keep[r] = c
@@ -272,9 +281,10 @@ def observe_pass(
     """The NextN layer over the plan's rows with keep[r] > 0, their first keep[r] tokens with
     next tokens ids [T] (-1: sampled[src[t]], on the device) and the target's z [T, Dm]: (y at
     each row's last kept token [R', Dm], the rows' request ids, d_1 [R'] = the argmax of the
-    logits there); a row of `drafted` ends at its token a[r] (on the device), another at its
-    last. None: no row. In the engine's head graphs, each kept token a row (`flat_plan`), when
-    they fit (behind: rows moved back on the device, always in graphs)."""
+    logits there); a row of `drafted` ends at its token a[r] (on the device; a: None with no
+    such row), another at its last. None: no row. In the engine's head graphs, each kept token
+    a row (`flat_plan`), when they fit (behind: rows moved back on the device, always in
+    graphs)."""
     if not keep.any():
         return None
     sub = kept_rows(plan, ids, keep)
@@ -283,7 +293,9 @@ def observe_pass(
     base = np.cumsum(n) - np.where(np.isin(rows, drafted), n, 1)  # a drafted row's first token
     index = upload(np.concatenate((sub.token, base, rows)), z.device)
     t = len(sub.token)
-    last = index[t : t + len(rows)] + a[index[t + len(rows) :]]  # [R']
+    last = index[t : t + len(rows)]  # [R']
+    if a is not None:
+        last = last + a[index[t + len(rows) :]]
     dst = np.flatnonzero(sub.input_ids < 0)
     fill = (dst, src[sub.token[dst]], sampled) if dst.size else None
     zs = z[index[:t]]  # [T', Dm]

@@ -93,6 +93,13 @@ class _Launched:
 _ENDED = SamplingParams(max_tokens=1, temperature=0)  # a row whose request ended after its plan
 
 
+def _head_state(cfg: ModelConfig) -> bool:
+    """Whether the model's MTP layer keeps recurrent state (a State cache group of its own)."""
+    mtp = cfg.mtp
+    groups = [g for g, _ in (*mtp.layer.caches, *mtp.layer.ngram_caches)] if mtp is not None else []
+    return any(cfg.cache_groups[g].kind == "state" for g in groups)
+
+
 def _sampled(plan) -> list[int]:
     """The request of each row of the plan that samples a token."""
     return np.asarray(plan.req_ids)[np.asarray(plan.sample, dtype=bool)].tolist()
@@ -130,6 +137,11 @@ class Engine:
                     "ranks (yet)"
                 )
         self.overlap = fields["overlap"] = config.overlap == "on" or auto
+        # the MTP head observes a step at its launch (overlap: the next step drafts first), unless
+        # its layer keeps recurrent state (rejected drafts would stay in it): then once read back
+        hidden = self.spec is not None and self.drafter.hidden
+        self.head_state = hidden and _head_state(cfg)
+        self.observe_early = self.overlap and hidden and not self.head_state
         # the prefix cache's key chain starts from a secret of this engine (see SchedulerConfig)
         fields["cache_salt_hi"], fields["cache_salt_lo"] = secrets.randbits(64), secrets.randbits(64)
         sched = make_config(self.groups, **fields)
@@ -229,7 +241,9 @@ class Engine:
             per = 1 if self.spec is None else self.spec.num_speculative_tokens + 1
             top = self.config.max_batch_size * per
             sizes = (*(s for s in DEFAULT_SIZES if s < top), min(top, DEFAULT_SIZES[-1]))
-        max_blocks = -(-self.max_model_len // self.config.block_size)
+        # a verify row reaches k past its request's limit, one planned behind it k + 1 more
+        extra = 2 * self.spec.num_speculative_tokens + 1 if self.spec is not None else 0
+        max_blocks = -(-(self.max_model_len + extra) // self.config.block_size)
         capture, block, dev = self.config.decode_graphs == "auto", self.config.block_size, self.device
         movable = self.overlap and self.spec is not None and self.drafter.hidden
         return DecodeGraphs(
@@ -258,8 +272,7 @@ class Engine:
         if self.spec is None or not self.drafter.hidden:
             return None
         why, m, mtp = self._graph_blockers(), self.model, self.cfg.mtp
-        groups = [g for g, _ in (*mtp.layer.caches, *mtp.layer.ngram_caches)]
-        if why is not None and any(self.cfg.cache_groups[g].kind == "state" for g in groups):
+        if why is not None and self.head_state:
             why.append("the MTP layer keeps recurrent state")
         # the z a row feeds in: its streams [N, Dm], or [Dm]
         row = (mtp.streams, mtp.norm.dim) if mtp.streams > 1 else (mtp.norm.dim,)
@@ -439,7 +452,7 @@ class Engine:
         if not behind_rows(plan, self.spec.num_speculative_tokens).size:
             return False
         heads = self.head_graphs
-        on_device = self.drafter.hidden and heads is not None and heads.movable and not self.pool.state_bytes
+        on_device = self.observe_early and heads is not None and heads.movable and not self.pool.state_bytes
         return not (on_device and runs_in_graphs(self, plan))
 
     def _behind(self, plan, prev: _Launched | None):
@@ -456,8 +469,8 @@ class Engine:
         at = np.asarray(plan.positions, dtype=np.int64)[np.asarray(plan.query_start)[rows]]
         start, first = at.copy(), np.zeros(len(rows), dtype=np.int64)
         for i, rid in enumerate(np.asarray(plan.req_ids)[rows].tolist()):
-            if rid in self.params:  # (a request just finished: its row runs where it was put, unread)
-                out = self.requests[rid]
+            out = self.requests.get(rid)  # (an aborted one's too: its last token's KV is committed)
+            if out is not None and out.token_ids:
                 start[i], first[i] = len(out.prompt_ids) + len(out.token_ids) - 1, out.token_ids[-1]
         return moved_back(plan, rows, at - start, first), None
 
@@ -506,19 +519,20 @@ class Engine:
             dev = verify.device
             rows, drafts = (dev.rows, dev.tokens) if dev is not None else ([], None)
             verify.a = accept_on_device(verify.first, rows, drafts, pending.tokens)
-            if self.overlap:  # the next step's rows move by them, its drafts start from the head's pass
+            if self.observe_early:  # the next step's rows move by them, its drafts start from the head
                 s = len(pending.tokens)  # (a row that samples nothing: any token, never read)
                 at = (upload(verify.first, self.device) + verify.a).clamp(max=max(s - 1, 0))
                 done.last = pending.tokens[at] if s else verify.a  # y_a [R]
                 self._observe(done)
         return done
 
-    def _observe(self, done: _Launched) -> None:
+    def _observe(self, done: _Launched, kept: np.ndarray | None = None) -> None:
         """The MTP head over a verify step, from its samples on the device: at its launch with
         overlap (the next step drafts before this one is read back), else once it is read back
-        (its device time then runs under the next step's host work, as without the head)."""
+        (kept: each row's new tokens; its device time then runs under the next step's host work,
+        as without the head)."""
         with self._lockstep(), record_function("dayzero.observe"):
-            self.drafter.observe(self, done.plan, done.verify)
+            self.drafter.observe(self, done.plan, done.verify, kept)
 
     def _roll_back_states(self, done: _Launched, rows: list[tuple[int, list[int]]]) -> None:
         """Each decode row's state at its last kept token (speculative.roll_back)."""
@@ -586,8 +600,8 @@ class Engine:
         rows = self._new_tokens(done, tokens) if done.verify is not None else None
         if rows is not None and done.saved is not None:
             self._roll_back_states(done, rows)
-        if rows is not None and done.verify.a is not None and not self.overlap:
-            self._observe(done)
+        if rows is not None and done.verify.a is not None and not self.observe_early:
+            self._observe(done, np.asarray([len(t) for _, t in rows], dtype=np.int64))
         if rows is None:
             self.scheduler.feed(done.req_ids, done.sample, tokens.astype(np.int32))
         else:

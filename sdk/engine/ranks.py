@@ -18,11 +18,12 @@ drafts, then which of them were kept), so the plan is followed by messages
   [PASS, mode, number of arrays, (ndim, dims...) per array, the arrays' values...]
 in rank 0's order: DRAFT (a chained pass of the MTP head: the inputs, the rows, the token), VERIFY
 (the inputs with the host's drafts, the sampled token index, the decode rows, whether the
-drafter reads the hidden states, the input slots of the device drafts and their rows), OBSERVE
-(the MTP head over the step's tokens once sampled: their next tokens, -1 where sampled, the
-tokens each row keeps, the sampled row of each -1, each row's first sampled row, the rows with
-device drafts, the requests finished since; the sampled tokens follow over the model's group),
-ROLLBACK (the tokens each row keeps, the inputs with the drafts read back), then END; each rank
+drafter reads the hidden states, the input slots of the device drafts and their rows), ROLLBACK
+(the tokens each row keeps, the inputs with the drafts read back), OBSERVE (the MTP head over the
+step's kept tokens once read back: their next tokens, -1 where sampled, the tokens each row
+keeps, the sampled row of each -1, each row's first sampled row, the rows whose last kept token
+the device counts (none once read back), the requests finished since; the sampled tokens follow
+over the model's group), then END (several ranks draft without overlap); each rank
 runs rank 0's pass (speculative.py) on its shard and keeps its own copy of the MTP head's last
 outputs and first drafts by request: the head's logits are whole on every rank, so each chains
 the drafts rank 0 does, and counts the drafts kept, on its device.
@@ -287,9 +288,9 @@ def follow(engine, group, tp: TpGroup | None = None) -> int:
 def _passes(engine, plan, group, heads: Heads, tp: TpGroup) -> None:
     """A speculative step's passes as rank 0 runs them (sdk/engine/speculative.py): the MTP
     head's chained drafts, the verify pass on the inputs with the drafts (the decode rows' states
-    saved first; the step's end copies after it, as on rank 0), the MTP head over the step's
-    tokens with the sampled ones rank 0 broadcasts over `tp` (`heads`: its output and d_1 by
-    request), a rollback of the rows that keep fewer tokens. The head's drafts never leave the
+    saved first; the step's end copies after it, as on rank 0), a rollback of the rows that keep
+    fewer tokens, the MTP head over the step's kept tokens with the sampled ones rank 0
+    broadcasts over `tp` (`heads`: its output and d_1 by request). The head's drafts never leave the
     device: each rank chains its own (the head's logits are every rank's, whole) and counts
     the drafts kept from them, as rank 0 does."""
     saved, z, hidden, drafts, sampled = None, None, None, [], 0
@@ -329,7 +330,7 @@ def _passes(engine, plan, group, heads: Heads, tp: TpGroup) -> None:
             tokens = torch.empty(sampled, dtype=torch.int64, device=engine.device)
             if sampled:
                 tp.broadcast(tokens)
-            a = accept_on_device(first, rows.tolist(), torch.stack(drafts, 1) if rows.size else None, tokens)
+            a = accept_on_device(first, rows.tolist(), torch.stack(drafts, 1), tokens) if rows.size else None
             remember(heads, observe_pass(engine, plan, z, tokens, a, ids, keep, src, rows))
         else:
             raise RuntimeError(f"unknown speculative pass mode {mode}")
