@@ -65,8 +65,8 @@ class DeviceOracle:
         out.copy_to_host()
         return out
 
-    def observe(self, engine, plan, verify, kept=None) -> None:
-        assert verify.a is not None and verify.sampled is not None
+    def observe(self, engine, plan, verify, kept=None) -> None:  # (its drafts need no head)
+        assert verify.sampled is not None and (verify.a is not None) == (kept is None)
 
     def drop(self, rid: int) -> None:
         return None

@@ -37,6 +37,7 @@ from dayzero.sdk.engine.speculative import (
     accept_on_device,
     behind,
     behind_rows,
+    decode_rows,
     first_inputs,
     moved_back,
     roll_back,
@@ -245,7 +246,7 @@ class Engine:
         extra = 2 * self.spec.num_speculative_tokens + 1 if self.spec is not None else 0
         max_blocks = -(-(self.max_model_len + extra) // self.config.block_size)
         capture, block, dev = self.config.decode_graphs == "auto", self.config.block_size, self.device
-        movable = self.overlap and self.spec is not None and self.drafter.hidden
+        movable = self.observe_early  # rows behind a verify row in flight move on the device
         return DecodeGraphs(
             forward, self.pool, block, max_blocks, sizes, dev, capture, feed, what, state, steps, movable
         )
@@ -451,8 +452,7 @@ class Engine:
         placed behind that step's verify rows and cannot move them on the device (speculative.py)."""
         if not behind_rows(plan, self.spec.num_speculative_tokens).size:
             return False
-        heads = self.head_graphs
-        on_device = self.observe_early and heads is not None and heads.movable and not self.pool.state_bytes
+        on_device = self.observe_early and self.head_graphs is not None and not self.pool.state_bytes
         return not (on_device and runs_in_graphs(self, plan))
 
     def _behind(self, plan, prev: _Launched | None):
@@ -485,7 +485,7 @@ class Engine:
         verify, index = verify_rows(plan, k, self._drafts)
         verify.behind = late
         n, prefill = np.asarray(plan.num_tokens), np.asarray(plan.is_prefill, dtype=bool)
-        decode = np.flatnonzero((n == k + 1) & ~prefill)  # x_p and k draft slots (-1)
+        decode = decode_rows(plan, k)
         drafted = [r for r in decode.tolist() if verify.count[r] > 1]
         # (record_function: the phases a profile of drafting steps names, `bench decode --profile`)
         with self._lockstep(), record_function("dayzero.draft"):  # the head's passes on every rank
@@ -514,16 +514,16 @@ class Engine:
             pending = self._sample(logits, sample_ids)
         sample = np.asarray(plan.sample, dtype=np.int32).copy()
         done = _Launched(plan, req_ids, sample, sample_ids, int(n[prefill].sum()), pending, verify, saved)
-        if self.drafter.hidden:  # the drafts kept, on the device
+        if self.drafter.hidden:
             verify.sampled = pending.tokens
+        if self.observe_early:  # the drafts kept, on the device: the next step's rows move by them
             dev = verify.device
             rows, drafts = (dev.rows, dev.tokens) if dev is not None else ([], None)
             verify.a = accept_on_device(verify.first, rows, drafts, pending.tokens)
-            if self.observe_early:  # the next step's rows move by them, its drafts start from the head
-                s = len(pending.tokens)  # (a row that samples nothing: any token, never read)
-                at = (upload(verify.first, self.device) + verify.a).clamp(max=max(s - 1, 0))
-                done.last = pending.tokens[at] if s else verify.a  # y_a [R]
-                self._observe(done)
+            s = len(pending.tokens)  # (a row that samples nothing: any token, never read)
+            at = (upload(verify.first, self.device) + verify.a).clamp(max=max(s - 1, 0))
+            done.last = pending.tokens[at] if s else verify.a  # y_a [R]
+            self._observe(done)  # its drafts start from the head's pass
         return done
 
     def _observe(self, done: _Launched, kept: np.ndarray | None = None) -> None:
@@ -600,7 +600,7 @@ class Engine:
         rows = self._new_tokens(done, tokens) if done.verify is not None else None
         if rows is not None and done.saved is not None:
             self._roll_back_states(done, rows)
-        if rows is not None and done.verify.a is not None and not self.observe_early:
+        if rows is not None and self.drafter.hidden and not self.observe_early:
             self._observe(done, np.asarray([len(t) for _, t in rows], dtype=np.int64))
         if rows is None:
             self.scheduler.feed(done.req_ids, done.sample, tokens.astype(np.int32))

@@ -136,10 +136,16 @@ class Behind:
         return np.repeat(rows, counts).astype(np.int64), self.shift
 
 
+def decode_rows(plan, k: int) -> np.ndarray:
+    """The plan's decode rows: x_p and k draft slots (-1)."""
+    n = np.asarray(plan.num_tokens)
+    return np.flatnonzero((n == k + 1) & ~np.asarray(plan.is_prefill, dtype=bool))
+
+
 def behind_rows(plan, k: int) -> np.ndarray:
     """The plan's decode rows whose x_p is left to the device: planned behind a row in flight."""
-    n, qs = np.asarray(plan.num_tokens), np.asarray(plan.query_start)
-    decode = np.flatnonzero((n == k + 1) & ~np.asarray(plan.is_prefill, dtype=bool))
+    decode = decode_rows(plan, k)
+    qs = np.asarray(plan.query_start)
     return decode[np.asarray(plan.input_ids)[qs[decode]] < 0] if decode.size else decode
 
 
@@ -166,11 +172,12 @@ def first_inputs(fill, dst: np.ndarray, prev: np.ndarray, last: torch.Tensor):
 def moved_back(plan, rows: np.ndarray, shift: np.ndarray, first: np.ndarray) -> SimpleNamespace:
     """The plan with rows `rows` moved back by shift [n] positions (their KV lengths with them)
     and x_p = first [n]: `Behind` done on the host, once the step in flight is read back."""
-    qs = np.asarray(plan.query_start)
-    n = np.asarray(plan.num_tokens)
+    qs, n = np.asarray(plan.query_start), np.asarray(plan.num_tokens)
+    by_row = np.zeros(len(n), dtype=np.int64)
+    by_row[rows] = shift
     pos, kv, ids = (np.array(x, dtype=np.int64) for x in (plan.positions, plan.kv_lens, plan.input_ids))
-    pos -= np.repeat(np.bincount(rows, weights=shift, minlength=len(n)).astype(np.int64), n)
-    kv[rows] -= shift
+    pos -= np.repeat(by_row, n)
+    kv -= by_row
     ids[qs[rows]] = first
     fields = ("num_tokens", "query_start", "sample", "state_slots", "req_ids", "is_prefill", "block_tables")
     out = SimpleNamespace(**{f: getattr(plan, f) for f in fields})
