@@ -176,6 +176,7 @@ class MtpDrafter:
     def __init__(self, cfg: SpeculativeConfig) -> None:
         self.next: Heads = {}
         self.dropped: list[int] = []  # finished since the last observe (the other ranks' copies go)
+        self.table: HeadTable | None = None  # the state by slot, where a drafting graph reads it
 
     def observe(self, engine, plan, verify: VerifyRows, kept: np.ndarray | None = None) -> None:
         ids, keep, src = observe_inputs(engine, plan, verify, kept)
@@ -189,7 +190,8 @@ class MtpDrafter:
         self.dropped = []
         v = verify
         a = v.a if on_device else None
-        remember(self.next, observe_pass(engine, plan, v.z, v.sampled, a, ids, keep, src, rows, v.behind))
+        out = observe_pass(engine, plan, v.z, v.sampled, a, ids, keep, src, rows, v.behind)
+        remember(self.next, out, self.table)
 
     def draft(
         self, engine, plan, rows: list[int], k: int, behind: Behind | None = None
@@ -212,17 +214,59 @@ class MtpDrafter:
     def drop(self, rid: int) -> None:
         if self.next.pop(rid, None) is not None:
             self.dropped.append(rid)
+        if self.table is not None:
+            self.table.drop(rid)
 
 
 # the MTP head's state by request, on every rank: (y at its last known position [Dm], d_1 [1])
 Heads = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
-def remember(heads: Heads, out) -> None:
-    """An `observe_pass` result into `heads`."""
-    if out is not None:
-        y, rids, d1 = out
-        heads.update((rid, (y[j], d1[j : j + 1])) for j, rid in enumerate(rids))
+class HeadTable:
+    """The MTP head's state by request slot on the device, where one graph of a whole drafting
+    step reads and writes it (sdk/engine/drafting_graphs.py): y [N + 2, *row] (the head's output
+    at the request's last kept position), d1 [N + 2] (the next draft d_1), last [N + 2] (y_a, the
+    next row's x_p) and shift [N + 2] (k - a: how far a row planned behind the request's verify
+    row in flight moves back). Entry N (`pad`): the padding rows' reads and writes; N + 1
+    (`zero`, the last: a graph's rows that do not move): shift 0, never written. A request takes a slot at its first observe while one is
+    free (else its state stays out of the table, and its steps out of the drafting graphs)."""
+
+    def __init__(self, capacity: int, row: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        n = capacity
+        self.y = torch.zeros((n + 2, *row), dtype=dtype, device=device)
+        self.d1, self.last, self.shift = (
+            torch.zeros(n + 2, dtype=torch.int64, device=device) for _ in range(3)
+        )
+        self.pad, self.zero = n, n + 1
+        self.free = list(range(n - 1, -1, -1))
+        self.slot: dict[int, int] = {}
+
+    def take(self, rid: int) -> int | None:
+        if rid not in self.slot and self.free:
+            self.slot[rid] = self.free.pop()
+        return self.slot.get(rid)
+
+    def drop(self, rid: int) -> None:
+        if (s := self.slot.pop(rid, None)) is not None:
+            self.free.append(s)
+
+
+def remember(heads: Heads, out, table: HeadTable | None = None) -> None:
+    """An `observe_pass` result into `heads` (and `table`: there, by slot, `heads` viewing it)."""
+    if out is None:
+        return
+    y, rids, d1 = out
+    heads.update((rid, (y[j], d1[j : j + 1])) for j, rid in enumerate(rids))
+    slots = [table.take(rid) for rid in rids] if table is not None else []
+    rows = [j for j, s in enumerate(slots) if s is not None]
+    if not rows:
+        return
+    idx = upload(np.asarray([rows, [slots[j] for j in rows]], dtype=np.int64), y.device)
+    table.y[idx[1]] = y[idx[0]]
+    table.d1[idx[1]] = d1[idx[0]]
+    for j in rows:
+        s = slots[j]
+        heads[rids[j]] = (table.y[s], table.d1[s : s + 1])
 
 
 def chain_start(heads: Heads, plan, keep: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -20,7 +20,8 @@ from dayzero.sdk.config.model import ModelConfig
 from dayzero.sdk.engine.config import DEFAULTS, EngineConfig
 from dayzero.sdk.engine.context import StepContext, build_context, device_fill, fill_tokens, upload
 from dayzero.sdk.engine.dp import DpScheduler, dp_context
-from dayzero.sdk.engine.drafters import check_parallel
+from dayzero.sdk.engine.drafters import MtpDrafter, check_parallel
+from dayzero.sdk.engine.drafting_graphs import DraftingGraphs
 from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.grammar import Matchers
 from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
@@ -174,9 +175,11 @@ class Engine:
         # overlap: decode rows planned behind a verify row in flight, moved back on the device, or
         # on the host after waiting for that row's readback (speculative.py)
         self.stats["rows_moved_on_device"] = self.stats["rows_moved_on_host"] = 0
+        self.stats["drafting_graph_steps"] = 0  # whole drafting steps in one graph (drafting_graphs.py)
         self.failures = 0  # failed steps in a row (the server's health turns 503 at a few)
         self.graphs = self._decode_graphs()
         self.head_graphs = self._head_graphs()  # the MTP head's observe and draft passes
+        self.drafting = self._drafting_graphs()  # greedy drafting steps in one graph each
         # tensor parallel: rank 0 sends each plan to the other ranks before running it (ranks.py)
         self.leader: Leader | None = None
 
@@ -242,14 +245,18 @@ class Engine:
             per = 1 if self.spec is None else self.spec.num_speculative_tokens + 1
             top = self.config.max_batch_size * per
             sizes = (*(s for s in DEFAULT_SIZES if s < top), min(top, DEFAULT_SIZES[-1]))
-        # a verify row reaches k past its request's limit, one planned behind it k + 1 more
-        extra = 2 * self.spec.num_speculative_tokens + 1 if self.spec is not None else 0
-        max_blocks = -(-(self.max_model_len + extra) // self.config.block_size)
         capture, block, dev = self.config.decode_graphs == "auto", self.config.block_size, self.device
         movable = self.observe_early  # rows behind a verify row in flight move on the device
+        w = self._max_blocks()
         return DecodeGraphs(
-            forward, self.pool, block, max_blocks, sizes, dev, capture, feed, what, state, steps, movable
+            forward, self.pool, block, w, sizes, dev, capture, feed, what, state, steps, movable
         )
+
+    def _max_blocks(self) -> int:
+        """The graphs' block table width: a verify row reaches k past its request's limit, one
+        planned behind it k + 1 more."""
+        extra = 2 * self.spec.num_speculative_tokens + 1 if self.spec is not None else 0
+        return -(-(self.max_model_len + extra) // self.config.block_size)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         why, steps = self._graph_blockers(), 1
@@ -282,6 +289,19 @@ class Engine:
             return m.mtp(ctx.input_ids, z, ctx, m.embed, m.head)  # (logits [B, V], y)
 
         return self._graphs("MTP head", head, why, (row, self.dtype), state=False)
+
+    def _drafting_graphs(self) -> DraftingGraphs | None:
+        """Whole greedy drafting steps in one graph each (drafting_graphs.py), where the MTP head
+        observes each step at its launch and runs in graphs, and no state is rolled back."""
+        head = self.head_graphs
+        if head is None or self.graphs is None or not self.observe_early or self.pool.state_bytes:
+            return None
+        if not isinstance(self.drafter, MtpDrafter):
+            return None
+        capture, row = self.config.decode_graphs == "auto", tuple(head.feed.shape[1:])
+        out = DraftingGraphs(self, self.spec.num_speculative_tokens, row, self._max_blocks(), capture)
+        self.drafter.table = out.table
+        return out
 
     # ---- requests ------------------------------------------------------------------------
     def add(
@@ -452,6 +472,8 @@ class Engine:
         placed behind that step's verify rows and cannot move them on the device (speculative.py)."""
         if not behind_rows(plan, self.spec.num_speculative_tokens).size:
             return False
+        if self.drafting is not None and self.drafting.fits(self, plan):
+            return False
         on_device = self.observe_early and self.head_graphs is not None and not self.pool.state_bytes
         return not (on_device and runs_in_graphs(self, plan))
 
@@ -479,7 +501,10 @@ class Engine:
         inputs get its request's drafts (a row that is not drafted: its last token again), the
         model gives logits at all k + 1 positions of a drafted row and at the last token of every
         other sampling row, and each is sampled under its request's parameters; for a drafter
-        that reads the hidden states, the drafts kept are counted on the device (`_observe`)."""
+        that reads the hidden states, the drafts kept are counted on the device (`_observe`).
+        A greedy step of the MTP head's drafts runs whole in one graph (`_launch_in_graph`)."""
+        if self.drafting is not None and self.drafting.fits(self, plan):
+            return self._launch_in_graph(plan, prev)
         k = self.spec.num_speculative_tokens
         plan, late = self._behind(plan, prev)
         verify, index = verify_rows(plan, k, self._drafts)
@@ -525,6 +550,21 @@ class Engine:
             done.last = pending.tokens[at] if s else verify.a  # y_a [R]
             self._observe(done)  # its drafts start from the head's pass
         return done
+
+    def _launch_in_graph(self, plan, prev: _Launched | None) -> _Launched:
+        """Queue a greedy drafting step in one graph (drafting_graphs.py): its rows behind the
+        step in flight move there, others were moved on the host when that step was read back."""
+        if prev is None or self._inflight is not prev:
+            plan, _ = self._behind(plan, prev)
+            prev = None
+        with record_function("dayzero.drafting_graph"):
+            pending, verify, last = self.drafting.launch(self, plan, prev)
+        self.stats["graph_steps"] += 1
+        self.stats["drafting_graph_steps"] += 1
+        req_ids = np.asarray(plan.req_ids).copy()
+        sample = np.asarray(plan.sample, dtype=np.int32).copy()
+        sample_ids = np.repeat(req_ids, verify.count).tolist()
+        return _Launched(plan, req_ids, sample, sample_ids, 0, pending, verify, last=last)
 
     def _observe(self, done: _Launched, kept: np.ndarray | None = None) -> None:
         """The MTP head over a verify step, from its samples on the device: at its launch with

@@ -84,6 +84,8 @@ class DecodeGraphs:
         state: bool = True,
         steps: int = 1,
         movable: bool = False,
+        shift_table: torch.Tensor | None = None,
+        extras: tuple[int, ...] = (),
     ) -> None:
         """max_blocks: the widest block table a request can have (max model length / block size);
         feed: (the shape of a row, dtype) of the input `forward` reads beside the tokens (the MTP
@@ -92,7 +94,11 @@ class DecodeGraphs:
         steps: the tokens of a state row (a stateful model's verify steps: k + 1, each token a
         row of its own for attention, each request a state row whose state after each token goes
         to the pool's checkpoint slots, flat row i's to checkpoint i; sizes are multiples);
-        movable: rows may be moved back on the device (`run`'s shift), inside the graph."""
+        movable: rows may be moved back on the device (`run`'s shift), inside the graph, by
+        shift_rows[i] at each row's staged index i: a table of the graphs' own [B + 1] written by
+        `run`, or shift_table [N + 1] written by the forward itself (its last entry 0: rows that
+        do not move); extras: the padding rows' values of further int64 fields a row, staged
+        from `run`'s extras and read by the forward (`extra`)."""
         self.forward, self.pool, self.block_size, self.device = forward, pool, block_size, device
         self.name = name
         self.sizes = tuple(sorted(set(sizes)))
@@ -108,11 +114,14 @@ class DecodeGraphs:
         self.state_field = 3 + n  # its fields' index: [slots | fresh]
         self.movable = movable
         self.shift_field = 3 + n + 2 * self.state  # each row's index into shift_rows
-        self.shift_rows = torch.zeros(b + 1, dtype=torch.int64, device=device)  # [b]: always 0
+        own = torch.zeros(b + 1, dtype=torch.int64, device=device)
+        self.shift_rows = own if shift_table is None else shift_table
+        self.no_shift = len(self.shift_rows) - 1  # the entry that stays 0
+        self.extras, self.extra_field = extras, self.shift_field + movable
         pin = device.type == "cuda"
         # [ids | positions | kv_lens | slots of each paged group (| state slots | fresh)
-        # (| shift index)], B each; one copy a step
-        fields = 3 + n + 2 * self.state + movable
+        # (| shift index) | extras], B each; one copy a step
+        fields = 3 + n + 2 * self.state + movable + len(extras)
         self.staging = torch.zeros(fields * b, dtype=torch.int64, pin_memory=pin)
         self.vec = torch.zeros(fields * b, dtype=torch.int64, device=device)
         self.tables_host = [torch.zeros(b, w, dtype=torch.int32, pin_memory=pin) for _ in self.groups]
@@ -129,6 +138,14 @@ class DecodeGraphs:
     def _field(self, i: int, size: int) -> torch.Tensor:
         b = self.sizes[-1]
         return self.vec[i * b : i * b + size]
+
+    def extra(self, i: int, size: int) -> torch.Tensor:
+        """Extra field i of the first `size` rows [size] int64 (the forward's own inputs)."""
+        return self._field(self.extra_field + i, size)
+
+    def moved(self, size: int) -> torch.Tensor:
+        """Each row's index into shift_rows [size] (no_shift: the row does not move)."""
+        return self._field(self.shift_field, size)
 
     def _context(self, size: int, kv_lens_cpu: tuple[int, ...] | None = None, plan=None) -> StepContext:
         """The step context of bucket `size` over the static buffers. kv_lens_cpu (and the state
@@ -182,9 +199,9 @@ class DecodeGraphs:
     def fits(self, plan) -> bool:
         return plan.rows <= self.sizes[-1] and plan.rows % self.steps == 0 and decode_only(plan)
 
-    def _fill(self, plan, size: int, moved: np.ndarray | None = None) -> None:
+    def _fill(self, plan, size: int, moved: np.ndarray | None = None, extras=()) -> None:
         """Stage the plan's rows (and padding up to `size`) and copy them to the device; moved
-        [R]: each row's index into shift_rows (`run`)."""
+        [R]: each row's index into shift_rows (`run`); extras: the rows' extra fields [R] each."""
         r, b = plan.rows, self.sizes[-1]
         if self._copied is not None:
             self._copied.synchronize()  # the staging buffers are free again
@@ -192,9 +209,12 @@ class DecodeGraphs:
         s[:] = 0
         if self.movable:
             f = self.shift_field * b
-            s[f : f + size] = b
+            s[f : f + size] = self.no_shift
             if moved is not None:
                 s[f : f + r] = moved
+        for i, (pad, values) in enumerate(zip(self.extras, extras, strict=True)):
+            f = (self.extra_field + i) * b
+            s[f : f + r], s[f + r : f + size] = values, pad
         s[0:r] = np.maximum(plan.input_ids, 0)  # -1: filled in on the device
         s[b : b + r] = plan.positions
         s[2 * b : 2 * b + r] = plan.kv_lens
@@ -241,19 +261,23 @@ class DecodeGraphs:
         return self.forward(ctx, self._feed(size))
 
     @torch.inference_mode()
-    def run(self, plan, fill=None, feed: torch.Tensor | None = None, shift=None):
+    def run(self, plan, fill=None, feed: torch.Tensor | None = None, shift=None, moved=None, extras=()):
         """The forward's outputs for the R rows of a decode-only plan that `fits`: logits [R, V]
         fp32 (and hidden states); fill: the inputs the device fills in (overlap; see
         `fill_tokens`); feed: the rows of the fed input [R, ...] (graphs built with `feed`);
         shift: (rows [R] on the host, by_row [R'] on the device): row i moves back by
-        by_row[rows[i]] positions (speculative.Behind; graphs built `movable`)."""
+        by_row[rows[i]] positions (speculative.Behind; graphs built `movable`); or moved [R]:
+        each row's index into a shift table the forward writes (graphs built with one);
+        extras: the rows' extra fields. Graphs with extras give their whole buckets' outputs
+        (the forward's rows are its own), others their first R rows."""
         size = next(s for s in self.sizes if s >= plan.rows)
         bucket = self.buckets[size]
+        if (shift is not None or moved is not None) and not self.movable:
+            raise RuntimeError(f"{self.name} graphs were built without moving rows")
         if shift is not None:
-            if not self.movable:
-                raise RuntimeError(f"{self.name} graphs were built without moving rows")
             self.shift_rows[: len(shift[1])].copy_(shift[1])
-        self._fill(plan, size, None if shift is None else shift[0])
+            moved = shift[0]
+        self._fill(plan, size, moved, extras)
         if fill is not None:
             fill_tokens(self._field(0, size), *fill)
         r = plan.rows
@@ -262,12 +286,14 @@ class DecodeGraphs:
         out = bucket.out
         if bucket.graph is None:  # eager over the same buffers (CPU, or capture off)
             lens = np.asarray(plan.kv_lens, dtype=np.int64)
-            if shift is not None:  # the host copies the eager kernels read (a sync off the CPU)
-                lens = lens - shift[1].cpu().numpy()[shift[0]]
+            if moved is not None:  # the host copies the eager kernels read (a sync off the CPU)
+                lens = lens - self.shift_rows.cpu().numpy()[moved]
             lens = tuple(int(x) for x in lens) + (0,) * (size - r)
             out = self._forward(self._context(size, lens, plan), size)
         else:
             bucket.graph.replay()
+        if self.extras:
+            return out
         return tuple(o[:r] for o in out) if isinstance(out, tuple) else out[:r]
 
     def replay_ms(self, size: int, n: int) -> list[float]:
@@ -334,7 +360,9 @@ class DecodeGraphs:
             s[f : f + n] = self.pool.scratch_state_slot()
             s[f + b : f + b + n] = 1
         if self.movable:
-            s[self.shift_field * b : self.shift_field * b + size] = b
+            s[self.shift_field * b : self.shift_field * b + size] = self.no_shift
+        for i, pad in enumerate(self.extras):
+            s[(self.extra_field + i) * b : (self.extra_field + i) * b + size] = pad
         self.vec.copy_(self.staging)
 
 

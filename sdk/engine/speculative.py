@@ -91,11 +91,12 @@ class VerifyRows:
     sampled: torch.Tensor | None = None  # the step's sampled tokens [S] int64, on the device
     a: torch.Tensor | None = None  # [R] int64 drafts kept by each row, on the device (accept_on_device)
     behind: Behind | None = None  # rows planned behind a verify row in flight
+    in_graph: bool = False  # the step ran whole in one graph (drafting_graphs.py)
 
     def read_drafts(self) -> None:
         """The device drafts' values into `drafts` (after the step's readback: their copy is done)."""
         if self.device is not None:
-            for r, d in zip(self.device.rows, self.device.host.tolist(), strict=True):
+            for r, d in zip(self.device.rows, self.device.host.long().tolist(), strict=True):
                 self.drafts[r] = d
 
     def tokens(self, r: int, sampled: np.ndarray) -> list[int]:
