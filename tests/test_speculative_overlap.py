@@ -103,18 +103,20 @@ def _same(base, outs) -> None:
 
 
 def _drafts_by_request(engine: Engine) -> dict[int, list[list[int]]]:
-    """Each request's drafts, step by step, as the engine's drafter proposes them."""
+    """Each request's drafts, step by step, as each step verified them (read back with its
+    tokens: drafted pass by pass or in a drafting graph)."""
     seen: dict[int, list[list[int]]] = {}
-    inner = engine.drafter.draft
+    inner = engine._collect
 
-    def draft(eng, plan, rows, k, behind=None):
-        out = inner(eng, plan, rows, k, behind)
-        if isinstance(out, DeviceDrafts):
-            for r, d in zip(out.rows, out.tokens.tolist(), strict=True):
-                seen.setdefault(int(plan.req_ids[r]), []).append(d)
+    def collect(done):
+        out = inner(done)
+        v = done.verify
+        if v is not None and v.device is not None:
+            for r in v.device.rows:
+                seen.setdefault(int(done.req_ids[r]), []).append(v.drafts[r])
         return out
 
-    engine.drafter.draft = draft
+    engine._collect = collect
     return seen
 
 

@@ -1,0 +1,138 @@
+"""A whole greedy drafting step in one graph (sdk/engine/drafting_graphs.py), in the graphs'
+buffers on CPU (fp32): the MTP head's chained drafts, the verify pass, greedy sampling, the drafts
+kept and the head's observe, with each request's head state by slot in the HeadTable.
+
+Against the same engine drafting pass by pass (its drafting graphs taken away): the same tokens,
+logprobs and drafts, step by step; against a run without drafts: the same tokens and logprobs
+(parity's fp32 logprob bound). Steps that do not fit (a prefill chunk, a request asking for top
+logprobs, one whose head state is outside the table) run pass by pass between steps in graph,
+each kind reading the rows the other left in flight.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_mtp import KITS, _ours
+from test_speculative import LOGPROB_TOL
+from test_speculative_overlap import _drafts_by_request, _llama_with_head
+
+from dayzero.sdk.engine.drafters import HeadTable, SpeculativeConfig
+from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+STAGGERED = dict(block_size=4, chunk_size=8, max_tokens_per_step=24)  # prefills spread over steps
+
+
+@pytest.fixture(scope="module", params=["llama", "glm53"])
+def model(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    if request.param == "llama":
+        return _llama_with_head(tmp)
+    return _ours(request.param, KITS[request.param](tmp, 0).path)[:3]
+
+
+def _prompts(cfg, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, cfg.embedding.vocab, (n,), generator=g).tolist() for n in (3, 11, 26, 40)]
+
+
+def _engine(model, k: int, in_graph: bool, **fields) -> Engine:
+    m, cfg, ops = model
+    spec = SpeculativeConfig("mtp", k)
+    eng = Engine(m, cfg, ops, EngineConfig(decode_graphs="buffers", overlap="on", speculative=spec, **fields))
+    assert eng.drafting is not None
+    if not in_graph:
+        eng.drafting = None
+    return eng
+
+
+def _same(base, outs, tol: float = LOGPROB_TOL) -> None:
+    for b, s in zip(base, outs, strict=True):
+        assert s.token_ids == b.token_ids and s.finish_reason == b.finish_reason
+        assert max(abs(x - y) for x, y in zip(b.logprobs, s.logprobs, strict=True)) < tol
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_drafting_steps_in_one_graph_decode_as_pass_by_pass(model, k: int) -> None:
+    """Prompts of 3..40 tokens prefilled in chunks of 8 (steps with a prefill chunk run pass by
+    pass): the tokens and logprobs of a run without drafts, and the drafts, acceptance counts
+    and row moves of the same engine drafting pass by pass."""
+    m, cfg, ops = model
+    prompts = _prompts(cfg, 11)
+    base = Engine(m, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, GREEDY)
+    runs = {}
+    for in_graph in (True, False):
+        eng = _engine(model, k, in_graph, **STAGGERED)
+        seen = _drafts_by_request(eng)
+        outs = eng.generate(prompts, GREEDY)
+        _same(base, outs)
+        runs[in_graph] = (outs, seen, eng.stats)
+    (g_outs, g_seen, g), (p_outs, p_seen, p) = runs[True], runs[False]
+    _same(p_outs, g_outs, 1e-5)
+    assert g_seen == p_seen and sorted(g_seen) == list(range(len(prompts)))
+    assert g["accepted_at"] == p["accepted_at"] and g["verify_rows"] == p["verify_rows"]
+    assert g["drafting_graph_steps"] > 0 and p["drafting_graph_steps"] == 0
+    # steps with a prefill chunk waited for the step in flight, the others moved rows on the device
+    assert g["rows_moved_on_device"] > 0 and g["rows_moved_on_host"] > 0
+
+
+def test_steps_with_a_request_asking_for_top_logprobs_run_pass_by_pass(model) -> None:
+    """The longest prompt (its decode starts last) asks for top logprobs and stops first: the
+    steps with its rows run pass by pass, those before and after in graph, each moving the rows
+    the other kind left in flight; every request decodes as without drafts."""
+    m, cfg, ops = model
+    prompts = _prompts(cfg, 12)
+    tops = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, top_logprobs=2)
+    params = [GREEDY, GREEDY, GREEDY, tops]
+    base = Engine(m, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, params)
+    eng = _engine(model, 2, True, **STAGGERED)
+    steps: list[bool] = []
+    inner = eng._launch_verify
+
+    def launch(plan, prev):
+        done = inner(plan, prev)
+        steps.append(done.verify.in_graph and prev is not None and eng._inflight is prev)
+        return done
+
+    eng._launch_verify = launch
+    outs = eng.generate(prompts, params)
+    _same(base, outs)
+    got, want = outs[3].top_logprobs, base[3].top_logprobs
+    assert [[t for t, _ in s] for s in got] == [[t for t, _ in s] for s in want] and len(got) == 4
+    assert max(abs(a - b) for s, w in zip(got, want) for (_, a), (_, b) in zip(s, w)) < LOGPROB_TOL
+    assert [len(t) for t in got] == [2] * 4
+    assert eng.stats["drafting_graph_steps"] > 0
+    # a step in graph right after one pass by pass still in flight, and the other way round
+    assert any(not a and b for a, b in zip(steps, steps[1:])), steps
+    assert any(a and not b for a, b in zip(steps, steps[1:])), steps
+
+
+def test_requests_whose_head_state_is_outside_the_table_run_pass_by_pass(model) -> None:
+    """A table of one slot: the first request to observe takes it, the others' head states stay
+    out of it; steps with their rows run pass by pass, and once only the first is left its
+    steps run in graph; every token as without drafts."""
+    m, cfg, ops = model
+    prompts = _prompts(cfg, 13)
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] + [GREEDY] * 3
+    params[1:] = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)] * 3
+    base = Engine(m, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, params)
+    eng = _engine(model, 2, True)
+    table = eng.drafting.table
+    table.free = table.free[-1:]
+    outs = eng.generate(prompts, params)
+    _same(base, outs)
+    assert eng.stats["drafting_graph_steps"] > 0
+    assert eng.stats["graph_steps"] > eng.stats["drafting_graph_steps"]
+    assert len(table.free) == 1 and not table.slot  # every slot back once the requests ended
+
+
+def test_the_head_table_hands_out_slots_and_takes_them_back() -> None:
+    t = HeadTable(2, (4,), torch.float32, torch.device("cpu"))
+    assert (t.take(7), t.take(9), t.take(7)) == (0, 1, 0)
+    assert t.take(11) is None  # full: its state stays out of the table
+    t.drop(7)
+    assert t.take(11) == 0 and t.slot == {9: 1, 11: 0}
+    assert t.zero == len(t.shift) - 1 and t.pad == 2  # the last entry: rows that do not move
+    assert np.all(t.shift.numpy() == 0)
