@@ -304,7 +304,8 @@ def test_drafting_steps_overlap_in_the_captured_graphs(tmp_path, drafter: str) -
     each step's rows, planned before the step in flight is read back, move back on the device by
     its rejected drafts. A device oracle (3 drafts, the first right) and the model's own head (2
     drafts): the tokens of a run without drafts; the head's tokens and logprobs also those of
-    overlap off."""
+    overlap off, its greedy steps run whole in the captured drafting graphs
+    (sdk/engine/drafting_graphs.py)."""
     kit = KITS["glm53"](tmp_path, 0)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, kit.vocab, (n,), generator=g).tolist() for n in (7, 40, 23)]
@@ -323,9 +324,13 @@ def test_drafting_steps_overlap_in_the_captured_graphs(tmp_path, drafter: str) -
         assert all(b.graph is not None for b in graphs.buckets.values()), graphs.report
         if drafter == "oracle":
             llm.engine.drafter = DeviceOracle(prompts, base, 1)
+        elif overlap == "on":
+            drafting = llm.engine.drafting.graphs
+            assert all(b.graph is not None for b in drafting.buckets.values()), drafting.report
         outs[overlap] = llm.engine.generate(prompts, [params] * len(prompts))
         stats[overlap] = dict(llm.engine.stats)
     assert stats["on"]["rows_moved_on_device"] > 0 and stats["off"]["rows_moved_on_device"] == 0
+    assert (stats["on"]["drafting_graph_steps"] > 0) == (drafter == "head")
     for a, b, want in zip(outs["off"], outs["on"], base, strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
