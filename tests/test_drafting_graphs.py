@@ -11,6 +11,8 @@ each kind reading the rows the other left in flight.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -88,12 +90,12 @@ def test_steps_with_a_request_asking_for_top_logprobs_run_pass_by_pass(model) ->
     params = [GREEDY, GREEDY, GREEDY, tops]
     base = Engine(m, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, params)
     eng = _engine(model, 2, True, **STAGGERED)
-    steps: list[bool] = []
+    steps: list[tuple[bool, bool]] = []  # (in graph, behind a step in flight)
     inner = eng._launch_verify
 
     def launch(plan, prev):
         done = inner(plan, prev)
-        steps.append(done.verify.in_graph and prev is not None and eng._inflight is prev)
+        steps.append((done.verify.in_graph, prev is not None and eng._inflight is prev))
         return done
 
     eng._launch_verify = launch
@@ -101,12 +103,13 @@ def test_steps_with_a_request_asking_for_top_logprobs_run_pass_by_pass(model) ->
     _same(base, outs)
     got, want = outs[3].top_logprobs, base[3].top_logprobs
     assert [[t for t, _ in s] for s in got] == [[t for t, _ in s] for s in want] and len(got) == 4
-    assert max(abs(a - b) for s, w in zip(got, want) for (_, a), (_, b) in zip(s, w)) < LOGPROB_TOL
+    pairs = [(a, b) for s, w in zip(got, want, strict=True) for (_, a), (_, b) in zip(s, w, strict=True)]
+    assert max(abs(a - b) for a, b in pairs) < LOGPROB_TOL
     assert [len(t) for t in got] == [2] * 4
     assert eng.stats["drafting_graph_steps"] > 0
-    # a step in graph right after one pass by pass still in flight, and the other way round
-    assert any(not a and b for a, b in zip(steps, steps[1:])), steps
-    assert any(a and not b for a, b in zip(steps, steps[1:])), steps
+    # a step in graph behind one pass by pass still in flight, and the other way round
+    assert any(not a[0] and b == (True, True) for a, b in itertools.pairwise(steps)), steps
+    assert any(a[0] and b == (False, True) for a, b in itertools.pairwise(steps)), steps
 
 
 def test_requests_whose_head_state_is_outside_the_table_run_pass_by_pass(model) -> None:

@@ -228,8 +228,9 @@ class HeadTable:
     at the request's last kept position), d1 [N + 2] (the next draft d_1), last [N + 2] (y_a, the
     next row's x_p) and shift [N + 2] (k - a: how far a row planned behind the request's verify
     row in flight moves back). Entry N (`pad`): the padding rows' reads and writes; N + 1
-    (`zero`, the last: a graph's rows that do not move): shift 0, never written. A request takes a slot at its first observe while one is
-    free (else its state stays out of the table, and its steps out of the drafting graphs)."""
+    (`zero`, the last: a graph's rows that do not move): shift 0, never written. A request takes
+    a slot at its first observe while one is free (else its state stays out of the table, and
+    its steps out of the drafting graphs)."""
 
     def __init__(self, capacity: int, row: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         n = capacity
