@@ -22,6 +22,7 @@ from test_speculative_overlap import _drafts_by_request, _llama_with_head
 
 from dayzero.sdk.engine.drafters import HeadTable, SpeculativeConfig
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
+from dayzero.sdk.parity.runner import RETRACTION, retraction_budget
 
 GREEDY = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
 STAGGERED = dict(block_size=4, chunk_size=8, max_tokens_per_step=24)  # prefills spread over steps
@@ -139,3 +140,22 @@ def test_the_head_table_hands_out_slots_and_takes_them_back() -> None:
     assert t.take(11) == 0 and t.slot == {9: 1, 11: 0}
     assert t.zero == len(t.shift) - 1 and t.pad == 2  # the last entry: rows that do not move
     assert np.all(t.shift.numpy() == 0)
+
+
+def test_drafting_graphs_through_prefix_hits_and_retraction(model) -> None:
+    """The prompts twice on one engine (prefix hits), then KV memory for the longest request
+    alone (retraction: a request's head state outlives its retraction in the table and is
+    written again by its prefill): every token as without drafts, steps in graph each time."""
+    m, cfg, ops = model
+    prompts = _prompts(cfg, 14)
+    base = Engine(m, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, GREEDY)
+    eng = _engine(model, 2, True, **STAGGERED)
+    _same(base, eng.generate(prompts, GREEDY))
+    hits, steps = eng.scheduler.prefix_stats()["hit_tokens"], eng.stats["drafting_graph_steps"]
+    _same(base, eng.generate(prompts, GREEDY))
+    assert eng.scheduler.prefix_stats()["hit_tokens"] > hits and eng.stats["drafting_graph_steps"] > steps
+    lengths = [len(p) + GREEDY.max_tokens + 2 * 2 + 2 for p in prompts]
+    kv = retraction_budget(eng.groups, lengths, len(prompts))
+    small = _engine(model, 2, True, **RETRACTION, kv_cache_bytes=kv, max_batch_size=len(prompts))
+    _same(base, small.generate(prompts, GREEDY))
+    assert small.stats["retracted"] > 0 and small.stats["drafting_graph_steps"] > 0
