@@ -159,3 +159,60 @@ def test_drafting_graphs_through_prefix_hits_and_retraction(model) -> None:
     small = _engine(model, 2, True, **RETRACTION, kv_cache_bytes=kv, max_batch_size=len(prompts))
     _same(base, small.generate(prompts, GREEDY))
     assert small.stats["retracted"] > 0 and small.stats["drafting_graph_steps"] > 0
+
+
+def test_an_abort_and_a_failed_step_in_graph_lose_no_block_or_slot(model) -> None:
+    """A request aborted while its step in graph is in flight, then a step in graph that raises:
+    the requests of the plans in flight end "abort" (the error with the failed ones), their
+    head-table slots and KV blocks come back, and requests after that decode as without
+    drafts, in graph."""
+    m, cfg, ops = model
+    prompts = _prompts(cfg, 15)
+    base = Engine(m, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, GREEDY)
+    eng = _engine(model, 2, True)
+    eng.scheduler.flush_prefix_cache()
+    free = [eng.scheduler.free_blocks(g) for g in range(len(eng.groups))]
+    slots = len(eng.drafting.table.free)
+    ids = [eng.add(p, GREEDY) for p in prompts[:2]]
+    while eng.stats["drafting_graph_steps"] < 2:
+        eng.step()
+    assert eng._inflight is not None and eng._inflight.verify.in_graph
+    eng.abort(ids[0])
+    run, calls = eng.drafting.graphs.run, []
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return run(*a, **kw)
+
+    eng.drafting.graphs.run = failing
+    while eng.has_work():
+        eng.step()
+    assert eng.requests[ids[0]].finish_reason == "abort" and eng.requests[ids[0]].error is None
+    assert eng.requests[ids[1]].finish_reason == "abort" and "injected" in eng.requests[ids[1]].error
+    eng.drafting.graphs.run = run
+    steps = eng.stats["drafting_graph_steps"]
+    rest = [eng.add(p, GREEDY) for p in prompts[2:]]
+    while eng.has_work():
+        eng.step()
+    _same(base[2:], [eng.release(i) for i in rest])
+    assert eng.stats["drafting_graph_steps"] > steps
+    eng.scheduler.flush_prefix_cache()
+    assert [eng.scheduler.free_blocks(g) for g in range(len(eng.groups))] == free
+    assert len(eng.drafting.table.free) == slots and not eng.drafting.table.slot
+
+
+def test_drafting_graphs_run_to_the_maximum_model_length(model) -> None:
+    """Requests to the maximum model length (16 tokens): their last steps in graph reach 2k + 1
+    positions past it (the graphs' block tables are that much wider); their tokens are a run's
+    without drafts."""
+    m, cfg, ops = model
+    prompts = _prompts(cfg, 16)[:2]
+    prompts[1] = prompts[1][:11]
+    params = [SamplingParams(max_tokens=16 - len(p), temperature=0, ignore_eos=True) for p in prompts]
+    fields = dict(block_size=4, max_model_len=16)
+    base = Engine(m, cfg, ops, EngineConfig(decode_graphs="off", **fields)).generate(prompts, params)
+    eng = _engine(model, 3, True, **fields)
+    _same(base, eng.generate(prompts, params))
+    assert eng.stats["failed_steps"] == 0 and eng.stats["drafting_graph_steps"] > 0
