@@ -41,7 +41,7 @@ class DraftingGraphs:
 
     def __init__(self, engine, k: int, row: tuple[int, ...], max_blocks: int, capture: bool) -> None:
         cfg, dev = engine.config, engine.device
-        self.k, self.model, self.ops = k, engine.model, engine.ops
+        self.k, self.model, self.ops, self.drafter = k, engine.model, engine.ops, engine.drafter
         top = min(cfg.max_batch_size, DEFAULT_SIZES[-1] // (k + 1))
         sizes = tuple((k + 1) * s for s in (*(s for s in DEFAULT_SIZES if s < top), top))
         self.table = HeadTable(2 * cfg.max_batch_size, row, engine.dtype, dev)
@@ -72,11 +72,11 @@ class DraftingGraphs:
             return False
         if not np.asarray(plan.sample, dtype=bool).all() or int(n.sum()) > self.graphs.sizes[-1]:
             return False
-        if getattr(engine.drafter, "table", None) is not self.table:  # (a drafter put in its place)
+        if engine.drafter is not self.drafter:  # (another drafter put in its place)
             return False
         for rid in np.asarray(plan.req_ids).tolist():
             p = engine.params.get(rid)
-            if p is None or p.temperature > 0 or p.top_logprobs or not engine._drafts(rid):
+            if p is None or p.temperature > 0 or p.top_logprobs or p.rewrites or p.grammar is not None:
                 return False
             if rid not in self.table.slot:
                 return False
