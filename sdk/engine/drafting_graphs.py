@@ -59,10 +59,12 @@ class DraftingGraphs:
         self.host = [torch.zeros(n, dtype=torch.float64, pin_memory=pin) for _ in range(3)]  # in turn
         self.turn = 0
         self.graphs = DecodeGraphs(
-            self._forward, engine.pool, cfg.block_size, max_blocks, sizes, dev, capture,
+            self._forward, engine.pool, cfg.block_size, max_blocks, sizes, dev, False,
             name="drafting step", state=False, movable=True, shift_table=self.table.shift,
             extras=(self.table.pad,),
         )  # fmt: skip
+        if capture:  # (the forward reads self.graphs' buffers)
+            self.graphs.capture()
 
     def fits(self, engine, plan) -> bool:
         """Every row a decode row of k + 1 tokens, within the buckets, of a live greedy request

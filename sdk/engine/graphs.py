@@ -133,7 +133,7 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event() if pin else None  # the last staging copy is done
         self.report = f"{name} buffers for batch sizes {', '.join(map(str, self.sizes))} (not captured)"
         if capture:
-            self._capture()
+            self.capture()
 
     def _field(self, i: int, size: int) -> torch.Tensor:
         b = self.sizes[-1]
@@ -309,7 +309,7 @@ class DecodeGraphs:
         return out
 
     @torch.inference_mode()
-    def _capture(self) -> None:
+    def capture(self) -> None:
         """Warm up and capture every bucket, largest first, in one memory pool. A capture that
         fails (a kernel that syncs with the host after all) leaves every bucket eager, said so
         in the log and the report: serving goes on without graphs rather than not at all."""
