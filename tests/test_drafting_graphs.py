@@ -46,8 +46,8 @@ def _engine(model, k: int, in_graph: bool, **fields) -> Engine:
     spec = SpeculativeConfig("mtp", k)
     eng = Engine(m, cfg, ops, EngineConfig(decode_graphs="buffers", overlap="on", speculative=spec, **fields))
     assert eng.drafting is not None
-    if not in_graph:
-        eng.drafting = None
+    if not in_graph:  # the engine as before the drafting graphs: the head's state in its dict only
+        eng.drafting = eng.drafter.table = None
     return eng
 
 
@@ -61,17 +61,35 @@ def _same(base, outs, tol: float = LOGPROB_TOL) -> None:
 def test_drafting_steps_in_one_graph_decode_as_pass_by_pass(model, k: int) -> None:
     """Prompts of 3..40 tokens prefilled in chunks of 8 (steps with a prefill chunk run pass by
     pass): the tokens and logprobs of a run without drafts, and the drafts, acceptance counts
-    and row moves of the same engine drafting pass by pass."""
+    and row moves of the same engine drafting pass by pass. Every pass of the head reads
+    contiguous per-token tensors (the GPU kernels index them flat: the chained drafts' rows are
+    every (k + 1)-th flat row)."""
     m, cfg, ops = model
     prompts = _prompts(cfg, 11)
     base = Engine(m, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, GREEDY)
-    runs = {}
-    for in_graph in (True, False):
-        eng = _engine(model, k, in_graph, **STAGGERED)
-        seen = _drafts_by_request(eng)
-        outs = eng.generate(prompts, GREEDY)
-        _same(base, outs)
-        runs[in_graph] = (outs, seen, eng.stats)
+    runs, mtp, strided = {}, m.mtp.forward, []
+
+    def checked(ids, z, ctx, embed, head):
+        metas = [x for x in ctx.paged if x is not None]
+        flat = [
+            ids,
+            ctx.positions,
+            *(t for x in metas for t in (x.positions, x.kv_lens, x.slots, x.block_table)),
+        ]
+        strided.extend(t.shape for t in flat if not t.is_contiguous())
+        return mtp(ids, z, ctx, embed, head)
+
+    m.mtp.forward = checked
+    try:
+        for in_graph in (True, False):
+            eng = _engine(model, k, in_graph, **STAGGERED)
+            seen = _drafts_by_request(eng)
+            outs = eng.generate(prompts, GREEDY)
+            _same(base, outs)
+            runs[in_graph] = (outs, seen, eng.stats)
+    finally:
+        del m.mtp.forward
+    assert not strided, strided
     (g_outs, g_seen, g), (p_outs, p_seen, p) = runs[True], runs[False]
     _same(p_outs, g_outs, 1e-5)
     assert g_seen == p_seen and sorted(g_seen) == list(range(len(prompts)))
@@ -79,6 +97,10 @@ def test_drafting_steps_in_one_graph_decode_as_pass_by_pass(model, k: int) -> No
     assert g["drafting_graph_steps"] > 0 and p["drafting_graph_steps"] == 0
     # steps with a prefill chunk waited for the step in flight, the others moved rows on the device
     assert g["rows_moved_on_device"] > 0 and g["rows_moved_on_host"] > 0
+    assert (g["rows_moved_on_device"], g["rows_moved_on_host"]) == (
+        p["rows_moved_on_device"],
+        p["rows_moved_on_host"],
+    )
 
 
 def test_steps_with_a_request_asking_for_top_logprobs_run_pass_by_pass(model) -> None:
@@ -91,12 +113,13 @@ def test_steps_with_a_request_asking_for_top_logprobs_run_pass_by_pass(model) ->
     params = [GREEDY, GREEDY, GREEDY, tops]
     base = Engine(m, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, params)
     eng = _engine(model, 2, True, **STAGGERED)
-    steps: list[tuple[bool, bool]] = []  # (in graph, behind a step in flight)
+    steps: list[tuple[bool, bool]] = []  # (in graph, rows moved on the device)
     inner = eng._launch_verify
 
     def launch(plan, prev):
+        moved = eng.stats["rows_moved_on_device"]
         done = inner(plan, prev)
-        steps.append((done.verify.in_graph, prev is not None and eng._inflight is prev))
+        steps.append((done.verify.in_graph, eng.stats["rows_moved_on_device"] > moved))
         return done
 
     eng._launch_verify = launch
@@ -108,7 +131,7 @@ def test_steps_with_a_request_asking_for_top_logprobs_run_pass_by_pass(model) ->
     assert max(abs(a - b) for a, b in pairs) < LOGPROB_TOL
     assert [len(t) for t in got] == [2] * 4
     assert eng.stats["drafting_graph_steps"] > 0
-    # a step in graph behind one pass by pass still in flight, and the other way round
+    # a step in graph moving rows behind one pass by pass still in flight, and the other way round
     assert any(not a[0] and b == (True, True) for a, b in itertools.pairwise(steps)), steps
     assert any(a[0] and b == (False, True) for a, b in itertools.pairwise(steps)), steps
 
@@ -144,8 +167,9 @@ def test_the_head_table_hands_out_slots_and_takes_them_back() -> None:
 
 def test_drafting_graphs_through_prefix_hits_and_retraction(model) -> None:
     """The prompts twice on one engine (prefix hits), then KV memory for the longest request
-    alone (retraction: a request's head state outlives its retraction in the table and is
-    written again by its prefill): every token as without drafts, steps in graph each time."""
+    alone (retraction: a retracted request keeps its table slot, its head state written again
+    by its prefill's observe): every token as without drafts, steps in graph each time, and
+    every slot back at the end."""
     m, cfg, ops = model
     prompts = _prompts(cfg, 14)
     base = Engine(m, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, GREEDY)
@@ -159,6 +183,7 @@ def test_drafting_graphs_through_prefix_hits_and_retraction(model) -> None:
     small = _engine(model, 2, True, **RETRACTION, kv_cache_bytes=kv, max_batch_size=len(prompts))
     _same(base, small.generate(prompts, GREEDY))
     assert small.stats["retracted"] > 0 and small.stats["drafting_graph_steps"] > 0
+    assert not small.drafting.table.slot
 
 
 def test_an_abort_and_a_failed_step_in_graph_lose_no_block_or_slot(model) -> None:
@@ -204,9 +229,9 @@ def test_an_abort_and_a_failed_step_in_graph_lose_no_block_or_slot(model) -> Non
 
 
 def test_drafting_graphs_run_to_the_maximum_model_length(model) -> None:
-    """Requests to the maximum model length (16 tokens): their last steps in graph reach 2k + 1
-    positions past it (the graphs' block tables are that much wider); their tokens are a run's
-    without drafts."""
+    """Requests to the maximum model length (16 tokens), 3 drafts a step in graph: a verify row
+    reaches k past the limit and one planned behind it k + 1 more (the graphs' block tables are
+    2k + 1 wider); no step fails and the tokens are a run's without drafts."""
     m, cfg, ops = model
     prompts = _prompts(cfg, 16)[:2]
     prompts[1] = prompts[1][:11]

@@ -56,15 +56,18 @@ class DraftingGraphs:
         )
         pin = dev.type == "cuda"
         n = 2 * b + (b // (k + 1)) * k  # tokens, logprobs, drafts
-        self.host = [torch.zeros(n, dtype=torch.float64, pin_memory=pin) for _ in range(3)]  # in turn
+        # in turn: a step's until it is read back, with overlap one step after it launched
+        self.host = [torch.zeros(n, dtype=torch.float64, pin_memory=pin) for _ in range(3)]
         self.turn = 0
         self.graphs = DecodeGraphs(
             self._forward, engine.pool, cfg.block_size, max_blocks, sizes, dev, False,
             name="drafting step", state=False, movable=True, shift_table=self.table.shift,
             extras=(self.table.pad,),
         )  # fmt: skip
+        self.captured = False
         if capture:  # (the forward reads self.graphs' buffers)
             self.graphs.capture()
+            self.captured = all(b.graph is not None for b in self.graphs.buckets.values())
 
     def fits(self, engine, plan) -> bool:
         """Every row a decode row of k + 1 tokens, within the buckets, of a live greedy request
@@ -137,7 +140,8 @@ class DraftingGraphs:
         ids[:, 0] = torch.where(behind, t.last[slot], ids[:, 0])
         h, drafts = t.y[slot], [t.d1[slot]]  # [R_b, *row], [R_b]
         for j in range(1, k):  # d_{j+1} at position p + j - 1
-            logits, h = m.mtp(drafts[-1], h, _every(ctx, j - 1, k1), m.embed, m.head)  # [R_b, V]
+            sub = _every(ctx, j - 1, k1, drafts[-1])
+            logits, h = m.mtp(drafts[-1], h, sub, m.embed, m.head)  # [R_b, V]
             drafts.append(logits.argmax(-1))
         d = torch.stack(drafts, dim=1)  # [R_b, k]
         ids[:, 1:] = d
@@ -165,10 +169,11 @@ def _first(batch: SamplingBatch, n: int) -> SamplingBatch:
     )  # fmt: skip
 
 
-def _every(ctx: StepContext, j: int, k1: int) -> StepContext:
+def _every(ctx: StepContext, j: int, k1: int, ids: torch.Tensor) -> StepContext:
     """The context of flat rows j, j + k1, j + 2 k1, .. of ctx (token j of each request's k1),
-    each a single-token row attending to its first position + 1 keys."""
-    pos = ctx.positions[j::k1]  # [R_b]
+    each a single-token row attending to its first position + 1 keys (a padding row to none),
+    its input ids [R_b]. Its per-token tensors are contiguous copies: kernels index them flat."""
+    pos = ctx.positions[j::k1].contiguous()  # [R_b]
     rb = pos.shape[0]
     paged: list[PagedMeta | None] = []
     for meta in ctx.paged:
@@ -178,7 +183,7 @@ def _every(ctx: StepContext, j: int, k1: int) -> StepContext:
         paged.append(
             PagedMeta(
                 query_start=meta.query_start[: rb + 1],
-                kv_lens=pos + 1,
+                kv_lens=meta.kv_lens[j::k1].contiguous(),  # p + j + 1 (a padding row: 0)
                 positions=pos,
                 block_table=meta.block_table[j::k1].contiguous(),
                 slots=meta.slots[j::k1].contiguous(),
@@ -188,10 +193,5 @@ def _every(ctx: StepContext, j: int, k1: int) -> StepContext:
                 scratch=meta.scratch,
             )
         )
-    return StepContext(
-        input_ids=ctx.input_ids[j::k1],
-        positions=pos,
-        paged=paged,
-        caches=ctx.caches,
-        sample_index=ctx.sample_index[:rb],
-    )
+    index = ctx.sample_index[:rb]
+    return StepContext(input_ids=ids, positions=pos, paged=paged, caches=ctx.caches, sample_index=index)

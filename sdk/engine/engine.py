@@ -300,6 +300,8 @@ class Engine:
             return None
         capture, row = self.config.decode_graphs == "auto", tuple(head.feed.shape[1:])
         out = DraftingGraphs(self, self.spec.num_speculative_tokens, row, self._max_blocks(), capture)
+        if capture and not out.captured:  # (said in the log) eagerly it would be slower pass by pass
+            return None
         self.drafter.table = out.table
         return out
 
