@@ -16,29 +16,19 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from test_mtp import KITS, _ours
 from test_speculative import LOGPROB_TOL
-from test_speculative_overlap import _drafts_by_request, _llama_with_head
+from test_speculative_overlap import GREEDY, _drafts_by_request, _prompts, _same, built
 
 from dayzero.sdk.engine.drafters import HeadTable, SpeculativeConfig
 from dayzero.sdk.engine.engine import Engine, EngineConfig, SamplingParams
 from dayzero.sdk.parity.runner import RETRACTION, retraction_budget
 
-GREEDY = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
 STAGGERED = dict(block_size=4, chunk_size=8, max_tokens_per_step=24)  # prefills spread over steps
 
 
 @pytest.fixture(scope="module", params=["llama", "glm53"])
 def model(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(request.param)
-    if request.param == "llama":
-        return _llama_with_head(tmp)
-    return _ours(request.param, KITS[request.param](tmp, 0).path)[:3]
-
-
-def _prompts(cfg, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, cfg.embedding.vocab, (n,), generator=g).tolist() for n in (3, 11, 26, 40)]
+    return built(request.param, tmp_path_factory)
 
 
 def _engine(model, k: int, in_graph: bool, **fields) -> Engine:
@@ -49,12 +39,6 @@ def _engine(model, k: int, in_graph: bool, **fields) -> Engine:
     if not in_graph:  # the engine as before the drafting graphs: the head's state in its dict only
         eng.drafting = eng.drafter.table = None
     return eng
-
-
-def _same(base, outs, tol: float = LOGPROB_TOL) -> None:
-    for b, s in zip(base, outs, strict=True):
-        assert s.token_ids == b.token_ids and s.finish_reason == b.finish_reason
-        assert max(abs(x - y) for x, y in zip(b.logprobs, s.logprobs, strict=True)) < tol
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -142,8 +126,8 @@ def test_requests_whose_head_state_is_outside_the_table_run_pass_by_pass(model) 
     steps run in graph; every token as without drafts."""
     m, cfg, ops = model
     prompts = _prompts(cfg, 13)
-    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] + [GREEDY] * 3
-    params[1:] = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)] * 3
+    short = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] + [short] * 3
     base = Engine(m, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, params)
     eng = _engine(model, 2, True)
     table = eng.drafting.table

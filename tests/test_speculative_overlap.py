@@ -83,12 +83,17 @@ def _llama_with_head(tmp: Path):
     return model, cfg, ops
 
 
+def built(name: str, tmp_path_factory):
+    """(model, config, ops) of a tiny family checkpoint with an MTP head (llama: a head folder)."""
+    tmp = tmp_path_factory.mktemp(name)
+    if name == "llama":
+        return _llama_with_head(tmp)
+    return _ours(name, KITS[name](tmp, 0).path)[:3]
+
+
 @pytest.fixture(scope="module", params=["llama", "glm53", "kimi_k3", "qwen38"])
 def model(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(request.param)
-    if request.param == "llama":
-        return _llama_with_head(tmp)
-    return _ours(request.param, KITS[request.param](tmp, 0).path)[:3]
+    return built(request.param, tmp_path_factory)
 
 
 def _prompts(cfg, seed: int) -> list[list[int]]:
@@ -96,10 +101,10 @@ def _prompts(cfg, seed: int) -> list[list[int]]:
     return [torch.randint(0, cfg.embedding.vocab, (n,), generator=g).tolist() for n in (3, 11, 26, 40)]
 
 
-def _same(base, outs) -> None:
+def _same(base, outs, tol: float = LOGPROB_TOL) -> None:
     for b, s in zip(base, outs, strict=True):
         assert s.token_ids == b.token_ids and s.finish_reason == b.finish_reason
-        assert max(abs(x - y) for x, y in zip(b.logprobs, s.logprobs, strict=True)) < LOGPROB_TOL
+        assert max(abs(x - y) for x, y in zip(b.logprobs, s.logprobs, strict=True)) < tol
 
 
 def _drafts_by_request(engine: Engine) -> dict[int, list[list[int]]]:

@@ -76,9 +76,13 @@ def time_drafting(
     """(tok/s, ms a step, mean acceptance length) of `batch` rows drafting by `spec`."""
     eng = Engine(model, cfg, ops, replace(engine_cfg, speculative=spec))
     whole = eng.drafting.graphs if eng.drafting is not None else None
-    for what, g in (("verify", eng.graphs), ("MTP head", eng.head_graphs), ("whole step", whole)):
+    for what, g, none in (
+        ("verify", eng.graphs, "eager (no CUDA graphs)"),
+        ("MTP head", eng.head_graphs, "eager (no CUDA graphs)"),
+        ("whole step", whole, "none: pass by pass"),
+    ):
         if spec.method == "mtp" or what == "verify":
-            print(f"batch {batch} drafting, {what}: {g.report if g else 'none (no CUDA graphs)'}")
+            print(f"batch {batch} drafting, {what}: {g.report if g else none}")
     tps, step_ms = time_ours(eng, batch, args.prompt_len, args.new_tokens, cfg.embedding.vocab, prompts)
     st = eng.stats
     print(f"batch {batch} drafting: {st['drafting_graph_steps']} of {st['steps']} steps whole in one graph")

@@ -257,17 +257,14 @@ def remember(heads: Heads, out, table: HeadTable | None = None) -> None:
     if out is None:
         return
     y, rids, d1 = out
-    heads.update((rid, (y[j], d1[j : j + 1])) for j, rid in enumerate(rids))
-    slots = [table.take(rid) for rid in rids] if table is not None else []
+    slots = [table.take(rid) for rid in rids] if table is not None else [None] * len(rids)
+    for j, (rid, s) in enumerate(zip(rids, slots, strict=True)):
+        heads[rid] = (y[j], d1[j : j + 1]) if s is None else (table.y[s], table.d1[s : s + 1])
     rows = [j for j, s in enumerate(slots) if s is not None]
-    if not rows:
-        return
-    idx = upload(np.asarray([rows, [slots[j] for j in rows]], dtype=np.int64), y.device)
-    table.y[idx[1]] = y[idx[0]]
-    table.d1[idx[1]] = d1[idx[0]]
-    for j in rows:
-        s = slots[j]
-        heads[rids[j]] = (table.y[s], table.d1[s : s + 1])
+    if rows:
+        idx = upload(np.asarray([rows, [slots[j] for j in rows]], dtype=np.int64), y.device)
+        table.y[idx[1]] = y[idx[0]]
+        table.d1[idx[1]] = d1[idx[0]]
 
 
 def chain_start(heads: Heads, plan, keep: np.ndarray) -> tuple[torch.Tensor, list[torch.Tensor]]:

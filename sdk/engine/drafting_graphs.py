@@ -31,9 +31,9 @@ import torch
 from dayzero.kernels.ops import PagedMeta, SamplingBatch
 from dayzero.sdk.engine.context import StepContext, upload
 from dayzero.sdk.engine.drafters import HeadTable
-from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
+from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs, request_buckets
 from dayzero.sdk.engine.sampling import Pending
-from dayzero.sdk.engine.speculative import DeviceDrafts, VerifyRows, behind_rows, flat_plan
+from dayzero.sdk.engine.speculative import DeviceDrafts, VerifyRows, behind_rows, flat_plan, rows_in_flight
 
 
 class DraftingGraphs:
@@ -42,8 +42,7 @@ class DraftingGraphs:
     def __init__(self, engine, k: int, row: tuple[int, ...], max_blocks: int, capture: bool) -> None:
         cfg, dev = engine.config, engine.device
         self.k, self.model, self.ops, self.drafter = k, engine.model, engine.ops, engine.drafter
-        top = min(cfg.max_batch_size, DEFAULT_SIZES[-1] // (k + 1))
-        sizes = tuple((k + 1) * s for s in (*(s for s in DEFAULT_SIZES if s < top), top))
+        sizes = request_buckets(k + 1, min(cfg.max_batch_size, DEFAULT_SIZES[-1] // (k + 1)))
         self.table = HeadTable(2 * cfg.max_batch_size, row, engine.dtype, dev)
         b = sizes[-1]
         self.greedy = SamplingBatch(
@@ -101,8 +100,7 @@ class DraftingGraphs:
             moved[late] = slots[late]
             engine.stats["rows_moved_on_device"] += len(late)
             if not prev.verify.in_graph:  # its a and y_a into the table first
-                where = {int(x): j for j, x in enumerate(prev.req_ids.tolist())}
-                back = np.asarray([where[int(x)] for x in rids[late]], dtype=np.int64)
+                back = rows_in_flight(plan, late, prev.req_ids)
                 idx = upload(np.stack((slots[late], back)), engine.device)
                 t.shift[idx[0]] = k - prev.verify.a[idx[1]]
                 t.last[idx[0]] = prev.last[idx[1]]

@@ -24,7 +24,7 @@ from dayzero.sdk.engine.drafters import MtpDrafter, check_parallel
 from dayzero.sdk.engine.drafting_graphs import DraftingGraphs
 from dayzero.sdk.engine.geometry import scheduler_groups
 from dayzero.sdk.engine.grammar import Matchers
-from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs
+from dayzero.sdk.engine.graphs import DEFAULT_SIZES, DecodeGraphs, request_buckets
 from dayzero.sdk.engine.kv_pool import KvPool
 from dayzero.sdk.engine.memory import checkpoint_slots, scheduler_fields
 from dayzero.sdk.engine.ranks import Leader
@@ -240,7 +240,7 @@ class Engine:
         # (speculative.flat_plan): up to k + 1 rows a request (`steps` = k + 1: exactly)
         if steps > 1:  # buckets of whole requests, as many as the state checkpoints hold
             b = min(self.config.max_batch_size, DEFAULT_SIZES[-1], self.pool.checkpoints // steps)
-            sizes = tuple(s * steps for s in (*(s for s in DEFAULT_SIZES if s < b), b))
+            sizes = request_buckets(steps, b)
         else:
             per = 1 if self.spec is None else self.spec.num_speculative_tokens + 1
             top = self.config.max_batch_size * per
@@ -474,8 +474,7 @@ class Engine:
         placed behind that step's verify rows and cannot move them on the device (speculative.py)."""
         if not behind_rows(plan, self.spec.num_speculative_tokens).size:
             return False
-        if self.drafting is not None and self.drafting.fits(self, plan):
-            return False
+        # (a plan the drafting graphs fit runs in the verify graphs' buckets too: it never waits)
         on_device = self.observe_early and self.head_graphs is not None and not self.pool.state_bytes
         return not (on_device and runs_in_graphs(self, plan))
 

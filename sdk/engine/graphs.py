@@ -54,6 +54,11 @@ DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 Forward = Callable[[StepContext, torch.Tensor | None], torch.Tensor | tuple[torch.Tensor, ...]]
 
 
+def request_buckets(per: int, most: int) -> tuple[int, ...]:
+    """Bucket sizes of whole requests of `per` rows each, up to `most` requests (DEFAULT_SIZES)."""
+    return tuple(per * s for s in (*(s for s in DEFAULT_SIZES if s < most), most))
+
+
 def decode_only(plan) -> bool:
     """Every row of the plan computes one new token and samples it."""
     n = np.asarray(plan.num_tokens)

@@ -150,11 +150,16 @@ def behind_rows(plan, k: int) -> np.ndarray:
     return decode[np.asarray(plan.input_ids)[qs[decode]] < 0] if decode.size else decode
 
 
+def rows_in_flight(plan, rows: np.ndarray, prev_ids: np.ndarray) -> np.ndarray:
+    """Each plan row of `rows`' row [n] in the step in flight, whose rows are requests prev_ids."""
+    where = {int(rid): j for j, rid in enumerate(prev_ids.tolist())}
+    return np.asarray([where[int(rid)] for rid in np.asarray(plan.req_ids)[rows]], dtype=np.int64)
+
+
 def behind(plan, rows: np.ndarray, prev_ids: np.ndarray, a: torch.Tensor, k: int) -> Behind:
     """`Behind` of plan rows `rows`, the step in flight's rows being requests prev_ids [R'] that
     kept a [R'] drafts (on the device)."""
-    where = {int(rid): j for j, rid in enumerate(prev_ids.tolist())}
-    prev = np.asarray([where[int(rid)] for rid in np.asarray(plan.req_ids)[rows]], dtype=np.int64)
+    prev = rows_in_flight(plan, rows, prev_ids)
     idx = upload(np.concatenate((rows, prev)).astype(np.int64), a.device)
     shift = torch.zeros(len(plan.num_tokens), dtype=torch.int64, device=a.device)
     shift[idx[: len(rows)]] = k - a[idx[len(rows) :]]
