@@ -157,14 +157,15 @@ def test_drafting_graphs_through_prefix_hits_and_retraction(model) -> None:
     m, cfg, ops = model
     prompts = _prompts(cfg, 14)
     base = Engine(m, cfg, ops, EngineConfig(decode_graphs="off")).generate(prompts, GREEDY)
-    eng = _engine(model, 2, True, **STAGGERED)
+    k = 2
+    eng = _engine(model, k, True, **STAGGERED)
     _same(base, eng.generate(prompts, GREEDY))
     hits, steps = eng.scheduler.prefix_stats()["hit_tokens"], eng.stats["drafting_graph_steps"]
     _same(base, eng.generate(prompts, GREEDY))
     assert eng.scheduler.prefix_stats()["hit_tokens"] > hits and eng.stats["drafting_graph_steps"] > steps
-    lengths = [len(p) + GREEDY.max_tokens + 2 * 2 + 2 for p in prompts]
+    lengths = [len(p) + GREEDY.max_tokens + 2 * k + 2 for p in prompts]  # (a verify row, one behind it)
     kv = retraction_budget(eng.groups, lengths, len(prompts))
-    small = _engine(model, 2, True, **RETRACTION, kv_cache_bytes=kv, max_batch_size=len(prompts))
+    small = _engine(model, k, True, **RETRACTION, kv_cache_bytes=kv, max_batch_size=len(prompts))
     _same(base, small.generate(prompts, GREEDY))
     assert small.stats["retracted"] > 0 and small.stats["drafting_graph_steps"] > 0
     assert not small.drafting.table.slot

@@ -63,10 +63,8 @@ class DraftingGraphs:
             name="drafting step", state=False, movable=True, shift_table=self.table.shift,
             extras=(self.table.pad,),
         )  # fmt: skip
-        self.captured = False
         if capture:  # (the forward reads self.graphs' buffers)
             self.graphs.capture()
-            self.captured = all(b.graph is not None for b in self.graphs.buckets.values())
 
     def fits(self, engine, plan) -> bool:
         """Every row a decode row of k + 1 tokens, within the buckets, of a live greedy request
@@ -80,7 +78,7 @@ class DraftingGraphs:
             return False
         for rid in np.asarray(plan.req_ids).tolist():
             p = engine.params.get(rid)
-            if p is None or p.temperature > 0 or p.top_logprobs or p.rewrites or p.grammar is not None:
+            if p is None or not p.verifies_drafts or p.temperature > 0 or p.top_logprobs:
                 return False
             if rid not in self.table.slot:
                 return False

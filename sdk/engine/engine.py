@@ -300,7 +300,7 @@ class Engine:
             return None
         capture, row = self.config.decode_graphs == "auto", tuple(head.feed.shape[1:])
         out = DraftingGraphs(self, self.spec.num_speculative_tokens, row, self._max_blocks(), capture)
-        if capture and not out.captured:  # (said in the log) eagerly it would be slower pass by pass
+        if capture and not out.graphs.captured:  # (said in the log) eagerly it would be slower pass by pass
             return None
         self.drafter.table = out.table
         return out
@@ -592,11 +592,9 @@ class Engine:
             roll_back(self, done.plan, saved, kept)
 
     def _drafts(self, rid: int) -> bool:
-        """Whether a request's decode rows verify drafts: not where its sampling reads its own
-        earlier tokens (penalties, bias, min_tokens, a grammar), which the drafts would have to
-        pass through one at a time (speculative.py)."""
+        """Whether a live request's decode rows verify drafts (SamplingParams.verifies_drafts)."""
         p = self.params.get(rid)
-        return p is not None and not p.rewrites and p.grammar is None
+        return p is not None and p.verifies_drafts
 
     def _sample(self, logits: torch.Tensor, sample_ids: list[int]) -> Pending:
         """Queue the sampling of logits [S, V], row s under request sample_ids[s]'s parameters."""

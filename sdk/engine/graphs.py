@@ -313,6 +313,11 @@ class DecodeGraphs:
             out.append(a.elapsed_time(b))
         return out
 
+    @property
+    def captured(self) -> bool:
+        """Every bucket replays a captured graph (none where capture was not asked, or failed)."""
+        return all(b.graph is not None for b in self.buckets.values())
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Warm up and capture every bucket, largest first, in one memory pool. A capture that

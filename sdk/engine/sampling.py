@@ -95,6 +95,12 @@ class SamplingParams:
             self.counts_output or self.repetition_penalty != 1 or bool(self.logit_bias) or self.min_tokens > 0
         )
 
+    @property
+    def verifies_drafts(self) -> bool:
+        """Its decode rows can verify drafts: no sampling that reads its own earlier tokens
+        (penalties, bias, min_tokens, a grammar), which drafts would pass through one at a time."""
+        return not self.rewrites and self.grammar is None
+
 
 def only_among(bitmask: torch.Tensor, tokens: tuple[int, ...], vocab: int) -> bool:
     """The grammar's bitmask row [ceil(V / 32)] int32 (host) allows no token but `tokens`.
